@@ -1,0 +1,42 @@
+"""tiered: an async key -> tensor store over device memory, host buffers and NVMe swap files."""
+
+from tiered.config import StoreConfig
+from tiered.entry import EntryInfo
+from tiered.errors import (
+    CapacityError,
+    ChecksumError,
+    KeyNotFoundError,
+    ManifestError,
+    StoreClosedError,
+    StoreLockedError,
+    TieredError,
+    TransferError,
+)
+from tiered.policy import EvictionPolicy, FutureOrderPolicy, LRUPolicy
+from tiered.stats import StoreStats, TierStats
+from tiered.store import Prefetch, SyncStore, TieredStore
+from tiered.tier import Tier
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CapacityError",
+    "ChecksumError",
+    "EntryInfo",
+    "EvictionPolicy",
+    "FutureOrderPolicy",
+    "KeyNotFoundError",
+    "LRUPolicy",
+    "ManifestError",
+    "Prefetch",
+    "StoreClosedError",
+    "StoreConfig",
+    "StoreLockedError",
+    "StoreStats",
+    "SyncStore",
+    "Tier",
+    "TierStats",
+    "TieredError",
+    "TieredStore",
+    "TransferError",
+]

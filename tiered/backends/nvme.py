@@ -1,0 +1,246 @@
+"""The nvme tier: a few large swap files per directory, extents allocated from a free list."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import os
+import warnings
+from typing import Iterator, Optional, Sequence
+
+from tiered.backends.base import Copy, TierBackend
+from tiered.config import ALIGNMENT
+from tiered.errors import CapacityError, ChecksumError
+from tiered.extents import Extent, ExtentAllocator
+from tiered.io import BlockRead, BlockWrite, FileHandle, IOEngine, open_file, round_up
+from tiered.spans import Span, aligned_views, copy_in, copy_out
+from tiered.tier import Tier
+
+
+@dataclasses.dataclass(frozen=True)
+class FileExtent:
+    """``length`` bytes at ``offset`` of swap file number ``file``."""
+
+    file: int
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass(eq=False)
+class NvmeCopy(Copy):
+    """A copy held in swap-file extents; ``crcs`` has one CRC-32 per ``chunk`` bytes of each extent."""
+
+    extents: list[FileExtent] = dataclasses.field(default_factory=list)
+    chunk: int = 0
+    crcs: Optional[list[int]] = None
+
+
+@dataclasses.dataclass(eq=False)
+class SwapFile:
+    """One preallocated swap file and the allocator over its bytes."""
+
+    index: int
+    path: str
+    handle: FileHandle
+    alloc: ExtentAllocator
+
+
+class NvmeBackend(TierBackend):
+    """Swap files under one or more directories; an entry's bytes are striped across directories.
+
+    Files grow by ``grow_bytes`` (fallocate) as space is needed, so writes never extend a file
+    (ext4 serializes extending O_DIRECT writes). Committed extents are never written again: a new
+    version of an entry always gets new extents, and the old ones are released after the commit.
+    """
+
+    tier = Tier.NVME
+
+    def __init__(
+        self,
+        dirs: Sequence[str],
+        *,
+        files_per_dir: int,
+        budget: Optional[int],
+        grow_bytes: int,
+        io: IOEngine,
+        direct: bool,
+    ) -> None:
+        super().__init__()
+        self.budget = budget
+        self.dirs = list(dirs)
+        self._grow_bytes = grow_bytes
+        self._io = io
+        self._alloc_lock = asyncio.Lock()
+        self._next_dir = 0
+        self._next_file = [0] * len(self.dirs)
+        self.files: list[SwapFile] = []
+        self.direct = direct
+        for d, directory in enumerate(self.dirs):
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            for i in range(files_per_dir):
+                path = os.path.join(directory, f"swap-{i:02d}.bin")
+                handle = open_file(path, direct=direct)
+                os.fchmod(handle.fd, 0o600)
+                size = os.fstat(handle.fd).st_size
+                size -= size % ALIGNMENT
+                self.files.append(SwapFile(len(self.files), path, handle, ExtentAllocator(size)))
+        if direct and not all(f.handle.direct for f in self.files):
+            self.direct = False
+            warnings.warn(
+                f"O_DIRECT is not supported under {', '.join(self.dirs)}; the nvme tier uses buffered I/O "
+                "there, so reads may come from the page cache and bandwidth figures are not the disk's",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    @property
+    def files_per_dir(self) -> int:
+        """Swap files in each directory."""
+        return len(self.files) // len(self.dirs)
+
+    def footprint(self, nbytes: int) -> int:
+        return round_up(nbytes)
+
+    def mark_used(self, copy: NvmeCopy) -> None:
+        """Claim a committed copy's extents when reopening (everything else is free space)."""
+        for ext in copy.extents:
+            f = self.files[ext.file]
+            if ext.offset + ext.length > f.alloc.capacity:
+                raise ValueError(f"extent {ext} lies past the end of {f.path} ({f.alloc.capacity} bytes)")
+            f.alloc.mark_used(Extent(ext.offset, ext.length))
+        self.used += copy.footprint
+
+    async def allocate(self, nbytes: int) -> NvmeCopy:
+        self.check_fits_budget(nbytes)
+        need = self.footprint(nbytes)
+        if not self.has_room(nbytes):
+            raise CapacityError(
+                f"nvme tier: {nbytes} bytes do not fit ({self.used} of {self.budget} bytes in use); "
+                "raise nvme_bytes or delete entries"
+            )
+        async with self._alloc_lock:
+            extents: list[FileExtent] = []
+            try:
+                for d, piece in self._stripes(need):
+                    extents.extend(await self._allocate_in_dir(d, piece))
+            except BaseException:
+                self._free_extents(extents)
+                raise
+        self.used += need
+        return NvmeCopy(nbytes=nbytes, footprint=need, extents=extents, chunk=self._io.block_size)
+
+    def _stripes(self, need: int) -> Iterator[tuple[int, int]]:
+        """Split ``need`` bytes into one aligned piece per directory, rotating the first directory."""
+        n = len(self.dirs)
+        first = self._next_dir
+        self._next_dir = (self._next_dir + 1) % n
+        if n == 1 or need <= self._io.block_size:
+            yield first, need
+            return
+        piece = round_up(-(-need // n), ALIGNMENT)
+        left = need
+        for k in range(n):
+            if left <= 0:
+                break
+            take = min(piece, left)
+            yield (first + k) % n, take
+            left -= take
+
+    async def _allocate_in_dir(self, d: int, nbytes: int) -> list[FileExtent]:
+        files = self.files[d * self.files_per_dir : (d + 1) * self.files_per_dir]
+        start = self._next_file[d]
+        self._next_file[d] = (start + 1) % len(files)
+        order = files[start:] + files[:start]
+        for contiguous in (True, False):
+            for f in order:
+                got = f.alloc.allocate(nbytes, contiguous=contiguous)
+                if got is not None:
+                    return [FileExtent(f.index, e.offset, e.length) for e in got]
+        f = min(order, key=lambda f: f.alloc.capacity)
+        await self._grow(f, nbytes - (f.alloc.capacity - f.alloc.high_water()))
+        got = f.alloc.allocate(nbytes, contiguous=False)
+        assert got is not None
+        return [FileExtent(f.index, e.offset, e.length) for e in got]
+
+    async def _grow(self, f: SwapFile, at_least: int) -> None:
+        grow = max(self._grow_bytes, round_up(at_least))
+        free_disk = _free_disk_bytes(os.path.dirname(f.path))
+        if grow > free_disk:
+            grow = round_up(at_least)
+            if grow > free_disk:
+                raise CapacityError(
+                    f"nvme tier: {os.path.dirname(f.path)} has {free_disk} bytes free on disk but "
+                    f"{grow} more are needed; free disk space, add nvme_paths or set nvme_bytes"
+                )
+        new_size = f.alloc.capacity + grow
+        try:
+            await self._io.run_sync(os.posix_fallocate, f.handle.fd, f.alloc.capacity, grow)
+        except OSError as exc:
+            raise CapacityError(
+                f"nvme tier: growing {f.path} to {new_size} bytes failed: {exc}; free disk space or set nvme_bytes"
+            ) from exc
+        f.alloc.grow(new_size)
+
+    def _free(self, copy: Copy) -> None:
+        assert isinstance(copy, NvmeCopy)
+        self._free_extents(copy.extents)
+        self.used -= copy.footprint
+        copy.extents = []
+
+    def _free_extents(self, extents: Sequence[FileExtent]) -> None:
+        for ext in extents:
+            self.files[ext.file].alloc.free([Extent(ext.offset, ext.length)])
+
+    def _chunks(self, copy: NvmeCopy) -> Iterator[tuple[SwapFile, int, int, int]]:
+        """``(file, file_offset, logical_start, length)`` for each checksummed chunk, in order."""
+        pos = 0
+        left = copy.nbytes
+        for ext in copy.extents:
+            in_ext = min(ext.length, left)
+            off = 0
+            while off < in_ext:
+                n = min(copy.chunk, in_ext - off)
+                yield self.files[ext.file], ext.offset + off, pos, n
+                off += n
+                pos += n
+            left -= in_ext
+
+    async def store(self, copy: Copy, src: Sequence[Span]) -> None:
+        assert isinstance(copy, NvmeCopy)
+        blocks = []
+        for f, offset, pos, n in self._chunks(copy):
+            views = aligned_views(src, pos, pos + n, ALIGNMENT) if self.direct else None
+            if views is not None:
+                blocks.append(BlockWrite(f.handle, offset, n, source=views))
+            else:
+                blocks.append(BlockWrite(f.handle, offset, n, fill=functools.partial(copy_out, src, pos)))
+        crcs = await self._io.write(blocks)
+        copy.crcs = list(crcs) if self._io.checksum else None  # type: ignore[arg-type]
+
+    async def load(self, copy: Copy, dst: Sequence[Span]) -> None:
+        assert isinstance(copy, NvmeCopy)
+        blocks = []
+        for i, (f, offset, pos, n) in enumerate(self._chunks(copy)):
+            expected = copy.crcs[i] if copy.crcs is not None else None
+            views = aligned_views(dst, pos, pos + n, ALIGNMENT) if self.direct else None
+            if views is not None:
+                blocks.append(BlockRead(f.handle, offset, n, dest=views, expected_crc=expected))
+            else:
+                drain = functools.partial(copy_in, dst, pos)
+                blocks.append(BlockRead(f.handle, offset, n, drain=drain, expected_crc=expected))
+        await self._io.read(blocks)
+
+    async def sync(self, copies: Sequence[NvmeCopy]) -> None:
+        """Make the copies' bytes durable (fdatasync each file they touch once)."""
+        touched = sorted({ext.file for c in copies for ext in c.extents})
+        await self._io.fdatasync([self.files[i].handle for i in touched])
+
+    async def close(self) -> None:
+        for f in self.files:
+            f.handle.close()
+
+
+def _free_disk_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize

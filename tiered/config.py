@@ -1,0 +1,103 @@
+"""StoreConfig: every knob of a store, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional, Sequence
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+#: Swap-file extents, O_DIRECT offsets and sizes, and host slabs are multiples of this.
+ALIGNMENT = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """Configuration of a :class:`~tiered.TieredStore`.
+
+    Budgets are bytes. ``device_bytes=0`` disables the device tier; ``nvme_bytes=None`` bounds the
+    nvme tier by free disk space. ``path`` holds the manifest and lock file and, unless
+    ``nvme_paths`` names other directories, the swap files.
+    """
+
+    path: str
+    device_bytes: int = 0
+    host_bytes: int = 1 * GiB
+    nvme_bytes: Optional[int] = None
+    #: Directories for swap files; data is striped across them. Default: ``(path,)``.
+    nvme_paths: Optional[Sequence[str]] = None
+    #: Torch device for the device tier; default "cuda" when available, else "cpu".
+    device: Optional[str] = None
+    #: Bytes per I/O request; large transfers are split into blocks of this size.
+    block_size: int = 8 * MiB
+    #: Most blocks in flight at once over the whole store (also the number of staging buffers).
+    queue_depth: int = 8
+    #: Worker threads issuing pread/pwrite.
+    io_threads: int = 8
+    #: Worker threads for memory copies, checksums and codecs.
+    cpu_threads: int = 2
+    #: Swap files per directory (extents go round-robin over them).
+    swap_files_per_dir: int = 2
+    #: Swap files grow (fallocate) in steps of this many bytes.
+    swap_grow_bytes: int = 256 * MiB
+    #: Use O_DIRECT; falls back to buffered I/O with one warning where the filesystem refuses it.
+    direct_io: bool = True
+    #: fdatasync swap files before a record commits. Turning this off trades crash safety for speed.
+    durable: bool = True
+    #: Verify a CRC32 of every block read from a swap file.
+    checksum: bool = True
+    #: Compress puts to nvme unless a put says otherwise.
+    compress: bool = False
+    #: Write every entry that has no nvme copy down to nvme on close, so a reopen returns it.
+    flush_on_close: bool = True
+    #: Touch every host-pool page at open, so no transfer ever takes a first-touch page fault.
+    prefault_host: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise ValueError(f"StoreConfig.path must be a non-empty path, got {self.path!r}")
+        object.__setattr__(self, "path", os.path.abspath(os.fspath(self.path)))
+        paths = (self.path,) if self.nvme_paths is None else self.nvme_paths
+        if isinstance(paths, (str, bytes, os.PathLike)) or not paths:
+            raise ValueError(f"StoreConfig.nvme_paths must be a non-empty list of directories, got {self.nvme_paths!r}")
+        resolved = tuple(os.path.abspath(os.fspath(p)) for p in paths)
+        if len(set(resolved)) != len(resolved):
+            raise ValueError(f"StoreConfig.nvme_paths names a directory twice: {self.nvme_paths!r}")
+        object.__setattr__(self, "nvme_paths", resolved)
+
+        _check_int("device_bytes", self.device_bytes, minimum=0)
+        _check_int("host_bytes", self.host_bytes, minimum=0)
+        if self.nvme_bytes is not None:
+            _check_int("nvme_bytes", self.nvme_bytes, minimum=0)
+        _check_int("block_size", self.block_size, minimum=ALIGNMENT)
+        if self.block_size % ALIGNMENT:
+            raise ValueError(f"StoreConfig.block_size must be a multiple of {ALIGNMENT}, got {self.block_size}")
+        _check_int("queue_depth", self.queue_depth, minimum=1)
+        _check_int("io_threads", self.io_threads, minimum=1)
+        _check_int("cpu_threads", self.cpu_threads, minimum=1)
+        _check_int("swap_files_per_dir", self.swap_files_per_dir, minimum=1)
+        _check_int("swap_grow_bytes", self.swap_grow_bytes, minimum=ALIGNMENT)
+        if self.swap_grow_bytes % ALIGNMENT:
+            raise ValueError(
+                f"StoreConfig.swap_grow_bytes must be a multiple of {ALIGNMENT}, got {self.swap_grow_bytes}"
+            )
+        for name in ("direct_io", "durable", "checksum", "compress", "flush_on_close", "prefault_host"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"StoreConfig.{name} must be True or False, got {value!r}")
+        if self.device is not None and not isinstance(self.device, str):
+            raise ValueError(f"StoreConfig.device must be a device string such as 'cuda:0', got {self.device!r}")
+
+    def replace(self, **changes: object) -> "StoreConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"StoreConfig.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"StoreConfig.{name} must be >= {minimum}, got {value}")

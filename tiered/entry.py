@@ -1,0 +1,84 @@
+"""An entry (one key's current version) and the public snapshot of it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Optional
+
+import torch
+
+from tiered.backends import Copy
+from tiered.tier import TIERS_TOP_DOWN, Tier
+
+RAW = "raw"
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """One version of one key. A put makes a new Entry; in-flight work on an old one notices it
+    was superseded (``store._entries[key] is not entry``) and discards what it produced.
+
+    All copies hold the same bytes; the entry is dirty while it has no nvme copy.
+    """
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    generation: int
+    copies: dict[Tier, Copy] = dataclasses.field(default_factory=dict)
+    codec: str = RAW
+    codec_meta: bytes = b""
+    stored_nbytes: Optional[int] = None
+    pinned: bool = False
+    #: Compress the nvme copy when this version is written down.
+    compress: bool = False
+    #: A manifest record for this key is committed or on its way.
+    persisted: bool = False
+    #: Transfers creating a copy in a tier; gets and duplicate prefetches wait on these.
+    moving: dict[Tier, "asyncio.Task[None]"] = dataclasses.field(default_factory=dict)
+    #: Tiers whose copy is being written down right now (not eligible as a victim again).
+    leaving: set[Tier] = dataclasses.field(default_factory=set)
+
+    @property
+    def dirty(self) -> bool:
+        """True while no nvme copy exists: dropping the last upper copy would need a write."""
+        return Tier.NVME not in self.copies
+
+    def top(self) -> Optional[Tier]:
+        """The fastest tier holding a copy."""
+        return next((t for t in TIERS_TOP_DOWN if t in self.copies), None)
+
+    def info(self) -> "EntryInfo":
+        """A snapshot for callers."""
+        return EntryInfo(
+            key=self.key,
+            dtype=self.dtype,
+            shape=self.shape,
+            nbytes=self.nbytes,
+            stored_nbytes=self.stored_nbytes,
+            tiers=tuple(t for t in TIERS_TOP_DOWN if t in self.copies),
+            codec=self.codec,
+            dirty=self.dirty,
+            pinned=self.pinned,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryInfo:
+    """What the store knows about one key.
+
+    ``stored_nbytes`` is the size on disk after any codec (None while no nvme copy exists);
+    ``tiers`` lists the tiers holding a valid copy, fastest first; ``dirty`` means no nvme copy.
+    """
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    stored_nbytes: Optional[int]
+    tiers: tuple[Tier, ...]
+    codec: str
+    dirty: bool
+    pinned: bool

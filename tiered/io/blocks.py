@@ -1,0 +1,204 @@
+"""The block scheduler: transfers split into blocks, run on worker threads, bounded in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+import time
+import zlib
+from typing import Callable, Optional, Sequence
+
+from tiered.config import ALIGNMENT
+from tiered.errors import ChecksumError
+from tiered.io.aligned import AlignedBuffer, round_up
+from tiered.io.files import FileHandle, Syscalls, pread_full, pwrite_full
+
+_ZEROS = bytes(ALIGNMENT)
+
+
+@dataclasses.dataclass
+class BlockWrite:
+    """Write ``length`` bytes at ``offset`` (aligned) of a file.
+
+    The bytes come either from ``source`` (aligned iovecs totalling ``length`` rounded up to the
+    alignment) or from ``fill``, which copies them into a staging buffer it is given.
+    """
+
+    handle: FileHandle
+    offset: int
+    length: int
+    source: Optional[list[memoryview]] = None
+    fill: Optional[Callable[[memoryview], None]] = None
+
+
+@dataclasses.dataclass
+class BlockRead:
+    """Read ``length`` bytes at ``offset`` (aligned) of a file.
+
+    The bytes land in ``dest`` (aligned iovecs totalling ``length`` rounded up) or in a staging
+    buffer handed to ``drain``. With ``expected_crc`` set, a mismatch raises ChecksumError before
+    ``drain`` sees the bytes.
+    """
+
+    handle: FileHandle
+    offset: int
+    length: int
+    dest: Optional[list[memoryview]] = None
+    drain: Optional[Callable[[memoryview], None]] = None
+    expected_crc: Optional[int] = None
+
+
+@dataclasses.dataclass
+class IOCounters:
+    """Totals since the engine started."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_requests: int = 0
+    write_requests: int = 0
+    syncs: int = 0
+    io_seconds: float = 0.0
+
+
+def crc32(views: Sequence[memoryview], length: int) -> int:
+    """CRC-32 of the first ``length`` bytes of an iovec list (zlib releases the GIL while it runs)."""
+    crc = 0
+    for v in views:
+        if length <= 0:
+            break
+        crc = zlib.crc32(v[:length], crc)
+        length -= len(v)
+    return crc
+
+
+class IOEngine:
+    """Runs block reads and writes on ``io_threads`` worker threads with at most ``queue_depth`` in flight.
+
+    Each in-flight block owns one staging buffer of ``block_size`` bytes, so memory is bounded
+    whatever the transfer size. Methods are coroutines for the event loop that created the engine.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        queue_depth: int,
+        io_threads: int,
+        checksum: bool,
+        pin: bool = False,
+        syscalls: Syscalls = Syscalls(),
+    ) -> None:
+        assert block_size % ALIGNMENT == 0
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+        self.checksum = checksum
+        self.syscalls = syscalls
+        self.counters = IOCounters()
+        self._lock = threading.Lock()
+        self._staging = AlignedBuffer(block_size * queue_depth, pin=pin, prefault=True)
+        self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="tiered-io")
+        self._slots: Optional[asyncio.Queue[memoryview]] = None
+
+    def _slot_queue(self) -> "asyncio.Queue[memoryview]":
+        if self._slots is None:  # created lazily so it binds to the loop that runs the engine
+            self._slots = asyncio.Queue()
+            for i in range(self.queue_depth):
+                self._slots.put_nowait(self._staging.view[i * self.block_size : (i + 1) * self.block_size])
+        return self._slots
+
+    async def write(self, blocks: Sequence[BlockWrite]) -> list[Optional[int]]:
+        """Write every block; return each block's CRC-32 (None with checksums off)."""
+        return await self._run(blocks, self._write_one)
+
+    async def read(self, blocks: Sequence[BlockRead]) -> list[Optional[int]]:
+        """Read every block; return each block's CRC-32 (None with checksums off)."""
+        return await self._run(blocks, self._read_one)
+
+    async def fdatasync(self, handles: Sequence[FileHandle]) -> None:
+        """Flush the data of each file to stable storage, in parallel."""
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._pool, self._sync_one, h) for h in handles))
+
+    def run_sync(self, fn: Callable[..., object], *args: object) -> "asyncio.Future[object]":
+        """Run a small blocking file operation (fallocate, ftruncate) on an I/O thread."""
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        """Stop the worker threads (after running transfers finish) and free the staging memory."""
+        self._pool.shutdown(wait=True)
+        self._staging.close()
+
+    async def _run(self, blocks: Sequence, fn: Callable) -> list[Optional[int]]:
+        loop = asyncio.get_running_loop()
+        slots = self._slot_queue()
+
+        async def one(block) -> Optional[int]:
+            slot = await slots.get()
+            cf = self._pool.submit(fn, block, slot)
+            # The slot goes back only when the thread is done with it, even if our awaiter is cancelled.
+            cf.add_done_callback(lambda _: loop.call_soon_threadsafe(slots.put_nowait, slot))
+            return await asyncio.wrap_future(cf)
+
+        results = await asyncio.gather(*(one(b) for b in blocks), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results  # type: ignore[return-value]
+
+    def _write_one(self, block: BlockWrite, slot: memoryview) -> Optional[int]:
+        n_io = round_up(block.length)
+        if block.source is not None:
+            views = block.source
+            assert sum(len(v) for v in views) == n_io
+        else:
+            assert block.fill is not None
+            view = _room(slot, n_io)[:n_io]
+            block.fill(view[: block.length])
+            if n_io > block.length:
+                view[block.length : n_io] = _ZEROS[: n_io - block.length]
+            views = [view]
+        crc = crc32(views, block.length) if self.checksum else None
+        start = time.perf_counter()
+        pwrite_full(self.syscalls, block.handle, views, block.offset)
+        with self._lock:
+            self.counters.bytes_written += n_io
+            self.counters.write_requests += 1
+            self.counters.io_seconds += time.perf_counter() - start
+        return crc
+
+    def _read_one(self, block: BlockRead, slot: memoryview) -> Optional[int]:
+        n_io = round_up(block.length)
+        if block.dest is not None:
+            views = block.dest
+            assert sum(len(v) for v in views) == n_io
+        else:
+            views = [_room(slot, n_io)[:n_io]]
+        start = time.perf_counter()
+        pread_full(self.syscalls, block.handle, views, block.offset)
+        with self._lock:
+            self.counters.bytes_read += n_io
+            self.counters.read_requests += 1
+            self.counters.io_seconds += time.perf_counter() - start
+        crc = crc32(views, block.length) if self.checksum or block.expected_crc is not None else None
+        if block.expected_crc is not None and crc != block.expected_crc:
+            raise ChecksumError(
+                f"checksum mismatch in {block.handle.path} at offset {block.offset} "
+                f"({block.length} bytes): stored {block.expected_crc:#010x}, read {crc:#010x}"
+            )
+        if block.drain is not None:
+            assert block.dest is None
+            block.drain(views[0][: block.length])
+        return crc
+
+    def _sync_one(self, handle: FileHandle) -> None:
+        self.syscalls.fdatasync(handle.fd)
+        with self._lock:
+            self.counters.syncs += 1
+
+
+def _room(slot: memoryview, nbytes: int) -> memoryview:
+    """The staging slot, or a temporary aligned buffer when a block is larger than a slot
+    (an entry written with a larger block_size than the store now uses)."""
+    return slot if nbytes <= len(slot) else AlignedBuffer(nbytes).view

@@ -1,0 +1,105 @@
+"""Eviction policies: which copies a full tier gives up first."""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import collections
+from typing import Collection, Iterator, Optional, Sequence
+
+
+class EvictionPolicy(abc.ABC):
+    """Orders eviction candidates. The store reports every access and removal; the policy never
+    sees tensors, only keys."""
+
+    @abc.abstractmethod
+    def touch(self, key: str) -> None:
+        """``key`` was just used (put, get or promoted)."""
+
+    @abc.abstractmethod
+    def forget(self, key: str) -> None:
+        """``key`` left the store."""
+
+    @abc.abstractmethod
+    def victims(self, resident: Collection[str]) -> Iterator[str]:
+        """Keys of ``resident`` (the keys with a copy in the full tier), best victim first, lazily."""
+
+    def set_future_order(self, keys: Optional[Sequence[str]]) -> None:
+        """Accept the expected future access order (repeating); None withdraws it.
+
+        Policies that cannot use it ignore it.
+        """
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first."""
+
+    def __init__(self) -> None:
+        self._recency: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def touch(self, key: str) -> None:
+        self._recency[key] = None
+        self._recency.move_to_end(key)
+
+    def forget(self, key: str) -> None:
+        self._recency.pop(key, None)
+
+    def victims(self, resident: Collection[str]) -> Iterator[str]:
+        for key in list(self._recency):
+            if key in resident:
+                yield key
+        # Keys never touched (the store touches every key it admits, so normally none).
+        yield from (k for k in list(resident) if k not in self._recency)
+
+    def recency_rank(self) -> dict[str, int]:
+        """Key -> position in recency order (0 = least recent)."""
+        return {k: i for i, k in enumerate(self._recency)}
+
+
+class FutureOrderPolicy(EvictionPolicy):
+    """Belady's rule: evict the entry whose next use is furthest in the future.
+
+    Given the access order of one iteration (which repeats, as a training step does), the policy
+    follows a cursor through it as keys are touched. Keys absent from the order go first, and
+    without an order it is LRU.
+    """
+
+    def __init__(self, order: Optional[Sequence[str]] = None) -> None:
+        self._lru = LRUPolicy()
+        self._positions: dict[str, list[int]] = {}
+        self._length = 0
+        self._cursor = 0
+        self.set_future_order(order)
+
+    def set_future_order(self, keys: Optional[Sequence[str]]) -> None:
+        self._positions = {}
+        for i, key in enumerate(keys or ()):
+            self._positions.setdefault(key, []).append(i)
+        self._length = len(keys or ())
+        self._cursor = 0
+
+    def touch(self, key: str) -> None:
+        self._lru.touch(key)
+        pos = self._positions.get(key)
+        if pos:
+            i = bisect.bisect_left(pos, self._cursor)
+            at = pos[i] if i < len(pos) else pos[0]
+            self._cursor = (at + 1) % self._length
+
+    def forget(self, key: str) -> None:
+        self._lru.forget(key)
+
+    def next_use(self, key: str) -> float:
+        """Accesses until ``key`` is used again (infinity when it is not in the order)."""
+        pos = self._positions.get(key)
+        if not pos:
+            return float("inf")
+        i = bisect.bisect_left(pos, self._cursor)
+        return pos[i] - self._cursor if i < len(pos) else pos[0] + self._length - self._cursor
+
+    def victims(self, resident: Collection[str]) -> Iterator[str]:
+        if not self._length:
+            yield from self._lru.victims(resident)
+            return
+        rank = self._lru.recency_rank()
+        yield from sorted(resident, key=lambda k: (-self.next_use(k), rank.get(k, -1)))

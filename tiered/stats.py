@@ -1,0 +1,53 @@
+"""Counters the store keeps and the snapshot it reports."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from tiered.tier import TIERS_TOP_DOWN, Tier
+
+
+@dataclasses.dataclass
+class TierStats:
+    """One tier's occupancy and traffic."""
+
+    budget_bytes: Optional[int] = None
+    used_bytes: int = 0
+    entries: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@dataclasses.dataclass
+class StoreStats:
+    """A snapshot of :meth:`TieredStore.stats`. ``io_wait_seconds`` is time callers spent awaiting
+    transfers; ``io_busy_seconds`` is time worker threads spent inside read/write syscalls."""
+
+    tiers: dict[Tier, TierStats] = dataclasses.field(default_factory=lambda: {t: TierStats() for t in TIERS_TOP_DOWN})
+    entries: int = 0
+    puts: int = 0
+    gets: int = 0
+    deletes: int = 0
+    prefetches: int = 0
+    prefetches_coalesced: int = 0
+    transfers: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_requests: int = 0
+    write_requests: int = 0
+    syncs: int = 0
+    manifest_commits: int = 0
+    bytes_before_codec: int = 0
+    bytes_after_codec: int = 0
+    io_wait_seconds: float = 0.0
+    io_busy_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        """Plain JSON-ready dict (tiers keyed by name)."""
+        out = dataclasses.asdict(self)
+        out["tiers"] = {t.value: dataclasses.asdict(s) for t, s in self.tiers.items()}
+        return out

@@ -1,0 +1,895 @@
+"""TieredStore: keys -> tensors over device memory, host buffers and nvme swap files.
+
+Every piece of store state is owned by the store's own event loop (one thread). Public coroutines
+may be awaited from any other loop: they hand the work to the store's loop and await the result,
+and the work is shielded there, so a cancelled caller never leaves a transfer half-applied.
+Syscalls, copies, checksums and codecs run on worker threads; the loop only does bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import fcntl
+import itertools
+import os
+import time
+from typing import Any, Awaitable, Callable, Iterator, Optional, Sequence, TypeVar
+
+import torch
+
+from tiered.backends import Copy, DeviceBackend, HostBackend, NvmeBackend, NvmeCopy, TierBackend
+from tiered.codecs import ZstdCodec
+from tiered.commits import CommitLog
+from tiered.config import StoreConfig
+from tiered.entry import RAW, Entry, EntryInfo
+from tiered.errors import CapacityError, ChecksumError, KeyNotFoundError, StoreClosedError, StoreLockedError
+from tiered.io import AlignedBuffer, IOEngine
+from tiered.loop import LoopThread
+from tiered.manifest import Manifest, Record
+from tiered.policy import EvictionPolicy, FutureOrderPolicy
+from tiered.spans import Span, spans_of_tensor
+from tiered.stats import StoreStats
+from tiered.tier import TIERS_TOP_DOWN, Tier
+
+T = TypeVar("T")
+LOCK_NAME = "LOCK"
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+
+
+class Prefetch:
+    """Handle of a prefetch: awaitable from any event loop, or waited on with :meth:`result`.
+
+    Cancelling the handle stops waiting; the transfer itself completes in the background.
+    """
+
+    def __init__(self, future: "concurrent.futures.Future[None]") -> None:
+        self._future = future
+
+    def __await__(self):  # noqa: ANN204 - generator protocol
+        return asyncio.wrap_future(self._future).__await__()
+
+    def done(self) -> bool:
+        """True once the transfer finished (or failed)."""
+        return self._future.done()
+
+    def result(self, timeout: Optional[float] = None) -> None:
+        """Block until the transfer finished; re-raise its error."""
+        self._future.result(timeout)
+
+    def cancel(self) -> bool:
+        """Stop waiting for the transfer."""
+        return self._future.cancel()
+
+
+class TieredStore:
+    """A key -> tensor store over three tiers. Create it with :meth:`open`."""
+
+    def __init__(self, config: StoreConfig, policy: Optional[EvictionPolicy], loop: LoopThread) -> None:
+        # Use TieredStore.open(); this constructor only sets fields. It runs on the store loop.
+        self.config = config
+        self._loop_thread = loop
+        self._policy = policy or FutureOrderPolicy()
+        self._entries: dict[str, Entry] = {}
+        self._resident: dict[Tier, set[str]] = {t: set() for t in TIERS_TOP_DOWN}
+        self._inflight: dict[Tier, int] = {t: 0 for t in TIERS_TOP_DOWN}
+        self._tier_locks = {t: asyncio.Lock() for t in TIERS_TOP_DOWN}
+        self._space_waiters: dict[Tier, list[asyncio.Future[None]]] = {t: [] for t in TIERS_TOP_DOWN}
+        self._key_locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._generation = itertools.count()
+        self._stats = StoreStats()
+        self._closed = False
+        self._closing = False
+        self._lock_fd = -1
+        self._backends: dict[Tier, TierBackend] = {}
+        self.sync = SyncStore(self)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def open(cls, config: StoreConfig, *, policy: Optional[EvictionPolicy] = None) -> "TieredStore":
+        """Start a store over ``config.path``, reopening the data a previous store committed there.
+
+        Blocks while it opens; from async code ``await TieredStore.open_async(config)`` does not.
+        """
+        if not isinstance(config, StoreConfig):
+            raise TypeError(f"TieredStore.open takes a StoreConfig, got {type(config).__name__}")
+        loop = LoopThread(name=f"tiered-store:{os.path.basename(config.path)}")
+        try:
+            return loop.submit(cls._start(config, policy, loop)).result()
+        except BaseException:
+            loop.stop()
+            raise
+
+    @classmethod
+    async def open_async(cls, config: StoreConfig, *, policy: Optional[EvictionPolicy] = None) -> "TieredStore":
+        """:meth:`open` for async callers: the caller's loop keeps running while the store opens."""
+        if not isinstance(config, StoreConfig):
+            raise TypeError(f"TieredStore.open_async takes a StoreConfig, got {type(config).__name__}")
+        loop = LoopThread(name=f"tiered-store:{os.path.basename(config.path)}")
+        try:
+            return await asyncio.wrap_future(loop.submit(cls._start(config, policy, loop)))
+        except BaseException:
+            loop.stop()
+            raise
+
+    @classmethod
+    async def _start(cls, config: StoreConfig, policy: Optional[EvictionPolicy], loop: LoopThread) -> "TieredStore":
+        store = cls(config, policy, loop)
+        try:
+            await store._open()
+        except BaseException:
+            await store._release_resources()
+            raise
+        return store
+
+    async def _open(self) -> None:
+        cfg = self.config
+        os.makedirs(cfg.path, mode=0o700, exist_ok=True)
+        self._lock_fd = _acquire_lock(os.path.join(cfg.path, LOCK_NAME))
+        device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        cuda = device.type == "cuda"
+        self._cpu_pool = concurrent.futures.ThreadPoolExecutor(cfg.cpu_threads, thread_name_prefix="tiered-cpu")
+        self._manifest_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiered-manifest")
+        self._io = IOEngine(
+            block_size=cfg.block_size,
+            queue_depth=cfg.queue_depth,
+            io_threads=cfg.io_threads,
+            checksum=cfg.checksum,
+            pin=cuda,
+        )
+        self._device = DeviceBackend(device, cfg.device_bytes, self._cpu_pool)
+        self._backends[Tier.DEVICE] = self._device
+        self._backends[Tier.HOST] = HostBackend(cfg.host_bytes, self._cpu_pool, pin=cuda, prefault=cfg.prefault_host)
+        self._nvme = NvmeBackend(
+            cfg.nvme_paths,  # type: ignore[arg-type]
+            files_per_dir=cfg.swap_files_per_dir,
+            budget=cfg.nvme_bytes,
+            grow_bytes=cfg.swap_grow_bytes,
+            io=self._io,
+            direct=cfg.direct_io,
+        )
+        self._backends[Tier.NVME] = self._nvme
+        self._codec = ZstdCodec(self._cpu_pool)
+        layout = {"nvme_paths": list(cfg.nvme_paths), "swap_files_per_dir": cfg.swap_files_per_dir}  # type: ignore[arg-type]
+        loop = asyncio.get_running_loop()
+        self._manifest = await loop.run_in_executor(self._manifest_thread, Manifest, cfg.path, layout)
+        records = await loop.run_in_executor(self._manifest_thread, self._manifest.load)
+        committed: dict[str, int] = {}
+        for rec in records:
+            self._adopt(rec)
+            committed[rec.key] = rec.generation
+        self._generation = itertools.count(max(committed.values(), default=-1) + 1)
+        self._commits = CommitLog(
+            self._manifest, self._nvme.sync, self._manifest_thread, durable=cfg.durable, committed_generations=committed
+        )
+
+    def _adopt(self, rec: Record) -> None:
+        """Rebuild an entry from its committed record; its extents become used, all else is free."""
+        copy = NvmeCopy(
+            nbytes=rec.stored_nbytes,
+            footprint=sum(e.length for e in rec.extents),
+            extents=list(rec.extents),
+            chunk=rec.chunk,
+            crcs=list(rec.crcs) if rec.crcs is not None else None,
+        )
+        try:
+            self._nvme.mark_used(copy)
+        except ValueError as exc:
+            from tiered.errors import ManifestError
+
+            raise ManifestError(f"entry {rec.key!r} in the manifest is inconsistent with the swap files: {exc}") from exc
+        entry = Entry(
+            rec.key, rec.dtype, rec.shape, rec.nbytes, rec.generation,
+            codec=rec.codec, codec_meta=rec.codec_meta, stored_nbytes=rec.stored_nbytes, persisted=True,
+        )
+        self._entries[rec.key] = entry
+        self._add_copy(entry, Tier.NVME, copy)
+        self._policy.touch(rec.key)
+
+    async def close(self) -> None:
+        """Finish transfers in flight, write dirty entries down (``flush_on_close``), and stop.
+
+        Idempotent. Afterwards every method raises StoreClosedError.
+        """
+        if self._closed:
+            return
+        if self._loop_thread.on_loop_thread():
+            raise RuntimeError("TieredStore.close() cannot run on the store's own loop thread")
+        try:
+            await asyncio.wrap_future(self._loop_thread.submit(self._close()))
+        finally:
+            self._closed = True
+            self._loop_thread.stop()
+
+    async def _close(self) -> None:
+        self._closing = True
+        current = asyncio.current_task()
+        while True:
+            pending = {t for t in self._tasks if t is not current and not t.done()}
+            if not pending:
+                break
+            await asyncio.wait(pending)
+        try:
+            if self.config.flush_on_close:
+                await self._flush()
+            await self._commits.drain()
+        finally:
+            await self._release_resources()
+
+    async def _release_resources(self) -> None:
+        loop = asyncio.get_running_loop()
+        if hasattr(self, "_manifest"):
+            await loop.run_in_executor(self._manifest_thread, self._manifest.close)
+        for backend in self._backends.values():
+            await backend.close()
+        if hasattr(self, "_io"):
+            await loop.run_in_executor(None, self._io.close)
+        for pool in ("_cpu_pool", "_manifest_thread"):
+            if hasattr(self, pool):
+                getattr(self, pool).shutdown(wait=False)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = -1
+
+    async def __aenter__(self) -> "TieredStore":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sync.close()
+
+    # ------------------------------------------------------------------ public API
+
+    async def put(
+        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None
+    ) -> None:
+        """Store a copy of ``tensor`` under ``key`` in ``tier``, replacing any previous value.
+
+        The caller may reuse ``tensor`` as soon as this returns (not before). A put to nvme is
+        durable when it returns; a put to host or device is written down when evicted, flushed or
+        on close. ``compress`` (default: the config's) stores the nvme copy zstd-compressed.
+        """
+        return await self._call(self._put, key, tensor, tier, compress)
+
+    async def get(self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A new tensor with the entry's exact bytes, dtype and shape, on ``device``.
+
+        With ``out`` (contiguous, same dtype and shape), the bytes land there instead. Waits for a
+        prefetch of the key that is in flight instead of reading the slower copy again.
+        """
+        return await self._call(self._get, key, device, out)
+
+    def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
+        """Start bringing ``key`` into ``tier`` and return at once; the handle is awaitable.
+
+        Prefetches of the same key and tier coalesce into one transfer.
+        """
+        self._check_open()
+        _check_key(key)
+        if key not in self._entries:
+            raise KeyNotFoundError(f"key {key!r} is not in the store")
+        return Prefetch(self._submit(self._prefetch, key, tier))
+
+    async def evict(self, key: str, tier: "Tier | str" = Tier.NVME) -> None:
+        """Keep ``key`` only in ``tier`` and below: drop faster copies, writing the entry down
+        first only when no copy at or below ``tier`` exists (a clean drop costs no I/O)."""
+        return await self._call(self._evict, key, tier)
+
+    async def delete(self, key: str) -> None:
+        """Remove ``key`` from every tier and from the manifest (durably)."""
+        return await self._call(self._delete, key)
+
+    async def pin(self, key: str, tier: "Tier | str | None" = None) -> None:
+        """Exempt ``key``'s copies from eviction; with ``tier``, first bring a copy there."""
+        return await self._call(self._pin, key, tier)
+
+    async def unpin(self, key: str) -> None:
+        """Make ``key`` evictable again."""
+        return await self._call(self._unpin, key)
+
+    async def flush(self) -> None:
+        """Write every entry without an nvme copy down to nvme and commit it."""
+        return await self._call(self._flush)
+
+    def set_access_order(self, keys: Optional[Sequence[str]]) -> None:
+        """Tell the eviction policy the future access order (one repeating iteration); None drops it."""
+        self._check_open()
+        order = list(keys) if keys is not None else None
+        self._loop_thread.loop.call_soon_threadsafe(self._policy.set_future_order, order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[str]:
+        """Every key in the store."""
+        return list(self._entries)
+
+    def info(self, key: str) -> EntryInfo:
+        """dtype, shape, nbytes, stored_nbytes, tiers, codec, dirty and pinned of ``key``."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyNotFoundError(f"key {key!r} is not in the store")
+        return entry.info()
+
+    def stats(self) -> StoreStats:
+        """A snapshot of occupancy, traffic, hits and misses, evictions and time spent on I/O."""
+        s = StoreStats(**{k: v for k, v in vars(self._stats).items() if k != "tiers"})
+        for tier, backend in self._backends.items():
+            t = s.tiers[tier]
+            own = self._stats.tiers[tier]
+            for field in ("hits", "misses", "evictions", "bytes_in", "bytes_out"):
+                setattr(t, field, getattr(own, field))
+            t.budget_bytes = backend.budget
+            t.used_bytes = backend.used
+            t.entries = len(self._resident[tier])
+        s.entries = len(self._entries)
+        c = self._io.counters if hasattr(self, "_io") else None
+        if c is not None:
+            s.bytes_read, s.bytes_written = c.bytes_read, c.bytes_written
+            s.read_requests, s.write_requests, s.syncs = c.read_requests, c.write_requests, c.syncs
+            s.io_busy_seconds = c.io_seconds
+        if hasattr(self, "_commits"):
+            s.manifest_commits = self._commits.commits
+        return s
+
+    # ------------------------------------------------------------------ calling convention
+
+    def _check_open(self) -> None:
+        if self._closed or self._closing:
+            raise StoreClosedError(f"the store at {self.config.path} is closed; open it again to use it")
+
+    def _submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> "concurrent.futures.Future[T]":
+        self._check_open()
+        return self._loop_thread.submit(self._detached(fn, *args))
+
+    async def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        if self._loop_thread.on_loop_thread():
+            self._check_open()
+            return await self._detached(fn, *args)
+        return await asyncio.wrap_future(self._submit(fn, *args))
+
+    def _call_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        if self._loop_thread.on_loop_thread():
+            raise RuntimeError(
+                "the sync facade (store.sync) cannot be used on the store's own loop thread; await the async method"
+            )
+        return self._submit(fn, *args).result()
+
+    async def _detached(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``fn`` as a task the caller's cancellation cannot interrupt, tracked for close()."""
+        self._check_open()
+        task = asyncio.ensure_future(fn(*args))
+        self._track(task)
+        return await asyncio.shield(task)
+
+    def _track(self, task: "asyncio.Task[Any]") -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ operations (store loop)
+
+    async def _put(self, key: str, tensor: torch.Tensor, tier: "Tier | str", compress: Optional[bool]) -> None:
+        _check_key(key)
+        _check_tensor(tensor)
+        tier = Tier.parse(tier)
+        compress = self.config.compress if compress is None else compress
+        if not isinstance(compress, bool):
+            raise TypeError(f"compress must be True, False or None, got {compress!r}")
+        data = tensor.detach()
+        if not data.is_contiguous():
+            data = await self._in_cpu_pool(data.contiguous)
+        async with self._key_lock(key):
+            nbytes = data.numel() * data.element_size()
+            entry = Entry(key, data.dtype, tuple(data.shape), nbytes, next(self._generation), compress=compress)
+            src = spans_of_tensor(data)
+            started = time.perf_counter()
+            if tier is Tier.NVME:
+                copy = await self._write_nvme(entry, src)
+                assert copy is not None, "a put holds the key lock, so nothing newer can supersede it"
+                self._stats.io_wait_seconds += time.perf_counter() - started
+            else:
+                copy = await self._admit(tier, entry.nbytes)
+                try:
+                    await self._store_memory(tier, copy, src)
+                except BaseException:
+                    self._discard(tier, copy)
+                    raise
+            old = self._entries.get(key)
+            self._entries[key] = entry
+            self._settle(tier, copy)
+            self._add_copy(entry, tier, copy)
+            self._stats.puts += 1
+            self._stats.tiers[tier].bytes_in += entry.nbytes
+            self._policy.touch(key)
+            if old is not None:
+                self._retire(old)
+                if old.persisted and tier is not Tier.NVME:
+                    # The old version must not come back after a crash once a newer one was put.
+                    await self._commits.submit(key, entry.generation, None, None)
+
+    async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor]) -> torch.Tensor:
+        _check_key(key)
+        entry = self._entry(key)
+        top = entry.top()
+        faster = [task for t, task in entry.moving.items() if top is None or t.rank < top.rank]
+        if faster:
+            await asyncio.wait(faster)  # a failed prefetch only means we read the slower copy
+            entry = self._entry(key)
+        if out is None:
+            result = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+        else:
+            _check_out(out, entry)
+            result = out
+        tier = entry.top()
+        assert tier is not None
+        copy = self._begin_read(entry, tier)
+        started = time.perf_counter()
+        try:
+            await self._read_copy(entry, tier, copy, spans_of_tensor(result))
+        finally:
+            self._end_read(tier, copy)
+        if tier is Tier.NVME:
+            self._stats.io_wait_seconds += time.perf_counter() - started
+        self._stats.gets += 1
+        self._stats.tiers[tier].hits += 1
+        self._stats.tiers[tier].bytes_out += entry.nbytes
+        for above in TIERS_TOP_DOWN[: tier.rank]:
+            self._stats.tiers[above].misses += 1
+        self._policy.touch(key)
+        return result
+
+    async def _prefetch(self, key: str, tier: "Tier | str") -> None:
+        tier = Tier.parse(tier)
+        entry = self._entry(key)
+        self._stats.prefetches += 1
+        task = self._materialize(entry, tier)
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def _evict(self, key: str, tier: "Tier | str") -> None:
+        _check_key(key)
+        tier = Tier.parse(tier)
+        entry = self._entry(key)
+        if entry.pinned:
+            raise ValueError(f"key {key!r} is pinned; unpin it before evicting it")
+        if not any(t.rank >= tier.rank for t in entry.copies):
+            task = self._materialize(entry, tier)
+            if task is not None:
+                await asyncio.shield(task)
+        if self._entries.get(key) is not entry:
+            return
+        for above in TIERS_TOP_DOWN[: tier.rank]:
+            if above in entry.copies and any(t.rank > above.rank for t in entry.copies):
+                self._drop_copy(entry, above)
+                self._stats.tiers[above].evictions += 1
+
+    async def _delete(self, key: str) -> None:
+        _check_key(key)
+        async with self._key_lock(key):
+            entry = self._entry(key)
+            del self._entries[key]
+            self._retire(entry)
+            self._policy.forget(key)
+            self._stats.deletes += 1
+            if entry.persisted:
+                await self._commits.submit(key, next(self._generation), None, None)
+
+    async def _pin(self, key: str, tier: "Tier | str | None") -> None:
+        entry = self._entry(key)
+        if tier is not None:
+            task = self._materialize(entry, Tier.parse(tier))
+            if task is not None:
+                await asyncio.shield(task)
+            entry = self._entry(key)
+        entry.pinned = True
+
+    async def _unpin(self, key: str) -> None:
+        self._entry(key).pinned = False
+        for tier in TIERS_TOP_DOWN:
+            self._wake(tier)
+
+    async def _flush(self) -> None:
+        tasks = [self._materialize(e, Tier.NVME) for e in list(self._entries.values()) if e.dirty]
+        pending = [t for t in tasks if t is not None]
+        if pending:
+            results = await asyncio.gather(*(asyncio.shield(t) for t in pending), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+
+    # ------------------------------------------------------------------ moving copies between tiers
+
+    def _materialize(self, entry: Entry, tier: Tier) -> "Optional[asyncio.Task[None]]":
+        """Start (or join) a transfer that gives ``entry`` a copy in ``tier``; None if it has one."""
+        if tier in entry.copies:
+            self._policy.touch(entry.key)
+            return None
+        task = entry.moving.get(tier)
+        if task is not None:
+            self._stats.prefetches_coalesced += 1
+            return task
+        task = asyncio.ensure_future(self._copy_to(entry, tier))
+        entry.moving[tier] = task
+        task.add_done_callback(lambda _: entry.moving.pop(tier, None))
+        task.add_done_callback(_consume_exception)
+        self._track(task)
+        return task
+
+    async def _copy_to(self, entry: Entry, tier: Tier) -> None:
+        """Make a copy of ``entry`` in ``tier`` from its fastest existing copy, then install it."""
+        if tier is Tier.NVME:
+            source = entry.top()
+            if source is None:
+                return
+            copy = self._begin_read(entry, source)
+            try:
+                written = await self._write_nvme(entry, self._memory_spans(source, copy))
+            finally:
+                self._end_read(source, copy)
+            if written is not None:
+                self._install(entry, Tier.NVME, written)
+            return
+        new = await self._admit(tier, entry.nbytes)
+        try:
+            source = entry.top() if self._entries.get(entry.key) is entry else None
+            if source is None:
+                self._discard(tier, new)
+                return
+            src_copy = self._begin_read(entry, source)
+            try:
+                await self._read_copy(entry, source, src_copy, self._backends[tier].spans(new))  # type: ignore[arg-type]
+            finally:
+                self._end_read(source, src_copy)
+        except BaseException:
+            self._discard(tier, new)
+            raise
+        self._stats.transfers += 1
+        self._stats.tiers[tier].bytes_in += entry.nbytes
+        self._install(entry, tier, new)
+        self._policy.touch(entry.key)
+
+    async def _write_nvme(self, entry: Entry, src: Sequence[Span]) -> Optional[NvmeCopy]:
+        """Write ``src`` (the entry's bytes) to new extents and commit a record for it.
+
+        Returns the copy, or None when a newer version of the key committed first.
+        """
+        payload, codec, meta, encoded = src, RAW, b"", None
+        if entry.compress and entry.nbytes:
+            encoded = await self._codec.encode(await self._host_bytes(src, entry.nbytes))
+            if encoded is not None:
+                payload, codec, meta = encoded.spans(), self._codec.name, encoded.meta
+        stored = encoded.nbytes if encoded is not None else entry.nbytes
+        copy = await self._admit(Tier.NVME, stored)
+        try:
+            await self._nvme.store(copy, payload)
+        except BaseException:
+            self._discard(Tier.NVME, copy)
+            raise
+        finally:
+            if encoded is not None:
+                encoded.buffer.close()
+        record = Record(
+            entry.key, entry.dtype, entry.shape, entry.nbytes, stored, codec, meta, copy.chunk,
+            tuple(copy.extents), tuple(copy.crcs) if copy.crcs is not None else None, entry.generation,
+        )
+        entry.persisted = True
+        try:
+            applied = await self._commits.submit(entry.key, entry.generation, record, copy)
+        except BaseException:
+            self._discard(Tier.NVME, copy)
+            raise
+        if not applied:
+            self._discard(Tier.NVME, copy)
+            return None
+        entry.codec, entry.codec_meta, entry.stored_nbytes = codec, meta, stored
+        self._stats.bytes_before_codec += entry.nbytes
+        self._stats.bytes_after_codec += stored
+        self._stats.tiers[Tier.NVME].bytes_in += entry.nbytes
+        return copy
+
+    async def _read_copy(self, entry: Entry, tier: Tier, copy: Copy, dst: Sequence[Span]) -> None:
+        """Fill ``dst`` with the entry's bytes from its copy in ``tier``."""
+        if tier is not Tier.NVME:
+            await self._device.copy(dst, self._memory_spans(tier, copy))
+            return
+        try:
+            if entry.codec == RAW:
+                await self._nvme.load(copy, dst)
+                return
+            buf = AlignedBuffer(max(copy.nbytes, 1))
+            try:
+                await self._nvme.load(copy, [Span(buf.tensor[: copy.nbytes], buf.view)])
+                await self._codec.decode(buf.view[: copy.nbytes], entry.codec_meta, dst)
+            finally:
+                buf.close()
+        except ChecksumError as exc:
+            raise ChecksumError(f"entry {entry.key!r} is corrupt on disk: {exc}") from exc
+
+    async def _store_memory(self, tier: Tier, copy: Copy, src: Sequence[Span]) -> None:
+        await self._device.copy(self._backends[tier].spans(copy), src)  # type: ignore[arg-type]
+
+    def _memory_spans(self, tier: Tier, copy: Copy) -> list[Span]:
+        spans = self._backends[tier].spans(copy)
+        assert spans is not None
+        return spans
+
+    async def _host_bytes(self, src: Sequence[Span], nbytes: int) -> torch.Tensor:
+        """The bytes of ``src`` as one contiguous CPU uint8 tensor (copying only when needed)."""
+        if len(src) == 1 and src[0].tensor.device.type == "cpu":
+            return src[0].tensor
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        await self._device.copy([Span(out)], src)
+        return out
+
+    # ------------------------------------------------------------------ budgets and eviction
+
+    async def _admit(self, tier: Tier, nbytes: int) -> Copy:
+        """Allocate ``nbytes`` in ``tier``, evicting victims (writing dirty ones down) as needed.
+
+        Waits while the only bytes that could be freed belong to transfers in flight; raises
+        CapacityError when even evicting everything evictable could not make room.
+        """
+        backend = self._backends[tier]
+        backend.check_fits_budget(nbytes)
+        if tier is Tier.NVME:
+            copy = await backend.allocate(nbytes)
+            self._inflight[tier] += copy.footprint
+            return copy
+        async with self._tier_locks[tier]:
+            while not backend.has_room(nbytes):
+                victim = self._pick_victim(tier)
+                if victim is not None:
+                    await self._make_room(victim, tier)
+                    continue
+                pinned = self._pinned_bytes(tier)
+                if backend.used > pinned:
+                    waiter = asyncio.get_running_loop().create_future()
+                    self._space_waiters[tier].append(waiter)
+                    await waiter
+                    continue
+                raise CapacityError(
+                    f"{tier.value} tier: {nbytes} bytes do not fit; {backend.used} of {backend.budget} bytes are "
+                    f"in use and {pinned} of them are pinned; unpin entries or raise the budget"
+                )
+            copy = await backend.allocate(nbytes)
+            self._inflight[tier] += copy.footprint
+            return copy
+
+    def _pick_victim(self, tier: Tier) -> Optional[Entry]:
+        resident = self._resident[tier]
+        for key in self._policy.victims(resident):
+            entry = self._entries.get(key)
+            if entry is None or tier not in entry.copies:
+                continue
+            if entry.pinned or tier in entry.leaving or entry.copies[tier].readers:
+                continue
+            return entry
+        return None
+
+    def _pinned_bytes(self, tier: Tier) -> int:
+        return sum(
+            e.copies[tier].footprint for k in self._resident[tier] if (e := self._entries[k]).pinned
+        )
+
+    async def _make_room(self, entry: Entry, tier: Tier) -> None:
+        """Remove ``entry``'s copy from ``tier``: a plain drop when a slower copy exists, else a write down."""
+        self._stats.tiers[tier].evictions += 1
+        if any(t.rank > tier.rank for t in entry.copies):
+            self._drop_copy(entry, tier)
+            return
+        entry.leaving.add(tier)
+        try:
+            dest = tier.below()
+            assert dest is not None
+            host = self._backends[Tier.HOST]
+            if dest is Tier.HOST and host.budget is not None and host.footprint(entry.nbytes) > host.budget:
+                dest = Tier.NVME
+            task = self._materialize(entry, dest)
+            if task is not None:
+                await asyncio.shield(task)
+        finally:
+            entry.leaving.discard(tier)
+        if self._entries.get(entry.key) is entry and tier in entry.copies:
+            self._drop_copy(entry, tier)
+
+    def _wake(self, tier: Tier) -> None:
+        waiters, self._space_waiters[tier] = self._space_waiters[tier], []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    # ------------------------------------------------------------------ copy bookkeeping
+
+    def _begin_read(self, entry: Entry, tier: Tier) -> Copy:
+        copy = entry.copies[tier]
+        copy.readers += 1
+        return copy
+
+    def _end_read(self, tier: Tier, copy: Copy) -> None:
+        self._backends[tier].end_read(copy)
+        self._wake(tier)
+
+    def _add_copy(self, entry: Entry, tier: Tier, copy: Copy) -> None:
+        entry.copies[tier] = copy
+        self._resident[tier].add(entry.key)
+
+    def _drop_copy(self, entry: Entry, tier: Tier) -> None:
+        copy = entry.copies.pop(tier)
+        if self._entries.get(entry.key) is entry or entry.key not in self._entries:
+            self._resident[tier].discard(entry.key)
+        self._backends[tier].release(copy)
+        self._wake(tier)
+
+    def _settle(self, tier: Tier, copy: Copy) -> None:
+        """A copy allocated by _admit stops counting as in flight."""
+        self._inflight[tier] -= copy.footprint
+
+    def _install(self, entry: Entry, tier: Tier, copy: Copy) -> None:
+        """Attach a finished copy to its entry, or free it if the entry was replaced meanwhile."""
+        self._settle(tier, copy)
+        if self._entries.get(entry.key) is entry and tier not in entry.copies:
+            self._add_copy(entry, tier, copy)
+            self._wake(tier)
+        else:
+            self._backends[tier].release(copy)
+            self._wake(tier)
+
+    def _discard(self, tier: Tier, copy: Copy) -> None:
+        self._settle(tier, copy)
+        self._backends[tier].release(copy)
+        self._wake(tier)
+
+    def _retire(self, entry: Entry) -> None:
+        """Release every copy of a replaced or deleted entry (freed once their readers finish)."""
+        current = self._entries.get(entry.key)
+        for tier in list(entry.copies):
+            copy = entry.copies.pop(tier)
+            if current is None or tier not in current.copies:
+                self._resident[tier].discard(entry.key)
+            self._backends[tier].release(copy)
+            self._wake(tier)
+
+    def _entry(self, key: str) -> Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyNotFoundError(f"key {key!r} is not in the store")
+        return entry
+
+    @contextlib.asynccontextmanager
+    async def _key_lock(self, key: str) -> "Iterator[None]":  # type: ignore[misc]
+        lock, users = self._key_locks.get(key, (None, 0))
+        if lock is None:
+            lock = asyncio.Lock()
+        self._key_locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._key_locks[key]
+            if users == 1:
+                del self._key_locks[key]
+            else:
+                self._key_locks[key] = (lock, users - 1)
+
+    async def _in_cpu_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._cpu_pool, fn, *args)
+
+
+class SyncStore:
+    """Blocking versions of the store's coroutines, for code without an event loop (module hooks).
+
+    Works from any thread except the store's own loop thread.
+    """
+
+    def __init__(self, store: TieredStore) -> None:
+        self._store = store
+
+    def put(self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None) -> None:
+        """Blocking :meth:`TieredStore.put`."""
+        self._store._call_sync(self._store._put, key, tensor, tier, compress)
+
+    def get(self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Blocking :meth:`TieredStore.get`."""
+        return self._store._call_sync(self._store._get, key, device, out)
+
+    def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
+        """Same as :meth:`TieredStore.prefetch` (it never blocks)."""
+        return self._store.prefetch(key, tier)
+
+    def evict(self, key: str, tier: "Tier | str" = Tier.NVME) -> None:
+        """Blocking :meth:`TieredStore.evict`."""
+        self._store._call_sync(self._store._evict, key, tier)
+
+    def delete(self, key: str) -> None:
+        """Blocking :meth:`TieredStore.delete`."""
+        self._store._call_sync(self._store._delete, key)
+
+    def pin(self, key: str, tier: "Tier | str | None" = None) -> None:
+        """Blocking :meth:`TieredStore.pin`."""
+        self._store._call_sync(self._store._pin, key, tier)
+
+    def unpin(self, key: str) -> None:
+        """Blocking :meth:`TieredStore.unpin`."""
+        self._store._call_sync(self._store._unpin, key)
+
+    def flush(self) -> None:
+        """Blocking :meth:`TieredStore.flush`."""
+        self._store._call_sync(self._store._flush)
+
+    def close(self) -> None:
+        """Blocking :meth:`TieredStore.close`."""
+        store = self._store
+        if store._closed:
+            return
+        if store._loop_thread.on_loop_thread():
+            raise RuntimeError("TieredStore.close() cannot run on the store's own loop thread")
+        try:
+            store._loop_thread.submit(store._close()).result()
+        finally:
+            store._closed = True
+            store._loop_thread.stop()
+
+
+def _acquire_lock(path: str) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        raise StoreLockedError(
+            f"the store directory {os.path.dirname(path)} is already open (owner pid {owner}); "
+            "close that store first, or use another path"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _check_key(key: object) -> None:
+    if not isinstance(key, str):
+        raise TypeError(f"keys are strings, got {type(key).__name__}: {key!r}")
+
+
+def _check_tensor(tensor: object) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"put takes a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout is not torch.strided:
+        raise TypeError(f"put takes dense (strided) tensors, got layout {tensor.layout}; convert with .to_dense()")
+    if tensor.device.type == "meta":
+        raise TypeError("put takes a tensor with data, got one on the meta device")
+    if tensor.dtype in _QUANTIZED or tensor.is_quantized:
+        raise TypeError(
+            f"put does not take quantized tensors ({tensor.dtype}); store t.int_repr() and the quantizer's "
+            "scale and zero point instead"
+        )
+
+
+def _check_out(out: torch.Tensor, entry: Entry) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != entry.dtype or tuple(out.shape) != entry.shape or not out.is_contiguous():
+        raise ValueError(
+            f"out must be contiguous with dtype {entry.dtype} and shape {entry.shape}, got dtype {out.dtype}, "
+            f"shape {tuple(out.shape)}, contiguous={out.is_contiguous()}"
+        )
+
+
+def _consume_exception(task: "asyncio.Task[Any]") -> None:
+    # Transfers started by prefetch may fail with nobody awaiting them; their error reaches the
+    # next waiter (or a get falls back to the slower copy). Mark it retrieved to keep logs clean.
+    if not task.cancelled():
+        task.exception()
