@@ -14,7 +14,9 @@ import contextlib
 import fcntl
 import itertools
 import os
+import threading
 import time
+import weakref
 from typing import Any, Awaitable, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
@@ -123,6 +125,7 @@ class TieredStore:
         except BaseException:
             await store._release_resources()
             raise
+        _close_at_exit(store)
         return store
 
     async def _open(self) -> None:
@@ -839,6 +842,29 @@ class SyncStore:
         finally:
             store._closed = True
             store._loop_thread.stop()
+
+
+def _close_at_exit(store: TieredStore) -> None:
+    """Close ``store`` at interpreter exit if the program forgot to, so host and device entries
+    are flushed and the lock released.
+
+    It must run before concurrent.futures stops its worker pools, which happens in threading's
+    exit hooks (run last-registered first), ahead of atexit handlers.
+    """
+    ref = weakref.ref(store)
+
+    def close() -> None:
+        s = ref()
+        if s is not None and not s._closed:
+            s.sync.close()
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - every CPython since 3.9 has it
+        import atexit
+
+        atexit.register(close)
+    else:
+        register(close)
 
 
 def _acquire_lock(path: str) -> int:

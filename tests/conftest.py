@@ -1,0 +1,60 @@
+"""Shared fixtures: real stores on real files under pytest's tmp_path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiered
+
+KiB = 1024
+MiB = 1024 * KiB
+
+#: Every dtype a tensor can be stored with (quantized dtypes need their quantizer and are refused).
+ALL_DTYPES = sorted(
+    {
+        d
+        for d in (getattr(torch, name) for name in dir(torch))
+        if isinstance(d, torch.dtype) and d not in {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+    },
+    key=str,
+)
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A tensor of ``dtype`` whose bytes are random (NaN payloads, subnormals and all)."""
+    g = torch.Generator().manual_seed(seed)
+    probe = torch.empty(0, dtype=dtype)
+    n = 1
+    for s in shape:
+        n *= s
+    raw = torch.randint(0, 256, (n * probe.element_size(),), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality of dtype, shape and bytes (NaN == NaN when the bits agree)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture
+def config(tmp_path) -> tiered.StoreConfig:
+    """Small budgets and blocks so multi-block and eviction paths run on small tensors."""
+    return tiered.StoreConfig(
+        path=str(tmp_path / "store"),
+        device_bytes=1 * MiB,
+        host_bytes=2 * MiB,
+        block_size=64 * KiB,
+        queue_depth=4,
+        io_threads=4,
+        swap_grow_bytes=1 * MiB,
+    )
+
+
+@pytest.fixture
+async def store(config):
+    s = await tiered.TieredStore.open_async(config)
+    yield s
+    await s.close()
