@@ -13,7 +13,7 @@ from tiered.backends import DeviceBackend, HostBackend, NvmeBackend, TierBackend
 from tiered.io import IOEngine
 from tiered.spans import Span, spans_of_tensor
 
-from conftest import ALL_DTYPES, KiB, MiB, random_tensor, same_bytes
+from conftest import ALL_DTYPES, KiB, random_tensor, same_bytes
 
 
 @pytest.fixture(params=["device", "host", "nvme"])
@@ -259,3 +259,43 @@ class TestPrefetch:
         with pytest.raises(tiered.CapacityError):
             await store.prefetch("k", "device")
         assert store.info("k").tiers == (tiered.Tier.NVME,)
+
+
+class TestRegressions:
+    async def test_admission_wakes_when_a_put_lands(self, store):
+        """A prefetch waiting for host room must wake when a concurrent put's copy becomes evictable."""
+        await store.put("a", torch.ones(375_000))  # 1.5 MB on nvme
+        for _ in range(5):
+            put = store.put("b", torch.zeros(375_000), tier="host")
+            fetch = store.prefetch("a", "host")
+            await asyncio.wait_for(asyncio.gather(put, fetch), timeout=60)
+            await store.evict("a")
+            await store.evict("b")
+        assert torch.equal(await store.get("a"), torch.ones(375_000))
+
+    async def test_nvme_bytes_in_counted_once(self, store):
+        await store.put("k", torch.ones(1024))
+        assert store.stats().tiers[tiered.Tier.NVME].bytes_in == 4096
+
+    async def test_put_keeps_the_pin(self, store):
+        await store.put("k", torch.ones(10), tier="host")
+        await store.pin("k")
+        await store.put("k", torch.zeros(10), tier="host")
+        assert store.info("k").pinned
+
+
+async def test_delete_during_write_down_stays_deleted(config):
+    """A delete racing a flush of the same key must win after reopen, whatever the interleaving."""
+    for attempt in range(4):
+        store = await tiered.TieredStore.open_async(config)
+        await store.put("k", torch.full((400_000,), float(attempt)), tier="host")
+        flush = asyncio.ensure_future(store.flush())
+        for _ in range(attempt):
+            await asyncio.sleep(0)
+        await store.delete("k")
+        await flush
+        await store.close()
+        store = await tiered.TieredStore.open_async(config)
+        assert "k" not in store, f"deleted key came back (attempt {attempt})"
+        assert store.stats().tiers[tiered.Tier.NVME].used_bytes == 0
+        await store.close()

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import tiered
-from tiered.manifest import MANIFEST_NAME
 
 from conftest import KiB, MiB, random_tensor, same_bytes
 

@@ -57,11 +57,7 @@ class ZstdCodec:
         total = sum(len(f) for f in frames)
         if total > n * (1 - MIN_SAVING):
             return None
-        out = AlignedBuffer(total)
-        pos = 0
-        for f in frames:
-            out.view[pos : pos + len(f)] = f
-            pos += len(f)
+        out = await loop.run_in_executor(self._pool, _join, frames, total)
         meta = struct.pack(f"<I{len(frames)}I", FRAME_BYTES, *(len(f) for f in frames))
         return Encoded(out, total, meta)
 
@@ -103,3 +99,13 @@ class ZstdCodec:
                 got += k
         if not direct:
             copy_in(dst, start, target)
+
+
+def _join(frames: Sequence[bytes], total: int) -> AlignedBuffer:
+    """Concatenate frames into one aligned buffer (on a worker thread: it is a big copy)."""
+    out = AlignedBuffer(total)
+    pos = 0
+    for f in frames:
+        out.view[pos : pos + len(f)] = f
+        pos += len(f)
+    return out

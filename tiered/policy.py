@@ -13,8 +13,9 @@ class EvictionPolicy(abc.ABC):
     sees tensors, only keys."""
 
     @abc.abstractmethod
-    def touch(self, key: str) -> None:
-        """``key`` was just used (put, get or promoted)."""
+    def touch(self, key: str, *, access: bool = True) -> None:
+        """``key`` was just used: read or written by the caller (``access``), or only promoted
+        by a prefetch (``access=False``), which counts as recent but is not a step in the order."""
 
     @abc.abstractmethod
     def forget(self, key: str) -> None:
@@ -37,7 +38,7 @@ class LRUPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._recency: collections.OrderedDict[str, None] = collections.OrderedDict()
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: str, *, access: bool = True) -> None:
         self._recency[key] = None
         self._recency.move_to_end(key)
 
@@ -78,10 +79,10 @@ class FutureOrderPolicy(EvictionPolicy):
         self._length = len(keys or ())
         self._cursor = 0
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: str, *, access: bool = True) -> None:
         self._lru.touch(key)
         pos = self._positions.get(key)
-        if pos:
+        if pos and access:
             i = bisect.bisect_left(pos, self._cursor)
             at = pos[i] if i < len(pos) else pos[0]
             self._cursor = (at + 1) % self._length

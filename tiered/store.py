@@ -26,7 +26,14 @@ from tiered.codecs import ZstdCodec
 from tiered.commits import CommitLog
 from tiered.config import StoreConfig
 from tiered.entry import RAW, Entry, EntryInfo
-from tiered.errors import CapacityError, ChecksumError, KeyNotFoundError, StoreClosedError, StoreLockedError
+from tiered.errors import (
+    CapacityError,
+    ChecksumError,
+    KeyNotFoundError,
+    ManifestError,
+    StoreClosedError,
+    StoreLockedError,
+)
 from tiered.io import AlignedBuffer, IOEngine
 from tiered.loop import LoopThread
 from tiered.manifest import Manifest, Record
@@ -84,6 +91,7 @@ class TieredStore:
         self._stats = StoreStats()
         self._closed = False
         self._closing = False
+        self._close_task: Optional[asyncio.Task[None]] = None
         self._lock_fd = -1
         self._backends: dict[Tier, TierBackend] = {}
         self.sync = SyncStore(self)
@@ -181,8 +189,6 @@ class TieredStore:
         try:
             self._nvme.mark_used(copy)
         except ValueError as exc:
-            from tiered.errors import ManifestError
-
             raise ManifestError(f"entry {rec.key!r} in the manifest is inconsistent with the swap files: {exc}") from exc
         entry = Entry(
             rec.key, rec.dtype, rec.shape, rec.nbytes, rec.generation,
@@ -208,6 +214,11 @@ class TieredStore:
             self._loop_thread.stop()
 
     async def _close(self) -> None:
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._close_once())
+        await asyncio.shield(self._close_task)
+
+    async def _close_once(self) -> None:
         self._closing = True
         current = asyncio.current_task()
         while True:
@@ -260,7 +271,7 @@ class TieredStore:
         durable when it returns; a put to host or device is written down when evicted, flushed or
         on close. ``compress`` (default: the config's) stores the nvme copy zstd-compressed.
         """
-        return await self._call(self._put, key, tensor, tier, compress)
+        return await self._call(self._put, key, tensor, tier, compress, _ready_event(tensor))
 
     async def get(self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A new tensor with the entry's exact bytes, dtype and shape, on ``device``.
@@ -382,9 +393,13 @@ class TieredStore:
 
     # ------------------------------------------------------------------ operations (store loop)
 
-    async def _put(self, key: str, tensor: torch.Tensor, tier: "Tier | str", compress: Optional[bool]) -> None:
+    async def _put(
+        self, key: str, tensor: torch.Tensor, tier: "Tier | str", compress: Optional[bool], ready: Any = None
+    ) -> None:
         _check_key(key)
         _check_tensor(tensor)
+        if ready is not None:  # kernels the caller queued that write `tensor` must finish first
+            await self._in_cpu_pool(ready.synchronize)
         tier = Tier.parse(tier)
         compress = self.config.compress if compress is None else compress
         if not isinstance(compress, bool):
@@ -412,14 +427,18 @@ class TieredStore:
             self._entries[key] = entry
             self._settle(tier, copy)
             self._add_copy(entry, tier, copy)
+            self._wake(tier)
             self._stats.puts += 1
-            self._stats.tiers[tier].bytes_in += entry.nbytes
+            if tier is not Tier.NVME:  # _write_nvme counted nvme's bytes_in
+                self._stats.tiers[tier].bytes_in += entry.nbytes
             self._policy.touch(key)
             if old is not None:
-                self._retire(old)
+                entry.pinned = old.pinned
                 if old.persisted and tier is not Tier.NVME:
                     # The old version must not come back after a crash once a newer one was put.
-                    await self._commits.submit(key, entry.generation, None, None)
+                    await self._retire_durably(old, entry.generation)
+                else:
+                    self._retire(old)
 
     async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor]) -> torch.Tensor:
         _check_key(key)
@@ -456,6 +475,8 @@ class TieredStore:
         tier = Tier.parse(tier)
         entry = self._entry(key)
         self._stats.prefetches += 1
+        if tier in entry.moving:
+            self._stats.prefetches_coalesced += 1
         task = self._materialize(entry, tier)
         if task is not None:
             await asyncio.shield(task)
@@ -482,11 +503,12 @@ class TieredStore:
         async with self._key_lock(key):
             entry = self._entry(key)
             del self._entries[key]
-            self._retire(entry)
             self._policy.forget(key)
             self._stats.deletes += 1
             if entry.persisted:
-                await self._commits.submit(key, next(self._generation), None, None)
+                await self._retire_durably(entry, next(self._generation))
+            else:
+                self._retire(entry)
 
     async def _pin(self, key: str, tier: "Tier | str | None") -> None:
         entry = self._entry(key)
@@ -516,11 +538,9 @@ class TieredStore:
     def _materialize(self, entry: Entry, tier: Tier) -> "Optional[asyncio.Task[None]]":
         """Start (or join) a transfer that gives ``entry`` a copy in ``tier``; None if it has one."""
         if tier in entry.copies:
-            self._policy.touch(entry.key)
             return None
         task = entry.moving.get(tier)
         if task is not None:
-            self._stats.prefetches_coalesced += 1
             return task
         task = asyncio.ensure_future(self._copy_to(entry, tier))
         entry.moving[tier] = task
@@ -560,13 +580,14 @@ class TieredStore:
         self._stats.transfers += 1
         self._stats.tiers[tier].bytes_in += entry.nbytes
         self._install(entry, tier, new)
-        self._policy.touch(entry.key)
+        self._policy.touch(entry.key, access=False)
 
     async def _write_nvme(self, entry: Entry, src: Sequence[Span]) -> Optional[NvmeCopy]:
         """Write ``src`` (the entry's bytes) to new extents and commit a record for it.
 
         Returns the copy, or None when a newer version of the key committed first.
         """
+        entry.persisted = True  # from now on a delete or put of this key must write a tombstone
         payload, codec, meta, encoded = src, RAW, b"", None
         if entry.compress and entry.nbytes:
             encoded = await self._codec.encode(await self._host_bytes(src, entry.nbytes))
@@ -586,7 +607,6 @@ class TieredStore:
             entry.key, entry.dtype, entry.shape, entry.nbytes, stored, codec, meta, copy.chunk,
             tuple(copy.extents), tuple(copy.crcs) if copy.crcs is not None else None, entry.generation,
         )
-        entry.persisted = True
         try:
             applied = await self._commits.submit(entry.key, entry.generation, record, copy)
         except BaseException:
@@ -763,6 +783,20 @@ class TieredStore:
             self._backends[tier].release(copy)
             self._wake(tier)
 
+    async def _retire_durably(self, entry: Entry, generation: int) -> None:
+        """Retire an entry whose record may be committed: remove the record first, and only then
+        free its extents, so committed extents are never reused while a record points at them."""
+        nvme = entry.copies.pop(Tier.NVME, None)
+        current = self._entries.get(entry.key)
+        if nvme is not None and (current is None or Tier.NVME not in current.copies):
+            self._resident[Tier.NVME].discard(entry.key)
+        self._retire(entry)
+        try:
+            await self._commits.submit(entry.key, generation, None, None)
+        finally:
+            if nvme is not None:
+                self._backends[Tier.NVME].release(nvme)
+
     def _entry(self, key: str) -> Entry:
         entry = self._entries.get(key)
         if entry is None:
@@ -800,7 +834,7 @@ class SyncStore:
 
     def put(self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None) -> None:
         """Blocking :meth:`TieredStore.put`."""
-        self._store._call_sync(self._store._put, key, tensor, tier, compress)
+        self._store._call_sync(self._store._put, key, tensor, tier, compress, _ready_event(tensor))
 
     def get(self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Blocking :meth:`TieredStore.get`."""
@@ -912,6 +946,15 @@ def _check_out(out: torch.Tensor, entry: Entry) -> None:
             f"out must be contiguous with dtype {entry.dtype} and shape {entry.shape}, got dtype {out.dtype}, "
             f"shape {tuple(out.shape)}, contiguous={out.is_contiguous()}"
         )
+
+
+def _ready_event(tensor: object) -> Any:
+    """A CUDA event on the caller's current stream (captured on the caller's thread), or None."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensor.device))
+        return event
+    return None
 
 
 def _consume_exception(task: "asyncio.Task[Any]") -> None:

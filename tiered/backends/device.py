@@ -79,8 +79,7 @@ class DeviceBackend(TierBackend):
         if self._stream is None or not any(s.tensor.is_cuda for s in (*dst, *src)):
             copy_spans(dst, src)
             return
-        # The side stream must see data the caller's stream produced before the put.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        # The store has already waited for the caller's stream (put records an event there).
         with torch.cuda.stream(self._stream):
             copy_spans(dst, src, non_blocking=True)
             done = torch.cuda.Event()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import os
 import warnings
 from typing import Iterator, Optional, Sequence
 
 from tiered.backends.base import Copy, TierBackend
 from tiered.config import ALIGNMENT
-from tiered.errors import CapacityError, ChecksumError
+from tiered.errors import CapacityError
 from tiered.extents import Extent, ExtentAllocator
 from tiered.io import BlockRead, BlockWrite, FileHandle, IOEngine, open_file, round_up
 from tiered.spans import Span, aligned_views, copy_in, copy_out
@@ -76,7 +77,7 @@ class NvmeBackend(TierBackend):
         self._next_file = [0] * len(self.dirs)
         self.files: list[SwapFile] = []
         self.direct = direct
-        for d, directory in enumerate(self.dirs):
+        for directory in self.dirs:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             for i in range(files_per_dir):
                 path = os.path.join(directory, f"swap-{i:02d}.bin")
@@ -114,12 +115,12 @@ class NvmeBackend(TierBackend):
     async def allocate(self, nbytes: int) -> NvmeCopy:
         self.check_fits_budget(nbytes)
         need = self.footprint(nbytes)
-        if not self.has_room(nbytes):
-            raise CapacityError(
-                f"nvme tier: {nbytes} bytes do not fit ({self.used} of {self.budget} bytes in use); "
-                "raise nvme_bytes or delete entries"
-            )
-        async with self._alloc_lock:
+        async with self._alloc_lock:  # the budget check and the charge must not interleave
+            if not self.has_room(nbytes):
+                raise CapacityError(
+                    f"nvme tier: {nbytes} bytes do not fit ({self.used} of {self.budget} bytes in use); "
+                    "raise nvme_bytes or delete entries"
+                )
             extents: list[FileExtent] = []
             try:
                 for d, piece in self._stripes(need):
@@ -127,7 +128,7 @@ class NvmeBackend(TierBackend):
             except BaseException:
                 self._free_extents(extents)
                 raise
-        self.used += need
+            self.used += need
         return NvmeCopy(nbytes=nbytes, footprint=need, extents=extents, chunk=self._io.block_size)
 
     def _stripes(self, need: int) -> Iterator[tuple[int, int]]:
@@ -192,37 +193,55 @@ class NvmeBackend(TierBackend):
         for ext in extents:
             self.files[ext.file].alloc.free([Extent(ext.offset, ext.length)])
 
-    def _chunks(self, copy: NvmeCopy) -> Iterator[tuple[SwapFile, int, int, int]]:
-        """``(file, file_offset, logical_start, length)`` for each checksummed chunk, in order."""
+    def _chunks(self, copy: NvmeCopy) -> list[tuple[int, SwapFile, int, int, int]]:
+        """``(index, file, file_offset, logical_start, length)`` per checksummed chunk.
+
+        ``index`` is the chunk's place in the entry (its CRC's index). The list is interleaved
+        across extents, so the blocks in flight at once spread over every striped directory.
+        """
+        per_extent: list[list[tuple[int, SwapFile, int, int, int]]] = []
         pos = 0
+        index = 0
         left = copy.nbytes
         for ext in copy.extents:
             in_ext = min(ext.length, left)
+            chunks = []
             off = 0
             while off < in_ext:
                 n = min(copy.chunk, in_ext - off)
-                yield self.files[ext.file], ext.offset + off, pos, n
+                chunks.append((index, self.files[ext.file], ext.offset + off, pos, n))
+                index += 1
                 off += n
                 pos += n
+            per_extent.append(chunks)
             left -= in_ext
+        return [c for group in itertools.zip_longest(*per_extent) for c in group if c is not None]
 
     async def store(self, copy: Copy, src: Sequence[Span]) -> None:
         assert isinstance(copy, NvmeCopy)
         blocks = []
-        for f, offset, pos, n in self._chunks(copy):
+        chunks = self._chunks(copy)
+        for _, f, offset, pos, n in chunks:
             views = aligned_views(src, pos, pos + n, ALIGNMENT) if self.direct else None
             if views is not None:
                 blocks.append(BlockWrite(f.handle, offset, n, source=views))
             else:
                 blocks.append(BlockWrite(f.handle, offset, n, fill=functools.partial(copy_out, src, pos)))
-        crcs = await self._io.write(blocks)
-        copy.crcs = list(crcs) if self._io.checksum else None  # type: ignore[arg-type]
+        results = await self._io.write(blocks)
+        if self._io.checksum:
+            crcs = [0] * len(chunks)
+            for (index, *_), crc in zip(chunks, results):
+                crcs[index] = crc  # type: ignore[assignment]
+            copy.crcs = crcs
+        else:
+            copy.crcs = None
 
     async def load(self, copy: Copy, dst: Sequence[Span]) -> None:
         assert isinstance(copy, NvmeCopy)
         blocks = []
-        for i, (f, offset, pos, n) in enumerate(self._chunks(copy)):
-            expected = copy.crcs[i] if copy.crcs is not None else None
+        verify = copy.crcs is not None and self._io.checksum
+        for index, f, offset, pos, n in self._chunks(copy):
+            expected = copy.crcs[index] if verify else None  # type: ignore[index]
             views = aligned_views(dst, pos, pos + n, ALIGNMENT) if self.direct else None
             if views is not None:
                 blocks.append(BlockRead(f.handle, offset, n, dest=views, expected_crc=expected))
