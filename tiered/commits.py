@@ -58,6 +58,11 @@ class CommitLog:
             self._task = asyncio.get_running_loop().create_task(self._run())
         return done
 
+    async def barrier(self) -> None:
+        """Wait until every change submitted so far has committed (or failed)."""
+        if self._outstanding:
+            await asyncio.wait(set(self._outstanding))
+
     async def drain(self) -> None:
         """Wait until everything submitted so far is committed, then stop the worker."""
         if self._task is not None:

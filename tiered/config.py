@@ -53,8 +53,10 @@ class StoreConfig:
     compress: bool = False
     #: Write every entry that has no nvme copy down to nvme on close, so a reopen returns it.
     flush_on_close: bool = True
-    #: Touch every host-pool page at open, so no transfer ever takes a first-touch page fault.
-    prefault_host: bool = False
+    #: Populate the host pool at open, so no transfer takes first-touch page faults (O_DIRECT
+    #: reads into never-touched pages ran at 0.25 GiB/s here, vs 0.9+ prefaulted). The pool's RSS
+    #: is then host_bytes from the start; False grows it as pages are first used.
+    prefault_host: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):

@@ -560,8 +560,18 @@ class TieredStore:
                 written = await self._write_nvme(entry, self._memory_spans(source, copy))
             finally:
                 self._end_read(source, copy)
-            if written is not None:
+            if written is None:
+                return
+            if self._entries.get(entry.key) is entry:
                 self._install(entry, Tier.NVME, written)
+            else:
+                # Replaced or deleted while being written, after our record committed: the
+                # tombstone that supersedes it is already submitted. Until it commits, our record
+                # still points at these extents, so they must not be reused yet.
+                self._settle(Tier.NVME, written)
+                await self._commits.barrier()
+                self._backends[Tier.NVME].release(written)
+                self._wake(Tier.NVME)
             return
         new = await self._admit(tier, entry.nbytes)
         try:
