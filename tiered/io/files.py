@@ -70,21 +70,7 @@ def pwrite_full(sys: Syscalls, handle: FileHandle, views: list[memoryview], offs
 
     Raises TransferError when a syscall fails or makes no progress.
     """
-    total = sum(len(v) for v in views)
-    done = 0
-    while done < total:
-        try:
-            n = sys.pwritev(handle.fd, _advance(views, done), offset + done)
-        except OSError as exc:
-            raise TransferError(
-                f"write of {total - done} bytes at offset {offset + done} of {handle.path} failed: {exc}"
-            ) from exc
-        if n <= 0:
-            raise TransferError(
-                f"write at offset {offset + done} of {handle.path} made no progress "
-                f"({done} of {total} bytes written); is the disk full?"
-            )
-        done += n
+    _transfer_full(sys.pwritev, "write", "made no progress; is the disk full?", handle, views, offset)
 
 
 def pread_full(sys: Syscalls, handle: FileHandle, views: list[memoryview], offset: int) -> None:
@@ -92,18 +78,25 @@ def pread_full(sys: Syscalls, handle: FileHandle, views: list[memoryview], offse
 
     Raises TransferError when a syscall fails or the file ends early.
     """
+    _transfer_full(
+        sys.preadv, "read", "hit end of file; the swap file was truncated or replaced", handle, views, offset
+    )
+
+
+def _transfer_full(
+    op: Callable[[int, list, int], int], verb: str, stalled: str, handle: FileHandle, views: list[memoryview], offset: int
+) -> None:
     total = sum(len(v) for v in views)
     done = 0
     while done < total:
         try:
-            n = sys.preadv(handle.fd, _advance(views, done), offset + done)
+            n = op(handle.fd, _advance(views, done), offset + done)
         except OSError as exc:
             raise TransferError(
-                f"read of {total - done} bytes at offset {offset + done} of {handle.path} failed: {exc}"
+                f"{verb} of {total - done} bytes at offset {offset + done} of {handle.path} failed: {exc}"
             ) from exc
         if n <= 0:
             raise TransferError(
-                f"read at offset {offset + done} of {handle.path} hit end of file after {done} of "
-                f"{total} bytes; the swap file was truncated or replaced"
+                f"{verb} at offset {offset + done} of {handle.path} {stalled} ({done} of {total} bytes done)"
             )
         done += n
