@@ -242,3 +242,18 @@ def test_buffered_fallback_warns_once(tmp_path):
     finally:
         import shutil
         shutil.rmtree(shm)
+
+
+def test_crash_after_memory_tier_overwrite_never_returns_the_stale_version(tmp_path):
+    path = tmp_path / "s"
+    code = f"""
+        import os, torch, tiered
+        store = tiered.TieredStore.open(tiered.StoreConfig(path={str(path)!r}))
+        store.sync.put("k", torch.zeros(1000))              # committed on nvme
+        store.sync.put("k", torch.ones(1000), tier="host")  # newer, not yet durable
+        os._exit(0)                                          # crash: no flush
+    """
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    with tiered.TieredStore.open(small_config(path)) as store:
+        assert "k" not in store, "a crash must lose the unflushed version, never resurrect the old one"
