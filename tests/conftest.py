@@ -24,11 +24,10 @@ ALL_DTYPES = sorted(
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """A tensor of ``dtype`` whose bytes are random (NaN payloads, subnormals and all)."""
     g = torch.Generator().manual_seed(seed)
-    probe = torch.empty(0, dtype=dtype)
     n = 1
     for s in shape:
         n *= s
-    raw = torch.randint(0, 256, (n * probe.element_size(),), dtype=torch.uint8, generator=g)
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
     return raw.view(dtype).reshape(shape)
 
 

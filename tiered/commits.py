@@ -96,9 +96,9 @@ class CommitLog:
             await self._sync_files([r.copy for r in batch if r.copy is not None])
         applied: dict[str, _Request] = {}
         verdicts: list[tuple[_Request, bool]] = []
-        generations = dict(self._generations)
+        generations: dict[str, int] = {}  # this batch's changes; copying every key's would cost O(keys)
         for req in batch:
-            ok = req.generation >= generations.get(req.key, -1)
+            ok = req.generation >= generations.get(req.key, self._generations.get(req.key, -1))
             if ok:
                 generations[req.key] = req.generation
                 applied[req.key] = req

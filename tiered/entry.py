@@ -32,8 +32,9 @@ class Entry:
     codec_meta: bytes = b""
     stored_nbytes: Optional[int] = None
     pinned: bool = False
-    #: Compress the nvme copy when this version is written down.
-    compress: bool = False
+    #: Compress the nvme copy when this version is written down: True (asked for), False, or
+    #: None (the config default; the store's compression policy decides at write time).
+    compress: Optional[bool] = False
     #: A manifest record for this key is committed or on its way.
     persisted: bool = False
     #: Transfers creating a copy in a tier; gets and duplicate prefetches wait on these.

@@ -6,10 +6,17 @@ copy routine moves bytes between any two of them and one block planner maps them
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import math
 from typing import Iterator, Optional, Sequence
 
 import torch
+
+from tiered.io.results import ResultPool
+
+#: CPU results of a get at least this large get page-aligned memory of their own (see new_result).
+DIRECT_RESULT_BYTES = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +38,33 @@ def spans_of_tensor(tensor: torch.Tensor) -> list[Span]:
     assert tensor.is_contiguous()
     if tensor.numel() == 0:
         return []
-    return [Span(tensor.reshape(-1).view(torch.uint8))]
+    # Each torch call drops and retakes the GIL; skip the ones that would change nothing.
+    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
+    return [Span(flat if flat.dtype == torch.uint8 else flat.view(torch.uint8))]
+
+
+def new_result(
+    shape: Sequence[int], dtype: torch.dtype, device: "torch.device | str", pool: ResultPool
+) -> tuple[torch.Tensor, list[Span]]:
+    """An uninitialized tensor for a get to fill, and its bytes as spans.
+
+    A large CPU result takes page-aligned memory from ``pool`` (recycled from results the caller
+    freed, else freshly mapped) with an aligned view, so O_DIRECT reads land in it with no staging
+    copy. Other results come from ``torch.empty``.
+    """
+    device = torch.device(device)
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if device.type == "cpu" and nbytes >= DIRECT_RESULT_BYTES:
+        raw, view = pool.take(nbytes)
+        try:
+            tensor = raw.view(dtype).view(tuple(shape))
+        except (RuntimeError, TypeError):  # a dtype uint8 memory cannot be viewed as: use torch.empty
+            view.release()
+        else:
+            return tensor, [Span(raw, view)]
+    tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+    return tensor, spans_of_tensor(tensor)
 
 
 def total_bytes(spans: Sequence[Span]) -> int:
@@ -89,20 +122,59 @@ def copy_spans(dst: Sequence[Span], src: Sequence[Span], *, non_blocking: bool =
 
 
 def copy_out(spans: Sequence[Span], start: int, into: memoryview) -> None:
-    """Copy logical bytes ``[start, start + len(into))`` of ``spans`` into a host buffer."""
-    dst = torch.frombuffer(into, dtype=torch.uint8) if len(into) else None
+    """Copy logical bytes ``[start, start + len(into))`` of ``spans`` into a writable host buffer."""
+    if not len(into):
+        return
+    base = _address(into)
+    dst = None
     pos = 0
     for span, lo, hi in pieces(spans, start, start + len(into)):
-        assert dst is not None
-        dst[pos : pos + hi - lo].copy_(span.tensor[lo:hi])
+        if span.tensor.device.type == "cpu":
+            _memmove(base + pos, _data_ptr(span.tensor) + lo, hi - lo)
+        else:
+            dst = torch.frombuffer(into, dtype=torch.uint8) if dst is None else dst
+            dst[pos : pos + hi - lo].copy_(span.tensor[lo:hi])
         pos += hi - lo
 
 
 def copy_in(spans: Sequence[Span], start: int, data: memoryview) -> None:
-    """Copy a host buffer into logical bytes ``[start, start + len(data))`` of ``spans``."""
-    src = torch.frombuffer(data, dtype=torch.uint8) if len(data) else None
+    """Copy a writable host buffer into logical bytes ``[start, start + len(data))`` of ``spans``."""
+    if not len(data):
+        return
+    base = _address(data)
+    src = None
     pos = 0
     for span, lo, hi in pieces(spans, start, start + len(data)):
-        assert src is not None
-        span.tensor[lo:hi].copy_(src[pos : pos + hi - lo])
+        if span.tensor.device.type == "cpu":
+            _memmove(_data_ptr(span.tensor) + lo, base + pos, hi - lo)
+        else:
+            src = torch.frombuffer(data, dtype=torch.uint8) if src is None else src
+            span.tensor[lo:hi].copy_(src[pos : pos + hi - lo])
         pos += hi - lo
+
+
+# Staged blocks move host bytes with memmove (one thread) rather than Tensor.copy_, which splits
+# every copy over torch's intra-op threads: with several I/O threads copying at once on a small
+# machine that oversubscribes the cores. Large copies release the GIL (ctypes.memmove); small ones
+# keep it, as handing the GIL over and back costs more than copying a few pages.
+_GIL_HELD_BELOW = 256 * 1024
+_memmove_holding_gil = ctypes.PyDLL(None).memmove
+_memmove_holding_gil.restype = ctypes.c_void_p
+_memmove_holding_gil.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _memmove(dst: int, src: int, n: int) -> None:
+    (_memmove_holding_gil if n < _GIL_HELD_BELOW else ctypes.memmove)(dst, src, n)
+
+
+def _address(view: memoryview) -> int:
+    holder = ctypes.c_char.from_buffer(view)
+    try:
+        return ctypes.addressof(holder)
+    finally:
+        del holder  # release the buffer export at once; the memory stays owned by the caller
+
+
+def _data_ptr(tensor: torch.Tensor) -> int:
+    assert tensor.dim() == 1 and tensor.stride(0) == 1 and tensor.element_size() == 1
+    return tensor.data_ptr()

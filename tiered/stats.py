@@ -43,6 +43,15 @@ class StoreStats:
     manifest_commits: int = 0
     bytes_before_codec: int = 0
     bytes_after_codec: int = 0
+    #: Puts that left compression to the config and were written raw because it would not pay.
+    compress_skipped: int = 0
+    #: The compression policy's recent estimates (bytes/s; None until measured): codec throughput
+    #: in original bytes, nvme throughput in stored bytes, and the compressed/original ratio.
+    codec_encode_bps: Optional[float] = None
+    codec_decode_bps: Optional[float] = None
+    codec_ratio: Optional[float] = None
+    nvme_write_bps: Optional[float] = None
+    nvme_read_bps: Optional[float] = None
     io_wait_seconds: float = 0.0
     io_busy_seconds: float = 0.0
 

@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, Iterator, Optional, Sequence, TypeV
 import torch
 
 from tiered.backends import Copy, DeviceBackend, HostBackend, NvmeBackend, NvmeCopy, TierBackend
-from tiered.codecs import ZstdCodec
+from tiered.codecs import Codecs, CompressionPolicy
 from tiered.commits import CommitLog
 from tiered.config import StoreConfig
 from tiered.entry import RAW, Entry, EntryInfo
@@ -34,11 +34,12 @@ from tiered.errors import (
     StoreClosedError,
     StoreLockedError,
 )
-from tiered.io import AlignedBuffer, IOEngine
+from tiered.io import IOEngine, ResultPool
+from tiered.io.mailbox import FutureReply, LoopReply, Mailbox
 from tiered.loop import LoopThread
 from tiered.manifest import Manifest, Record
 from tiered.policy import EvictionPolicy, FutureOrderPolicy
-from tiered.spans import Span, spans_of_tensor
+from tiered.spans import Span, new_result, spans_of_tensor
 from tiered.stats import StoreStats
 from tiered.tier import TIERS_TOP_DOWN, Tier
 
@@ -94,6 +95,9 @@ class TieredStore:
         self._close_task: Optional[asyncio.Task[None]] = None
         self._lock_fd = -1
         self._backends: dict[Tier, TierBackend] = {}
+        self._inbox = Mailbox(loop.loop)  # calls from other threads
+        self._outboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox]" = weakref.WeakKeyDictionary()
+        self._last_outbox: Optional[Mailbox] = None
         self.sync = SyncStore(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -150,7 +154,9 @@ class TieredStore:
             io_threads=cfg.io_threads,
             checksum=cfg.checksum,
             pin=cuda,
+            staging_buffers=cfg.staging_buffers,
         )
+        self._results = ResultPool(cfg.result_pool_bytes)
         self._device = DeviceBackend(device, cfg.device_bytes, self._cpu_pool)
         self._backends[Tier.DEVICE] = self._device
         self._backends[Tier.HOST] = HostBackend(cfg.host_bytes, self._cpu_pool, pin=cuda, prefault=cfg.prefault_host)
@@ -163,7 +169,8 @@ class TieredStore:
             direct=cfg.direct_io,
         )
         self._backends[Tier.NVME] = self._nvme
-        self._codec = ZstdCodec(self._cpu_pool)
+        self._codec = Codecs(self._cpu_pool)
+        self._compression = CompressionPolicy(cfg.compress, cfg.compress_policy)
         layout = {"nvme_paths": list(cfg.nvme_paths), "swap_files_per_dir": cfg.swap_files_per_dir}  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         self._manifest = await loop.run_in_executor(self._manifest_thread, Manifest, cfg.path, layout)
@@ -239,8 +246,12 @@ class TieredStore:
             await loop.run_in_executor(self._manifest_thread, self._manifest.close)
         for backend in self._backends.values():
             await backend.close()
+        if hasattr(self, "_codec"):
+            self._codec.close()
         if hasattr(self, "_io"):
             await loop.run_in_executor(None, self._io.close)
+        if hasattr(self, "_results"):
+            self._results.close()
         for pool in ("_cpu_pool", "_manifest_thread"):
             if hasattr(self, pool):
                 getattr(self, pool).shutdown(wait=False)
@@ -269,7 +280,8 @@ class TieredStore:
 
         The caller may reuse ``tensor`` as soon as this returns (not before). A put to nvme is
         durable when it returns; a put to host or device is written down when evicted, flushed or
-        on close. ``compress`` (default: the config's) stores the nvme copy zstd-compressed.
+        on close. ``compress=True`` stores the nvme copy compressed (lossless, bplane-zstd);
+        None leaves it to the config's ``compress`` and ``compress_policy`` (docs/compression.md).
         """
         return await self._call(self._put, key, tensor, tier, compress, _ready_event(tensor))
 
@@ -355,6 +367,11 @@ class TieredStore:
             s.io_busy_seconds = c.io_seconds
         if hasattr(self, "_commits"):
             s.manifest_commits = self._commits.commits
+        if hasattr(self, "_compression"):
+            e = self._compression.estimates
+            s.codec_encode_bps, s.codec_decode_bps, s.codec_ratio = e.encode_bps, e.decode_bps, e.ratio
+            s.nvme_write_bps, s.nvme_read_bps = e.write_bps, e.read_bps
+            s.compress_skipped = self._compression.skipped
         return s
 
     # ------------------------------------------------------------------ calling convention
@@ -365,13 +382,45 @@ class TieredStore:
 
     def _submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> "concurrent.futures.Future[T]":
         self._check_open()
-        return self._loop_thread.submit(self._detached(fn, *args))
+        result: "concurrent.futures.Future[T]" = concurrent.futures.Future()
+        self._inbox.post(self._start_detached, FutureReply(result), fn, args)
+        return result
+
+    def _start_detached(self, reply: "FutureReply | LoopReply", fn: Callable[..., Awaitable[Any]],
+                        args: tuple) -> None:
+        """On the store loop: run ``fn`` as a tracked task whose outcome goes to ``reply``.
+
+        Like ``_detached`` but with one task instead of two and a shield: the caller giving up
+        never reaches the task. A call the caller cancelled before the loop got here never starts.
+        Calls arrive through a mailbox and answer through the caller loop's, so many calls in
+        flight cost a few wakeups, not two per call.
+        """
+        if reply.cancelled():
+            return
+        try:
+            self._check_open()
+        except StoreClosedError as exc:
+            reply.fail(exc)
+            return
+        task = asyncio.ensure_future(fn(*args))
+        self._track(task)
+        task.add_done_callback(reply.finish)
 
     async def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         if self._loop_thread.on_loop_thread():
             self._check_open()
             return await self._detached(fn, *args)
-        return await asyncio.wrap_future(self._submit(fn, *args))
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        outbox = self._last_outbox
+        if outbox is None or outbox.loop is not loop:  # the common case: the same loop as last time
+            outbox = self._outboxes.get(loop)
+            if outbox is None:  # one per caller loop; a loop is only ever run by one thread at a time
+                outbox = self._outboxes[loop] = Mailbox(loop)
+            self._last_outbox = outbox
+        future = loop.create_future()
+        self._inbox.post(self._start_detached, LoopReply(future, outbox), fn, args)
+        return await future
 
     def _call_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         if self._loop_thread.on_loop_thread():
@@ -401,10 +450,9 @@ class TieredStore:
         if ready is not None:  # kernels the caller queued that write `tensor` must finish first
             await self._in_cpu_pool(ready.synchronize)
         tier = Tier.parse(tier)
-        compress = self.config.compress if compress is None else compress
-        if not isinstance(compress, bool):
+        if compress is not None and not isinstance(compress, bool):
             raise TypeError(f"compress must be True, False or None, got {compress!r}")
-        data = tensor.detach()
+        data = tensor.detach() if tensor.requires_grad else tensor
         if not data.is_contiguous():
             data = await self._in_cpu_pool(data.contiguous)
         async with self._key_lock(key):
@@ -449,16 +497,16 @@ class TieredStore:
             await asyncio.wait(faster)  # a failed prefetch only means we read the slower copy
             entry = self._entry(key)
         if out is None:
-            result = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+            result, dst = new_result(entry.shape, entry.dtype, device, self._results)
         else:
             _check_out(out, entry)
-            result = out
+            result, dst = out, spans_of_tensor(out)
         tier = entry.top()
         assert tier is not None
         copy = self._begin_read(entry, tier)
         started = time.perf_counter()
         try:
-            await self._read_copy(entry, tier, copy, spans_of_tensor(result))
+            await self._read_copy(entry, tier, copy, dst)
         finally:
             self._end_read(tier, copy)
         if tier is Tier.NVME:
@@ -599,20 +647,27 @@ class TieredStore:
         """
         entry.persisted = True  # from now on a delete or put of this key must write a tombstone
         payload, codec, meta, encoded = src, RAW, b"", None
-        if entry.compress and entry.nbytes:
-            encoded = await self._codec.encode(await self._host_bytes(src, entry.nbytes))
+        if entry.nbytes and self._compression.wants(entry.compress):
+            host = await self._host_bytes(src, entry.nbytes)
+            started = time.perf_counter()
+            encoded = await self._codec.encode(host, entry.dtype)
             if encoded is not None:
-                payload, codec, meta = encoded.spans(), self._codec.name, encoded.meta
+                payload, codec, meta = encoded.spans(), encoded.codec, encoded.meta
+            elapsed = time.perf_counter() - started if encoded is not None else 0.0
+            self._compression.observe_encode(entry.nbytes, encoded.nbytes if encoded else entry.nbytes, elapsed)
         stored = encoded.nbytes if encoded is not None else entry.nbytes
-        copy = await self._admit(Tier.NVME, stored)
         try:
-            await self._nvme.store(copy, payload)
-        except BaseException:
-            self._discard(Tier.NVME, copy)
-            raise
+            copy = await self._admit(Tier.NVME, stored)
+            try:
+                started = time.perf_counter()
+                await self._nvme.store(copy, payload)
+                self._compression.observe_write(stored, time.perf_counter() - started)
+            except BaseException:
+                self._discard(Tier.NVME, copy)
+                raise
         finally:
             if encoded is not None:
-                encoded.buffer.close()
+                encoded.close()
         record = Record(
             entry.key, entry.dtype, entry.shape, entry.nbytes, stored, codec, meta, copy.chunk,
             tuple(copy.extents), tuple(copy.crcs) if copy.crcs is not None else None, entry.generation,
@@ -637,15 +692,20 @@ class TieredStore:
             await self._device.copy(dst, self._memory_spans(tier, copy))
             return
         try:
+            started = time.perf_counter()
             if entry.codec == RAW:
                 await self._nvme.load(copy, dst)
+                self._compression.observe_read(copy.nbytes, time.perf_counter() - started)
                 return
-            buf = AlignedBuffer(max(copy.nbytes, 1))
+            buf = self._codec.buffer(max(copy.nbytes, 1))
             try:
                 await self._nvme.load(copy, [Span(buf.tensor[: copy.nbytes], buf.view)])
-                await self._codec.decode(buf.view[: copy.nbytes], entry.codec_meta, dst)
+                loaded = time.perf_counter()
+                self._compression.observe_read(copy.nbytes, loaded - started)
+                await self._codec.decode(entry.codec, buf.view[: copy.nbytes], entry.codec_meta, dst)
+                self._compression.observe_decode(entry.nbytes, time.perf_counter() - loaded)
             finally:
-                buf.close()
+                self._codec.release(buf)
         except ChecksumError as exc:
             raise ChecksumError(f"entry {entry.key!r} is corrupt on disk: {exc}") from exc
 

@@ -3,6 +3,7 @@
 from tiered.io.aligned import AlignedBuffer, round_up
 from tiered.io.blocks import BlockRead, BlockWrite, IOEngine
 from tiered.io.files import FileHandle, Syscalls, open_file
+from tiered.io.results import ResultPool
 
 __all__ = [
     "AlignedBuffer",
@@ -10,6 +11,7 @@ __all__ = [
     "BlockWrite",
     "FileHandle",
     "IOEngine",
+    "ResultPool",
     "Syscalls",
     "open_file",
     "round_up",

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import time
-import zlib
 from typing import Callable, Optional, Sequence
 
 from tiered.config import ALIGNMENT
 from tiered.errors import ChecksumError
 from tiered.io.aligned import AlignedBuffer, round_up
+from tiered.io.crc import crc32
 from tiered.io.files import FileHandle, Syscalls, pread_full, pwrite_full
+from tiered.io.mailbox import Mailbox
 
 _ZEROS = bytes(ALIGNMENT)
 
@@ -62,17 +64,6 @@ class IOCounters:
     io_seconds: float = 0.0
 
 
-def crc32(views: Sequence[memoryview], length: int) -> int:
-    """CRC-32 of the first ``length`` bytes of an iovec list (zlib releases the GIL while it runs)."""
-    crc = 0
-    for v in views:
-        if length <= 0:
-            break
-        crc = zlib.crc32(v[:length], crc)
-        length -= len(v)
-    return crc
-
-
 class IOEngine:
     """Runs block reads and writes on ``io_threads`` worker threads with at most ``queue_depth`` in flight.
 
@@ -89,24 +80,38 @@ class IOEngine:
         checksum: bool,
         pin: bool = False,
         syscalls: Syscalls = Syscalls(),
+        staging_buffers: Optional[int] = None,
     ) -> None:
         assert block_size % ALIGNMENT == 0
         self.block_size = block_size
         self.queue_depth = queue_depth
+        self.staging_buffers = min(staging_buffers or queue_depth, queue_depth)
         self.checksum = checksum
         self.syscalls = syscalls
         self.counters = IOCounters()
         self._lock = threading.Lock()
-        self._staging = AlignedBuffer(block_size * queue_depth, pin=pin, prefault=True)
+        self._staging = AlignedBuffer(block_size * self.staging_buffers, pin=pin, prefault=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="tiered-io")
         self._slots: Optional[asyncio.Queue[memoryview]] = None
+        self._tokens: Optional[asyncio.Semaphore] = None
+        self._done: Optional[Mailbox] = None
 
     def _slot_queue(self) -> "asyncio.Queue[memoryview]":
         if self._slots is None:  # created lazily so it binds to the loop that runs the engine
             self._slots = asyncio.Queue()
-            for i in range(self.queue_depth):
+            for i in range(self.staging_buffers):
                 self._slots.put_nowait(self._staging.view[i * self.block_size : (i + 1) * self.block_size])
         return self._slots
+
+    def _in_flight(self) -> asyncio.Semaphore:
+        if self._tokens is None:
+            self._tokens = asyncio.Semaphore(self.queue_depth)
+        return self._tokens
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
+        if self._done is None:
+            self._done = Mailbox(loop)
+        return self._done
 
     async def write(self, blocks: Sequence[BlockWrite]) -> list[Optional[int]]:
         """Write every block; return each block's CRC-32 (None with checksums off)."""
@@ -133,27 +138,73 @@ class IOEngine:
     async def _run(self, blocks: Sequence, fn: Callable) -> list[Optional[int]]:
         loop = asyncio.get_running_loop()
         slots = self._slot_queue()
+        tokens = self._in_flight()
+        done = self._mailbox(loop)
+        futures: list[asyncio.Future[Optional[int]]] = []
+        try:
+            for block in blocks:
+                # Every block in flight holds a token (at most queue_depth); a block whose memory
+                # cannot take O_DIRECT also holds a staging slot. Both queues are FIFO.
+                slot = await slots.get() if _staged(block) else None
+                try:
+                    await tokens.acquire()
+                except BaseException:
+                    if slot is not None:
+                        slots.put_nowait(slot)
+                    raise
+                future = loop.create_future()
+                self._pool.submit(self._work, fn, block, slot, done, future)
+                futures.append(future)
+        except asyncio.CancelledError:
+            # Submitted blocks still use the caller's buffers: let them finish before giving up.
+            while not all(f.done() for f in futures):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait(futures)
+            for f in futures:
+                f.exception()  # retrieved: nobody will await these
+            raise
+        results: list[Optional[int]] = []
+        error: Optional[BaseException] = None
+        for future in futures:  # every block finishes before the first error is raised
+            try:
+                results.append(await future)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other blocks
+                error = error or exc
+                results.append(None)
+        if error is not None:
+            raise error
+        return results
 
-        async def one(block) -> Optional[int]:
-            slot = await slots.get()
-            cf = self._pool.submit(fn, block, slot)
-            # The slot goes back only when the thread is done with it, even if our awaiter is cancelled.
-            cf.add_done_callback(lambda _: loop.call_soon_threadsafe(slots.put_nowait, slot))
-            return await asyncio.wrap_future(cf)
+    def _work(self, fn: Callable, block: object, slot: Optional[memoryview], done: Mailbox,
+              future: "asyncio.Future[Optional[int]]") -> None:
+        """Run one block on a worker thread, then hand back its slot and its result to the loop
+        (one wakeup for all blocks finishing together). The slot goes back only now that the
+        thread is done with it."""
+        try:
+            result, error = fn(block, slot), None
+        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
+            result, error = None, exc
+        done.post(self._finish, slot, future, result, error)
 
-        results = await asyncio.gather(*(one(b) for b in blocks), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results  # type: ignore[return-value]
+    def _finish(self, slot: Optional[memoryview], future: "asyncio.Future[Optional[int]]", result: Optional[int],
+                error: Optional[BaseException]) -> None:
+        self._in_flight().release()
+        if slot is not None:
+            self._slot_queue().put_nowait(slot)
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
-    def _write_one(self, block: BlockWrite, slot: memoryview) -> Optional[int]:
+    def _write_one(self, block: BlockWrite, slot: Optional[memoryview]) -> Optional[int]:
         n_io = round_up(block.length)
         if block.source is not None:
             views = block.source
             assert sum(len(v) for v in views) == n_io
         else:
-            assert block.fill is not None
+            assert block.fill is not None and slot is not None
             view = _room(slot, n_io)[:n_io]
             block.fill(view[: block.length])
             if n_io > block.length:
@@ -168,12 +219,13 @@ class IOEngine:
             self.counters.io_seconds += time.perf_counter() - start
         return crc
 
-    def _read_one(self, block: BlockRead, slot: memoryview) -> Optional[int]:
+    def _read_one(self, block: BlockRead, slot: Optional[memoryview]) -> Optional[int]:
         n_io = round_up(block.length)
         if block.dest is not None:
             views = block.dest
             assert sum(len(v) for v in views) == n_io
         else:
+            assert slot is not None
             views = [_room(slot, n_io)[:n_io]]
         start = time.perf_counter()
         pread_full(self.syscalls, block.handle, views, block.offset)
@@ -196,6 +248,11 @@ class IOEngine:
         self.syscalls.fdatasync(handle.fd)
         with self._lock:
             self.counters.syncs += 1
+
+
+def _staged(block: "BlockWrite | BlockRead") -> bool:
+    """Whether the block moves through a staging slot (it has no iovecs of its own)."""
+    return (block.source if isinstance(block, BlockWrite) else block.dest) is None
 
 
 def _room(slot: memoryview, nbytes: int) -> memoryview:

@@ -1,5 +1,8 @@
-"""Codecs for bytes on nvme. ``raw`` stores bytes as they are; ``zstd`` compresses losslessly in
-independent frames so worker threads encode and decode them in parallel."""
+"""``zstd``: the store's first codec, plain zstd level 1 over 4 MiB frames of raw bytes.
+
+Stores no longer write it (``bplane-zstd`` replaced it), but entries written with it still read.
+``codec_meta``: u32 frame size, then one u32 compressed size per frame, little-endian.
+"""
 
 from __future__ import annotations
 
@@ -11,25 +14,14 @@ from typing import Optional, Sequence
 import torch
 import zstandard
 
+from tiered.codecs.buffers import Encoded
+from tiered.codecs.jobs import run_all
 from tiered.io.aligned import AlignedBuffer
 from tiered.spans import Span, copy_in, pieces, total_bytes
 
 FRAME_BYTES = 4 * 1024 * 1024
 #: Compression that saves less than this fraction is not worth the CPU: the entry is stored raw.
 MIN_SAVING = 0.05
-
-
-class Encoded:
-    """A compressed payload in aligned memory, ready for O_DIRECT."""
-
-    def __init__(self, buffer: AlignedBuffer, nbytes: int, meta: bytes) -> None:
-        self.buffer = buffer
-        self.nbytes = nbytes
-        self.meta = meta
-
-    def spans(self) -> list[Span]:
-        """The payload as spans (aligned, so the nvme tier writes it without staging)."""
-        return [Span(self.buffer.tensor[: self.nbytes], self.buffer.view)] if self.nbytes else []
 
 
 class ZstdCodec:
@@ -41,41 +33,33 @@ class ZstdCodec:
         self._pool = pool
         self._level = level
 
-    async def encode(self, data: torch.Tensor) -> Optional[Encoded]:
+    async def encode(self, data: torch.Tensor, dtype: Optional[torch.dtype] = None) -> Optional[Encoded]:
         """Compress a CPU uint8 tensor; None when the saving is under ``MIN_SAVING``."""
         n = data.numel()
         if n == 0:
             return None
         view = memoryview(data.numpy())
-        loop = asyncio.get_running_loop()
-        frames = await asyncio.gather(
-            *(
-                loop.run_in_executor(self._pool, self._compress, view[i : i + FRAME_BYTES])
-                for i in range(0, n, FRAME_BYTES)
-            )
-        )
+        chunks = ((view[i : i + FRAME_BYTES],) for i in range(0, n, FRAME_BYTES))
+        frames = await run_all(self._pool, self._compress, chunks)
         total = sum(len(f) for f in frames)
         if total > n * (1 - MIN_SAVING):
             return None
-        out = await loop.run_in_executor(self._pool, _join, frames, total)
+        out = await asyncio.get_running_loop().run_in_executor(self._pool, _join, frames, total)
         meta = struct.pack(f"<I{len(frames)}I", FRAME_BYTES, *(len(f) for f in frames))
-        return Encoded(out, total, meta)
+        return Encoded(self.name, out, total, meta)
 
     async def decode(self, payload: memoryview, meta: bytes, dst: Sequence[Span]) -> None:
         """Decompress ``payload`` into ``dst``."""
         (frame_bytes,) = struct.unpack_from("<I", meta)
         sizes = struct.unpack_from(f"<{(len(meta) - 4) // 4}I", meta, 4)
-        loop = asyncio.get_running_loop()
-        jobs = []
+        if sum(sizes) != len(payload):
+            raise ValueError(f"zstd meta accounts for {sum(sizes)} bytes, the payload has {len(payload)}")
+        calls = []
         pos = 0
         for i, size in enumerate(sizes):
-            jobs.append(
-                loop.run_in_executor(
-                    self._pool, self._decompress_into, payload[pos : pos + size], dst, i * frame_bytes, frame_bytes
-                )
-            )
+            calls.append((payload[pos : pos + size], dst, i * frame_bytes, frame_bytes))
             pos += size
-        await asyncio.gather(*jobs)
+        await run_all(self._pool, self._decompress_into, calls)
 
     def _compress(self, chunk: memoryview) -> bytes:
         return zstandard.ZstdCompressor(level=self._level).compress(chunk)

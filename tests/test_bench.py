@@ -1,0 +1,123 @@
+"""`tiered bench --quick` on a tiny size: the report's structure and that every tensor round-tripped.
+
+No timing assertions: the figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tiered.bench.cli import main
+from tiered.bench.deepspeed_aio import load_aio
+from tiered.cli import main as tiered_main
+
+TINY = [
+    "--quick", "--quiet", "--size", "4MiB", "--tensor-sizes", "1MiB,512KiB", "--small-count", "12",
+    "--small-sizes", "4KiB,64KiB", "--concurrency", "4", "--prefetch-count", "3", "--prefetch-size", "256KiB",
+    "--compute-ms", "1", "--block-size", "256KiB",
+]
+
+
+@pytest.fixture
+def no_deepspeed(monkeypatch):
+    """Make `import deepspeed` fail, as on a machine without the optional extra."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+
+
+def test_quick_run_reports_every_phase_and_round_trips(tmp_path, no_deepspeed, capsys):
+    out = tmp_path / "bench.json"
+    work = tmp_path / "disk"
+    assert main(["--dir", str(work), "--json", str(out), *TINY]) == 0
+    report = json.loads(out.read_text())
+    table = capsys.readouterr().out
+
+    assert os.listdir(work) == []  # the scratch directory is gone
+    phases = report["phases"]
+    for prefix in ("large (", "large, zstd", "small 64KiB", "small mix", "prefetch"):
+        assert any(p.startswith(prefix) for p in phases), (prefix, phases)
+
+    figures = {f["name"]: f for f in report["figures"]}
+    for f in figures.values():
+        assert len(f["runs"]) == report["options"]["repeats"] == 3, f["name"]
+        assert f["min"] <= f["median"] <= f["max"], f["name"]
+        assert f["verified"] is not False, f["name"]
+        assert f["name"] in table or f["op"] in table
+    large = next(p for p in phases if p.startswith("large ("))
+    for tool in ("store", "torch.save"):
+        read = figures[f"{large} / {tool} read"]
+        assert all(r["verified"] is True for r in read["runs"]), tool
+    for name, f in figures.items():
+        if f["tool"] == "store" and ("read" in f["op"] or "get" in f["op"]):
+            assert all(r["verified"] is True for r in f["runs"]), name
+    zstd = next(f for f in report["figures"] if f["phase"].startswith("large, zstd") and f["op"] == "write")
+    assert all(0 < r["detail"]["stored_ratio"] <= 1 for r in zstd["runs"])
+
+    fio = report["tools"]["fio"]
+    if fio["present"]:
+        assert f"{large} / fio write" in figures and f"{large} / fio read" in figures
+        assert figures[f"{large} / store write"]["ratio_to_fio"] is not None
+    else:
+        assert "not installed" in fio["note"] and f"{large} / fio write" not in figures
+    ds = report["tools"]["deepspeed"]
+    assert ds["skipped"] and "not installed" in ds["note"]
+    assert not any(f["tool"].startswith("deepspeed") for f in report["figures"])
+    targets = {t["name"]: t for t in report["targets"]}
+    assert targets["store write vs deepspeed write"]["met"] is None
+    assert "small 64 KiB put+get" in targets
+
+
+def test_skip_and_only_select_contenders_and_phases(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--dir", str(tmp_path / "disk"), "--json", str(out), "--skip", "fio,torch,deepspeed", "--only", "large"]
+    assert main([*args, *TINY]) == 0
+    report = json.loads(out.read_text())
+    assert {f["tool"] for f in report["figures"]} == {"store"}
+    assert all(p.startswith("large (") for p in report["phases"])
+    assert report["tools"]["fio"]["skipped"] and report["tools"]["deepspeed"]["skipped"]
+
+
+def test_deepspeed_absent_is_a_note_not_an_error(no_deepspeed):
+    module, status = load_aio()
+    assert module is None and status.skipped and "pip install 'tiered[bench]'" in status.note
+
+
+def test_bad_options_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--dir", str(tmp_path), "--repeats", "2"])
+    assert exc.value.code == 2
+    assert "--repeats must be >= 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--dir", str(tmp_path), "--size", "lots"])
+    assert "not a size" in capsys.readouterr().err
+
+
+def test_entry_points(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        tiered_main(["bench", "--help"])
+    assert exc.value.code == 0
+    assert tiered_main(["frobnicate"]) == 2
+    proc = subprocess.run([sys.executable, "-m", "tiered.bench", "--help"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0 and "--sweep" in proc.stdout
+
+
+def test_sweep_prints_the_best_setting_as_a_config_snippet(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--dir", str(tmp_path / "disk"), "--json", str(out), "--only", "sweep", "--sweep-size", "512KiB",
+            "--sweep-block-sizes", "64KiB,256KiB", "--sweep-queue-depths", "4", "--sweep-io-threads", "2"]
+    assert main([*args, *TINY]) == 0
+    report = json.loads(out.read_text())
+    grid = report["sweep"]["grid"]
+    assert {(r["block_size"], r["queue_depth"], r["io_threads"]) for r in grid} == {(65536, 4, 2), (262144, 4, 2)}
+    assert len(report["figures"]) == 4 and all(len(f["runs"]) == 3 for f in report["figures"])
+    snippet = report["sweep"]["snippet"]
+    assert "StoreConfig(" in snippet and "queue_depth=4" in snippet
+    assert "best setting of the sweep" in capsys.readouterr().out
+    namespace: dict = {}
+    exec(snippet.replace("path=...", f"path={str(tmp_path / 'x')!r}"), namespace)
+    assert namespace["config"].queue_depth == 4

@@ -1,0 +1,126 @@
+"""DeepSpeed's aio handle (``AsyncIOBuilder().load().aio_handle``) writing and reading the same
+tensors, one file each, as ZeRO-Infinity swaps them. An optional extra: skipped with a note when
+deepspeed or libaio is missing."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from tiered.bench.results import Run, ToolStatus
+from tiered.bench.tensors import same
+
+
+def load_aio() -> tuple[Optional[Any], ToolStatus]:
+    """Import deepspeed and build (first time: minutes, cached after) or load its aio op."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        # deepspeed logs to stdout; keep stdout for the table.
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return None, ToolStatus("deepspeed", False, skipped=True, note=(
+            f"deepspeed is not installed ({type(exc).__name__}: {exc}); it is an optional extra: "
+            "pip install 'tiered[bench]' and apt-get install libaio-dev to compare with its aio handle"))
+    version = getattr(deepspeed, "__version__", "")
+    # Its once-per-process SSD-endurance warning would land in the middle of the progress bars.
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            builder = AsyncIOBuilder()
+            if not builder.is_compatible(verbose=False):
+                return None, ToolStatus("deepspeed", True, skipped=True, version=version, note=(
+                    "deepspeed is installed but its aio op cannot be built here (libaio headers missing?); "
+                    "apt-get install libaio-dev"))
+            module = builder.load(verbose=False)
+    except Exception as exc:  # noqa: BLE001 - a failed JIT build is reported, not fatal
+        return None, ToolStatus("deepspeed", True, skipped=True, version=version,
+                                note=f"building DeepSpeed's aio op failed: {type(exc).__name__}: {exc}")
+    return module, ToolStatus("deepspeed", True, version=version)
+
+
+class DeepSpeedAio:
+    """One aio handle; each tensor goes to its own file with ``async_pwrite`` and comes back with
+    ``async_pread``, then ``wait()``. ``locked=True`` uses DeepSpeed's page-locked tensors (its fast
+    path); ``locked=False`` passes the caller's plain tensors, which it bounces through a copy."""
+
+    def __init__(
+        self, module: Any, directory: str, tensors: Sequence[torch.Tensor], *, block_size: int, queue_depth: int,
+        threads: int, locked: bool,
+    ) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.tensors = list(tensors)
+        self.locked = locked
+        self.params = {"block_size": block_size, "queue_depth": queue_depth, "single_submit": False,
+                       "overlap_events": True, "intra_op_parallelism": threads}
+        self.handle = module.aio_handle(block_size, queue_depth, False, True, threads)
+        self.paths = [os.path.join(directory, f"ds{i:05d}.swp") for i in range(len(self.tensors))]
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        if locked:
+            self.buffers = [self.handle.new_cpu_locked_tensor(t.numel(), t) for t in self.tensors]
+            for buf, t in zip(self.buffers, self.tensors):
+                buf.copy_(t.reshape(-1))
+        else:
+            self.buffers = [t.reshape(-1) for t in self.tensors]
+        self.targets = self.buffers if locked else [torch.zeros_like(b) for b in self.buffers]
+
+    def describe(self) -> str:
+        """The handle's parameters, for the report."""
+        p = self.params
+        kind = "its page-locked tensors" if self.locked else "plain tensors (bounced through a locked copy)"
+        return (f"aio_handle(block_size={p['block_size']}, queue_depth={p['queue_depth']}, "
+                f"intra_op_parallelism={p['intra_op_parallelism']}) on {kind}; fdatasync after wait()")
+
+    def write(self) -> Run:
+        """async_pwrite every tensor, wait(), then fdatasync every file (durable, like a put)."""
+        start = time.perf_counter()
+        for buf, path in zip(self.buffers, self.paths):
+            self._check(self.handle.async_pwrite(buf, path), "async_pwrite", path)
+        self._wait(len(self.paths))
+        for path in self.paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        seconds = time.perf_counter() - start
+        return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.paths))
+
+    def read(self) -> Run:
+        """async_pread every file into its buffer (O_DIRECT), wait(), and verify the bytes."""
+        for t in self.targets:
+            t.zero_()  # so a read that moves nothing cannot pass verification
+        start = time.perf_counter()
+        for buf, path in zip(self.targets, self.paths):
+            self._check(self.handle.async_pread(buf, path), "async_pread", path)
+        self._wait(len(self.paths))
+        seconds = time.perf_counter() - start
+        ok = all(same(b.view(t.dtype).reshape(t.shape), t) for b, t in zip(self.targets, self.tensors))
+        return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.paths), verified=ok)
+
+    def close(self) -> None:
+        """Free the locked buffers and remove the files."""
+        if self.locked:
+            for buf in self.buffers:
+                self.handle.free_cpu_locked_tensor(buf)
+            self.buffers = self.targets = []
+        for path in self.paths:
+            if os.path.exists(path):
+                os.unlink(path)
+
+    def _wait(self, expected: int) -> None:
+        done = self.handle.wait()
+        if done != expected:
+            raise RuntimeError(f"DeepSpeed aio wait() completed {done} of {expected} requests")
+
+    @staticmethod
+    def _check(rc: int, what: str, path: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"DeepSpeed {what} of {path} failed (returned {rc})")

@@ -1,0 +1,144 @@
+"""BenchOptions: what one run of ``tiered bench`` measures, with sizes parsed from text."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional, Sequence
+
+from tiered.config import GiB, KiB, MiB, StoreConfig
+
+_UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
+          "g": GiB, "gb": GiB, "gib": GiB}
+
+#: Contenders that can be left out with --skip.
+TOOLS = ("fio", "torch", "deepspeed")
+#: Phases in the order they run; --only picks some (--sweep adds "sweep").
+PHASES = ("large", "compress", "small", "prefetch")
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"``, ``"4k"``, ``"1.5GiB"`` or ``"4096"`` as bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64KiB, 8MiB, 2GiB)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return value
+
+
+def parse_sizes(text: str) -> list[int]:
+    """A comma-separated list of sizes."""
+    return [parse_size(part) for part in text.split(",") if part.strip()]
+
+
+def format_size(n: int) -> str:
+    """Bytes as the shortest exact binary unit (``268435456`` -> ``"256MiB"``)."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    """Every knob of a benchmark run. ``directory`` must be on the disk under test."""
+
+    directory: str
+    #: Bytes of large tensors written and read per run (>= 1 GiB for figures worth quoting).
+    total_bytes: int = 2 * GiB
+    #: Sizes of the large tensors, used in turn until ``total_bytes`` is reached.
+    tensor_sizes: tuple[int, ...] = (256 * MiB,)
+    #: Sizes mixed in the small-tensor phase; 64 KiB also runs alone (the ops/s target).
+    small_sizes: tuple[int, ...] = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB)
+    small_count: int = 2000
+    #: Small-tensor operations in flight in the concurrent variant.
+    small_concurrency: int = 64
+    block_size: int = StoreConfig.block_size
+    queue_depth: int = StoreConfig.queue_depth
+    io_threads: int = StoreConfig.io_threads
+    #: Also measure puts with compress=True (on realistic bf16 data).
+    compress: bool = True
+    #: Prefetch phase: tensors, their size and the fixed compute delay between gets.
+    prefetch_count: int = 16
+    prefetch_bytes: int = 64 * MiB
+    compute_seconds: float = 0.04
+    prefetch_ahead: int = 2
+    repeats: int = 3
+    sweep: bool = False
+    sweep_block_sizes: tuple[int, ...] = (1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)
+    sweep_queue_depths: tuple[int, ...] = (4, 8, 16, 32)
+    sweep_io_threads: tuple[int, ...] = (2, 4, 8)
+    sweep_bytes: int = 512 * MiB
+    drop_caches: bool = False
+    skip: tuple[str, ...] = ()
+    only: tuple[str, ...] = PHASES
+    json_path: Optional[str] = None
+    plot_path: Optional[str] = None
+    quiet: bool = False
+    quick: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.repeats < 3:
+            raise ValueError(f"--repeats must be >= 3 (each figure is a median of >= 3 runs), got {self.repeats}")
+        for name in ("total_bytes", "small_count", "small_concurrency", "prefetch_count", "prefetch_bytes",
+                     "queue_depth", "io_threads", "sweep_bytes", "prefetch_ahead"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.tensor_sizes or not self.small_sizes:
+            raise ValueError("tensor and small sizes must not be empty")
+        if self.compute_seconds < 0:
+            raise ValueError(f"the compute delay must be >= 0, got {self.compute_seconds}")
+        unknown = set(self.skip) - set(TOOLS)
+        if unknown:
+            raise ValueError(f"--skip takes {', '.join(TOOLS)}; unknown: {', '.join(sorted(unknown))}")
+        unknown = set(self.only) - set(PHASES) - {"sweep"}
+        if unknown:
+            raise ValueError(f"--only takes {', '.join(PHASES)}, sweep; unknown: {', '.join(sorted(unknown))}")
+        StoreConfig(path=self.directory, block_size=self.block_size, queue_depth=self.queue_depth,
+                    io_threads=self.io_threads)  # validates the store settings early, with clear messages
+
+    def uses(self, tool: str) -> bool:
+        """Whether contender ``tool`` takes part."""
+        return tool not in self.skip
+
+    def runs(self, phase: str) -> bool:
+        """Whether ``phase`` runs ("compress" also needs compression on, "sweep" needs --sweep)."""
+        if phase == "sweep":
+            return self.sweep or "sweep" in self.only
+        return phase in self.only and (phase != "compress" or self.compress)
+
+    def large_sizes(self) -> list[int]:
+        """The large tensors' sizes: ``tensor_sizes`` in turn, the last one cut to hit ``total_bytes``."""
+        return fill(self.tensor_sizes, self.total_bytes)
+
+    def small_mix(self) -> list[int]:
+        """``small_count`` sizes cycling through ``small_sizes``."""
+        return [self.small_sizes[i % len(self.small_sizes)] for i in range(self.small_count)]
+
+
+def fill(sizes: Sequence[int], total: int) -> list[int]:
+    """``sizes`` in turn until they add up to ``total``; the last one is cut to fit."""
+    out: list[int] = []
+    left = total
+    i = 0
+    while left > 0:
+        n = min(sizes[i % len(sizes)], left)
+        out.append(n)
+        left -= n
+        i += 1
+    return out
+
+
+def quick_overrides() -> dict:
+    """What ``--quick`` changes: a 1 GiB run with fewer small tensors and a shorter prefetch phase."""
+    return {"total_bytes": 1 * GiB, "small_count": 250, "prefetch_count": 6, "prefetch_bytes": 32 * MiB,
+            "compute_seconds": 0.02, "sweep_bytes": 256 * MiB}
+
+
+def describe(sizes: Sequence[int]) -> str:
+    """A short human description of a list of sizes."""
+    distinct = sorted(set(sizes))
+    return ",".join(format_size(s) for s in distinct)

@@ -1,0 +1,224 @@
+"""The benchmark's phases. Each takes the run's context and adds figures to its result."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from tiered import StoreConfig
+from tiered.bench.deepspeed_aio import DeepSpeedAio
+from tiered.bench.fio import Fio
+from tiered.bench.options import BenchOptions, fill, format_size
+from tiered.bench.progress import Progress
+from tiered.bench.results import GBPS, OPS, SECONDS, BenchResult, Figure, Run
+from tiered.bench.store import LargeTensors, StoreUnderTest, prefetch_round, put_all, small_round
+from tiered.bench.system import drop_page_cache
+from tiered.bench.tensors import TensorFactory
+from tiered.bench.torchsave import TorchSave
+from tiered.config import MiB
+
+
+@dataclasses.dataclass
+class Context:
+    """What every phase needs: options, the work directory, the result, and the loaded aio module."""
+
+    options: BenchOptions
+    workdir: str
+    result: BenchResult
+    factory: TensorFactory
+    aio: Optional[Any] = None
+    fio_present: bool = False
+
+    def store_config(self, name: str, **changes: Any) -> StoreConfig:
+        """A StoreConfig in its own subdirectory with the run's I/O settings; no host or device tier
+        unless ``changes`` gives one (puts and gets in these phases go straight to and from nvme)."""
+        fields: dict[str, Any] = {"block_size": self.options.block_size, "queue_depth": self.options.queue_depth,
+                                  "io_threads": self.options.io_threads, "host_bytes": 0, "device_bytes": 0}
+        fields.update(changes)
+        return StoreConfig(path=os.path.join(self.workdir, name), **fields)
+
+    def progress(self, label: str, total: int) -> Progress:
+        """A progress bar for one phase."""
+        return Progress(label, total, enabled=not self.options.quiet)
+
+    def note(self, text: str) -> None:
+        """Add a note to the report (once)."""
+        if text and text not in self.result.notes:
+            self.result.notes.append(text)
+
+    def cold(self) -> None:
+        """Drop the page cache before reads when --drop-caches asked for it."""
+        if self.options.drop_caches:
+            done, why = drop_page_cache()
+            if not done:
+                self.note(f"--drop-caches: {why}")
+
+
+Step = Callable[[], Run]
+
+
+def run_round_robin(ctx: Context, phase: str, writers: dict[str, tuple[str, Step]],
+                    readers: dict[str, tuple[str, Step]], label: str) -> None:
+    """Repeat: every writer once, then every reader once, so slow drift of a shared disk hits every
+    contender alike; the order rotates each time, so no contender always goes first or last.
+    ``writers``/``readers`` map figure keys ``tool:op`` to (tool, step)."""
+    figures = {key: ctx.result.add(Figure(phase, tool, key.split(":", 1)[1], GBPS))
+               for key, (tool, _) in {**writers, **readers}.items()}
+    steps = ctx.options.repeats * (len(writers) + len(readers))
+    with ctx.progress(label, steps) as bar:
+        for rep in range(ctx.options.repeats):
+            for group in (writers, readers):
+                if group is readers:
+                    ctx.cold()
+                items = list(group.items())
+                shift = rep % len(items)
+                for key, (_, step) in items[shift:] + items[:shift]:
+                    figures[key].runs.append(step())
+                    bar.advance()
+
+
+def large_phase(ctx: Context) -> None:
+    """Large tensors (``total_bytes`` in all): store put/get vs fio, torch.save/load and DeepSpeed aio."""
+    opts = ctx.options
+    sizes = opts.large_sizes()
+    phase = f"large ({format_size(opts.total_bytes)} as {len(sizes)} tensors)"
+    tensors = ctx.factory.make_all(sizes)
+    closers: list[Callable[[], None]] = []
+    writers: dict[str, tuple[str, Step]] = {}
+    readers: dict[str, tuple[str, Step]] = {}
+    try:
+        sut = StoreUnderTest(ctx.store_config("store-large"))
+        closers.append(sut.close)
+        store = LargeTensors(sut, tensors)
+        outs = [torch.zeros_like(t) for t in tensors]
+        writers["store:write"] = ("store", store.write)
+        writers["store:write, puts in flight"] = ("store", store.write_concurrently)
+        readers["store:read"] = ("store", store.read)
+        readers["store:read into out="] = ("store", lambda: store.read(into=outs))
+        if not sut.direct:
+            ctx.note("the store fell back to buffered I/O here (no O_DIRECT), so its reads may come from the page "
+                     "cache" + ("" if opts.drop_caches else "; use --drop-caches for cold reads"))
+        if ctx.fio_present and opts.uses("fio"):
+            fio = Fio(os.path.join(ctx.workdir, "fio"), opts.total_bytes, opts.block_size, max(16, opts.queue_depth))
+            closers.append(fio.close)
+            writers["fio:write"] = ("fio", fio.write)
+            readers["fio:read"] = ("fio", fio.read)
+        if opts.uses("torch"):
+            ts = TorchSave(os.path.join(ctx.workdir, "torch"), tensors)
+            closers.append(ts.close)
+            writers["torch.save:write"] = ("torch.save", ts.write)
+            readers["torch.save:read"] = ("torch.save", ts.read)
+        if ctx.aio is not None:
+            variants = [("deepspeed", True)] + ([] if opts.quick else [("deepspeed (plain tensors)", False)])
+            for tool, locked in variants:
+                where = os.path.join(ctx.workdir, "ds-locked" if locked else "ds-plain")
+                ds = DeepSpeedAio(ctx.aio, where, tensors, block_size=opts.block_size,
+                                  queue_depth=opts.queue_depth, threads=min(opts.io_threads, 4), locked=locked)
+                closers.append(ds.close)
+                writers[f"{tool}:write"] = (tool, ds.write)
+                readers[f"{tool}:read"] = (tool, ds.read)
+                ctx.note(f"{tool}: {ds.describe()}")
+        run_round_robin(ctx, phase, writers, readers, "large tensors")
+        if ctx.fio_present and opts.uses("fio"):
+            ctx.note(f"fio: {fio.describe()}")
+            ctx.note(fio.note)
+        cold = "O_DIRECT (page cache bypassed)" if sut.direct else "buffered (may be cached)"
+        for f in ctx.result.figures:
+            if f.phase == phase and f.tool == "store":
+                f.note = {"write": "sequential puts to nvme, each durable on return",
+                          "write, puts in flight": "all puts awaited together (asyncio.gather)",
+                          "read": f"sequential cold gets, new tensors; {cold}",
+                          "read into out=": f"sequential cold gets into caller tensors; {cold}"}.get(f.op, "")
+    finally:
+        for close in reversed(closers):
+            close()
+    _set_fio_ratios(ctx.result, phase)
+
+
+def compress_phase(ctx: Context) -> None:
+    """Large bf16 N(0, 0.02) tensors put with compress=True: effective GB/s and stored/original ratio."""
+    opts = ctx.options
+    total = min(opts.total_bytes, 256 * MiB) if opts.quick else opts.total_bytes
+    tensors = ctx.factory.make_all(fill(opts.tensor_sizes, total))
+    phase = f"large, zstd ({format_size(total)} bf16)"
+    sut = StoreUnderTest(ctx.store_config("store-zstd"))
+    try:
+        store = LargeTensors(sut, tensors, compress=True)
+        run_round_robin(ctx, phase, {"store:write": ("store", store.write)}, {"store:read": ("store", store.read)},
+                        "large tensors, compressed")
+    finally:
+        sut.close()
+    for f in ctx.result.figures:
+        if f.phase == phase and f.op == "write":
+            ratio = sorted(r.detail["stored_ratio"] for r in f.runs)[len(f.runs) // 2]
+            f.note = f"stored/original {ratio:.3f}; GB/s of logical bytes"
+
+
+def small_phase(ctx: Context) -> None:
+    """Many small tensors: put+get ops/s at 64 KiB and for a 4 KiB-1 MiB mix, sequential and concurrent."""
+    opts = ctx.options
+    sets = [("small 64KiB", [64 * 1024] * opts.small_count, False),
+            (f"small mix {format_size(min(opts.small_sizes))}-{format_size(max(opts.small_sizes))}",
+             opts.small_mix(), False)]
+    if opts.compress:
+        sets.append((sets[1][0] + ", zstd", opts.small_mix(), True))
+    modes = [("sequential", 1), (f"{opts.small_concurrency} in flight", opts.small_concurrency)]
+    sut = StoreUnderTest(ctx.store_config("store-small"))
+    try:
+        with ctx.progress("small tensors", len(sets) * len(modes) * opts.repeats) as bar:
+            for phase, sizes, compress in sets:
+                tensors = ctx.factory.make_all(sizes)
+                for mode, concurrency in modes:
+                    if compress and concurrency == 1:
+                        continue
+                    fig = ctx.result.add(Figure(phase, "store", f"put+get, {mode}", OPS))
+                    for _ in range(opts.repeats):
+                        ctx.cold()
+                        fig.runs.append(small_round(sut, tensors, concurrency=concurrency, compress=compress))
+                        bar.advance()
+                    d = sorted(fig.runs, key=lambda r: r.value)[len(fig.runs) // 2].detail
+                    fig.note = (f"put {d['put_ops_per_s']:.0f} ops/s {d['put_gbps']:.2f} GB/s, "
+                                f"get {d['get_ops_per_s']:.0f} ops/s {d['get_gbps']:.2f} GB/s")
+                sut.clear()
+    finally:
+        sut.close()
+
+
+def prefetch_phase(ctx: Context) -> None:
+    """N gets with a fixed compute delay between them, with and without prefetching ahead."""
+    opts = ctx.options
+    tensors = ctx.factory.make_all([opts.prefetch_bytes] * opts.prefetch_count)
+    keys = [f"prefetch/{i:04d}" for i in range(len(tensors))]
+    phase = (f"prefetch ({opts.prefetch_count} x {format_size(opts.prefetch_bytes)}, "
+             f"{opts.compute_seconds * 1000:.0f} ms compute per get)")
+    host = (opts.prefetch_ahead + 2) * opts.prefetch_bytes
+    sut = StoreUnderTest(ctx.store_config("store-prefetch", host_bytes=host))
+    try:
+        put_all(sut, keys, tensors)
+        plain = ctx.result.add(Figure(phase, "store", "gets, no prefetch", SECONDS))
+        ahead = ctx.result.add(Figure(phase, "store", f"gets, prefetch {opts.prefetch_ahead} ahead", SECONDS))
+        with ctx.progress("prefetch overlap", 2 * opts.repeats) as bar:
+            for _ in range(opts.repeats):
+                for fig, n in ((plain, 0), (ahead, opts.prefetch_ahead)):
+                    fig.runs.append(prefetch_round(sut, keys, tensors, ahead=n, compute_seconds=opts.compute_seconds))
+                    bar.advance()
+    finally:
+        sut.close()
+    compute = opts.compute_seconds * opts.prefetch_count
+    io = max(plain.median - compute, 0.0)
+    ideal = max(io, compute)  # full overlap of I/O with compute
+    plain.note = f"get into a reused tensor, then {opts.compute_seconds * 1000:.0f} ms of compute; I/O alone {io:.2f} s"
+    ahead.note = (f"{plain.median / ahead.median:.2f}x faster than no prefetch; full overlap would take "
+                  f"max(I/O, compute) = {ideal:.2f} s")
+
+
+def _set_fio_ratios(result: BenchResult, phase: str) -> None:
+    for f in result.figures:
+        if f.phase != phase or f.tool == "fio":
+            continue
+        ref = result.figure(phase, "fio", "write" if f.op.startswith("write") else "read")
+        if ref is not None and ref.runs and ref.median > 0:
+            f.ratio_to_fio = f.median / ref.median

@@ -1,0 +1,198 @@
+"""The store under test, driven only through its public API (StoreConfig, TieredStore and its
+put/get/prefetch/evict/delete/info)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+import warnings
+from typing import Awaitable, Optional, Sequence, TypeVar
+
+import torch
+
+from tiered import StoreConfig, Tier, TieredStore
+from tiered.bench.results import Run
+from tiered.bench.tensors import same
+
+T = TypeVar("T")
+
+
+class StoreUnderTest:
+    """A store in its own directory with an event loop of its own, so phases call it synchronously.
+
+    ``direct`` is False when the store warned that it fell back to buffered I/O (no O_DIRECT).
+    """
+
+    def __init__(self, config: StoreConfig, *, keep: bool = False) -> None:
+        self.config = config
+        self.keep = keep
+        self.loop = asyncio.new_event_loop()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.store = self.run(TieredStore.open_async(config))
+        self.direct = config.direct_io and not any("O_DIRECT" in str(w.message) for w in caught)
+
+    def run(self, coro: Awaitable[T]) -> T:
+        """Run a coroutine on this object's loop."""
+        return self.loop.run_until_complete(coro)
+
+    def clear(self) -> None:
+        """Delete every key (not timed), so the next run writes into reused extents."""
+        async def go() -> None:
+            await asyncio.gather(*(self.store.delete(k) for k in self.store.keys()))
+        self.run(go())
+
+    def close(self) -> None:
+        """Close the store and remove its directory (unless made with ``keep=True``)."""
+        try:
+            if self.keep:
+                self.clear()  # the next store over this directory reuses the extents
+            self.run(self.store.close())
+        finally:
+            self.loop.close()
+            if not self.keep:
+                self.remove(self.config)
+
+    @staticmethod
+    def remove(config: StoreConfig) -> None:
+        """Delete a store's directory (the benchmark's own scratch stores only)."""
+        shutil.rmtree(config.path, ignore_errors=True)
+
+
+class LargeTensors:
+    """Sequential puts of large tensors to nvme (durable on return) and cold gets of them."""
+
+    def __init__(self, sut: StoreUnderTest, tensors: Sequence[torch.Tensor], *, compress: bool = False) -> None:
+        self.sut = sut
+        self.tensors = list(tensors)
+        self.compress = compress
+        self.keys = [f"large/{i:05d}" for i in range(len(self.tensors))]
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def write(self) -> Run:
+        """put every tensor to nvme, one after another; durable when each call returns."""
+        store = self.sut.store
+        self.sut.clear()
+
+        async def go() -> float:
+            start = time.perf_counter()
+            for key, t in zip(self.keys, self.tensors):
+                await store.put(key, t, tier=Tier.NVME, compress=self.compress)
+            return time.perf_counter() - start
+
+        seconds = self.sut.run(go())
+        stored = sum(store.info(k).stored_nbytes or 0 for k in self.keys)
+        return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.keys),
+                   detail={"stored_bytes": stored, "stored_ratio": stored / self.nbytes})
+
+    def write_concurrently(self) -> Run:
+        """put every tensor to nvme with all the puts in flight at once (asyncio.gather)."""
+        store = self.sut.store
+        self.sut.clear()
+
+        async def go() -> float:
+            start = time.perf_counter()
+            await asyncio.gather(*(store.put(k, t, tier=Tier.NVME, compress=self.compress)
+                                   for k, t in zip(self.keys, self.tensors)))
+            return time.perf_counter() - start
+
+        seconds = self.sut.run(go())
+        return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.keys))
+
+    def read(self, *, into: Optional[list[torch.Tensor]] = None) -> Run:
+        """get every tensor from nvme, one after another, each into a new tensor (checked, then
+        dropped before the next get, as a loop streaming tensors in would) or into ``into``.
+        Only the gets are timed."""
+        store = self.sut.store
+
+        async def go() -> tuple[float, bool]:
+            seconds, ok = 0.0, True
+            for i, (key, want) in enumerate(zip(self.keys, self.tensors)):
+                start = time.perf_counter()
+                got = await (store.get(key) if into is None else store.get(key, out=into[i]))
+                seconds += time.perf_counter() - start
+                ok = ok and same(got, want)
+                del got
+            return seconds, ok
+
+        seconds, ok = self.sut.run(go())
+        return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.keys), verified=ok)
+
+
+def small_round(
+    sut: StoreUnderTest, tensors: Sequence[torch.Tensor], *, concurrency: int, compress: bool = False
+) -> Run:
+    """put every small tensor to nvme, then get every one back; ``concurrency`` operations in flight.
+
+    The value is put+get operations per second over both halves; GB/s of each half is in the detail.
+    """
+    store = sut.store
+    keys = [f"small/{i:06d}" for i in range(len(tensors))]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    sut.clear()
+
+    async def bounded(calls: list) -> list:
+        if concurrency == 1:
+            return [await c() for c in calls]
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(c):  # noqa: ANN001, ANN202
+            async with sem:
+                return await c()
+        return await asyncio.gather(*(one(c) for c in calls))
+
+    async def go() -> tuple[float, float, list[torch.Tensor]]:
+        start = time.perf_counter()
+        await bounded([lambda k=k, t=t: store.put(k, t, tier=Tier.NVME, compress=compress)
+                       for k, t in zip(keys, tensors)])
+        mid = time.perf_counter()
+        got = await bounded([lambda k=k: store.get(k) for k in keys])
+        return mid - start, time.perf_counter() - mid, got
+
+    put_s, get_s, got = sut.run(go())
+    ok = all(same(a, b) for a, b in zip(got, tensors))
+    n = len(tensors)
+    seconds = put_s + get_s
+    return Run(2 * n / seconds, seconds, 2 * nbytes, 2 * n, verified=ok, detail={
+        "put_seconds": put_s, "get_seconds": get_s, "put_ops_per_s": n / put_s, "get_ops_per_s": n / get_s,
+        "put_gbps": nbytes / put_s / 1e9, "get_gbps": nbytes / get_s / 1e9, "put_get_gbps": 2 * nbytes / seconds / 1e9,
+        "concurrency": concurrency, "tensors": n})
+
+
+def prefetch_round(
+    sut: StoreUnderTest, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, ahead: int, compute_seconds: float,
+) -> Run:
+    """Visit every key in order: get it, then "compute" for a fixed delay. With ``ahead > 0`` the
+    next ``ahead`` keys are prefetched to host while computing, and each used host copy is evicted."""
+    store = sut.store
+    outs = [torch.empty_like(t) for t in tensors]  # reused buffers, as a training loop would have
+
+    async def go() -> float:
+        for k in keys:  # every key starts on nvme only
+            await store.evict(k, Tier.NVME)
+        start = time.perf_counter()
+        for i in range(min(ahead, len(keys))):
+            store.prefetch(keys[i], Tier.HOST)
+        for i, k in enumerate(keys):
+            if ahead > 0 and i + ahead < len(keys):
+                store.prefetch(keys[i + ahead], Tier.HOST)
+            await store.get(k, out=outs[i])  # waits for the key's prefetch when one is in flight
+            if ahead > 0:
+                await store.evict(k, Tier.NVME)  # a clean drop: no I/O
+            await asyncio.sleep(compute_seconds)
+        return time.perf_counter() - start
+
+    seconds = sut.run(go())
+    ok = all(same(a, b) for a, b in zip(outs, tensors))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return Run(seconds, seconds, nbytes, len(keys), verified=ok,
+               detail={"ahead": ahead, "compute_seconds": compute_seconds})
+
+
+def put_all(sut: StoreUnderTest, keys: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    """Put tensors to nvme (setup, not timed)."""
+    async def go() -> None:
+        for k, t in zip(keys, tensors):
+            await sut.store.put(k, t, tier=Tier.NVME)
+    sut.run(go())
