@@ -45,7 +45,7 @@ from tiered.tier import TIERS_TOP_DOWN, Tier
 
 T = TypeVar("T")
 LOCK_NAME = "LOCK"
-_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 
 
 class Prefetch:
