@@ -37,15 +37,15 @@ class StoreConfig:
     block_size: int = 8 * MiB
     #: Most blocks in flight at once over the whole store. Twice ``io_threads`` keeps every thread
     #: fed: a thread that finishes a block picks up the next one at once, without waiting for the
-    #: event loop to submit it (8 -> 16 raised write and cold-read GB/s 5-15% on the benchmark VM).
-    queue_depth: int = 16
+    #: event loop to submit it. See docs/benchmarks.md for how 8/8/8 -> 32/16/16 was chosen.
+    queue_depth: int = 32
     #: Staging buffers of ``block_size`` bytes (page-aligned; pinned under CUDA). A block whose memory
     #: cannot take O_DIRECT (a caller's tensor, a device copy) moves through one, so at most this many
     #: such blocks are in flight; blocks of host-tier copies and get results need none. Capped at
-    #: ``queue_depth``.
-    staging_buffers: int = 8
-    #: Worker threads issuing pread/pwrite.
-    io_threads: int = 8
+    #: ``queue_depth``. 16 x 8 MiB keeps the disk busy while blocks are being copied and checksummed.
+    staging_buffers: int = 16
+    #: Worker threads issuing pread/pwrite (each blocks in one syscall at a time).
+    io_threads: int = 16
     #: Worker threads for memory copies, checksums and codecs.
     cpu_threads: int = 2
     #: Swap files per directory (extents go round-robin over them).

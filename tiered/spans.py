@@ -16,7 +16,9 @@ import torch
 from tiered.io.results import ResultPool
 
 #: CPU results of a get at least this large get page-aligned memory of their own (see new_result).
-DIRECT_RESULT_BYTES = 1024 * 1024
+#: Below it, torch.empty's heap memory is usually already touched (glibc serves up to 32 MiB from
+#: reused heap once large blocks have been freed), which beats a fresh mapping the pool may miss.
+DIRECT_RESULT_BYTES = 32 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,9 +28,13 @@ class StoreUnderTest:
         self.config = config
         self.keep = keep
         self.loop = asyncio.new_event_loop()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            self.store = self.run(TieredStore.open_async(config))
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self.store = self.run(TieredStore.open_async(config))
+        except BaseException:
+            self.loop.close()
+            raise
         self.direct = config.direct_io and not any("O_DIRECT" in str(w.message) for w in caught)
 
     def run(self, coro: Awaitable[T]) -> T:
