@@ -13,7 +13,7 @@ from tiered.errors import (
     TransferError,
 )
 from tiered.policy import EvictionPolicy, FutureOrderPolicy, LRUPolicy
-from tiered.stats import StoreStats, TierStats
+from tiered.stats import NvmeSpace, StoreStats, TierStats
 from tiered.store import Prefetch, SyncStore, TieredStore
 from tiered.tier import Tier
 
@@ -28,6 +28,7 @@ __all__ = [
     "KeyNotFoundError",
     "LRUPolicy",
     "ManifestError",
+    "NvmeSpace",
     "Prefetch",
     "StoreClosedError",
     "StoreConfig",

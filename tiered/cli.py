@@ -1,25 +1,64 @@
-"""The ``tiered`` command: ``tiered bench ...`` runs the benchmark."""
+"""The ``tiered`` command: ``tiered bench``, ``tiered inspect DIR`` and ``tiered fsck DIR``."""
 
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
-USAGE = "usage: tiered bench [options]   (tiered bench --help for the options)"
+USAGE = """usage: tiered <command> [options]   (tiered <command> --help for its options)
+
+commands:
+  bench         measure the store on this machine, next to fio, torch.save and DeepSpeed's aio
+  inspect DIR   show a store directory's entries, codec ratios and swap-file space
+  fsck DIR      verify every checksum of a closed store; --reclaim orphaned space, --delete-damaged"""
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Dispatch ``tiered <command>``; the only command is ``bench``."""
+def _bench(argv: Sequence[str]) -> int:
+    from tiered.bench.cli import main
+
+    return main(list(argv))
+
+
+def _inspect(argv: Sequence[str]) -> int:
+    from tiered.offline.commands import inspect_main
+
+    return inspect_main(argv)
+
+
+def _fsck(argv: Sequence[str]) -> int:
+    from tiered.offline.commands import fsck_main
+
+    return fsck_main(argv)
+
+
+#: Subcommands; each imports its module only when run, so ``tiered --help`` stays fast.
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "bench": _bench,
+    "inspect": _inspect,
+    "fsck": _fsck,
+}
+
+
+def main(
+    argv: Optional[Sequence[str]] = None,
+    *,
+    commands: Mapping[str, Callable[[Sequence[str]], int]] = COMMANDS,
+    usage: str = USAGE,
+) -> int:
+    """Dispatch ``tiered <command> ...``; return the exit status (2 for an unknown command).
+
+    ``commands`` and ``usage`` let a package built on the store add commands (the engine adds
+    ``train``; the store never imports the engine).
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage)
         return 0 if args else 2
-    if args[0] == "bench":
-        from tiered.bench.cli import main as bench_main
-
-        return bench_main(args[1:])
-    print(f"tiered: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
-    return 2
+    command = commands.get(args[0])
+    if command is None:
+        print(f"tiered: unknown command {args[0]!r}\n{usage}", file=sys.stderr)
+        return 2
+    return command(args[1:])
 
 
 if __name__ == "__main__":

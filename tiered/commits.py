@@ -58,6 +58,10 @@ class CommitLog:
             self._task = asyncio.get_running_loop().create_task(self._run())
         return done
 
+    def committed_generation(self, key: str) -> Optional[int]:
+        """The generation of ``key``'s last committed change (a record or a tombstone), if any."""
+        return self._generations.get(key)
+
     async def barrier(self) -> None:
         """Wait until every change submitted so far has committed (or failed)."""
         if self._outstanding:

@@ -22,6 +22,22 @@ class TierStats:
     bytes_out: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class NvmeSpace:
+    """Where the nvme tier's bytes are (:meth:`TieredStore.nvme_space`).
+
+    ``file_bytes``: swap-file capacity. ``allocated_bytes``: what the extent allocators have handed
+    out. ``charged_bytes``: what the tier charges against its budget. ``entry_bytes``: extents of
+    the current entries' nvme copies. With nothing in flight all three of the last are equal;
+    anything more is leaked space.
+    """
+
+    file_bytes: int
+    allocated_bytes: int
+    charged_bytes: int
+    entry_bytes: int
+
+
 @dataclasses.dataclass
 class StoreStats:
     """A snapshot of :meth:`TieredStore.stats`. ``io_wait_seconds`` is time callers spent awaiting

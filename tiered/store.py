@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import fcntl
+import functools
 import itertools
 import os
 import threading
@@ -33,6 +35,8 @@ from tiered.errors import (
     ManifestError,
     StoreClosedError,
     StoreLockedError,
+    TieredError,
+    TransferError,
 )
 from tiered.io import IOEngine, ResultPool
 from tiered.io.mailbox import FutureReply, LoopReply, Mailbox
@@ -40,7 +44,7 @@ from tiered.loop import LoopThread
 from tiered.manifest import Manifest, Record
 from tiered.policy import EvictionPolicy, FutureOrderPolicy
 from tiered.spans import Span, new_result, spans_of_tensor
-from tiered.stats import StoreStats
+from tiered.stats import NvmeSpace, StoreStats
 from tiered.tier import TIERS_TOP_DOWN, Tier
 
 T = TypeVar("T")
@@ -54,8 +58,11 @@ class Prefetch:
     Cancelling the handle stops waiting; the transfer itself completes in the background.
     """
 
-    def __init__(self, future: "concurrent.futures.Future[None]") -> None:
+    def __init__(
+        self, future: "concurrent.futures.Future[None]", on_store_thread: Optional[Callable[[], bool]] = None
+    ) -> None:
         self._future = future
+        self._on_store_thread = on_store_thread
 
     def __await__(self):  # noqa: ANN204 - generator protocol
         return asyncio.wrap_future(self._future).__await__()
@@ -65,7 +72,10 @@ class Prefetch:
         return self._future.done()
 
     def result(self, timeout: Optional[float] = None) -> None:
-        """Block until the transfer finished; re-raise its error."""
+        """Block until the transfer finished; re-raise its error. Not on the store's own loop thread
+        (RuntimeError there: the transfer needs that thread), where the handle can be awaited."""
+        if self._on_store_thread is not None and not self._future.done() and self._on_store_thread():
+            raise RuntimeError("Prefetch.result() cannot block on the store's own loop thread; await the handle")
         self._future.result(timeout)
 
     def cancel(self) -> bool:
@@ -142,8 +152,11 @@ class TieredStore:
 
     async def _open(self) -> None:
         cfg = self.config
-        os.makedirs(cfg.path, mode=0o700, exist_ok=True)
-        self._lock_fd = _acquire_lock(os.path.join(cfg.path, LOCK_NAME))
+        try:
+            os.makedirs(cfg.path, mode=0o700, exist_ok=True)
+            self._lock_fd = _acquire_lock(os.path.join(cfg.path, LOCK_NAME))
+        except OSError as exc:
+            raise _unusable_directory(exc, "StoreConfig.path", cfg.path) from exc
         device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = device.type == "cuda"
         self._cpu_pool = concurrent.futures.ThreadPoolExecutor(cfg.cpu_threads, thread_name_prefix="tiered-cpu")
@@ -160,20 +173,26 @@ class TieredStore:
         self._device = DeviceBackend(device, cfg.device_bytes, self._cpu_pool)
         self._backends[Tier.DEVICE] = self._device
         self._backends[Tier.HOST] = HostBackend(cfg.host_bytes, self._cpu_pool, pin=cuda, prefault=cfg.prefault_host)
-        self._nvme = NvmeBackend(
-            cfg.nvme_paths,  # type: ignore[arg-type]
-            files_per_dir=cfg.swap_files_per_dir,
-            budget=cfg.nvme_bytes,
-            grow_bytes=cfg.swap_grow_bytes,
-            io=self._io,
-            direct=cfg.direct_io,
-        )
+        try:
+            self._nvme = NvmeBackend(
+                cfg.nvme_paths,  # type: ignore[arg-type]
+                files_per_dir=cfg.swap_files_per_dir,
+                budget=cfg.nvme_bytes,
+                grow_bytes=cfg.swap_grow_bytes,
+                io=self._io,
+                direct=cfg.direct_io,
+            )
+        except OSError as exc:
+            raise _unusable_directory(exc, "StoreConfig.nvme_paths", exc.filename or str(cfg.nvme_paths)) from exc
         self._backends[Tier.NVME] = self._nvme
         self._codec = Codecs(self._cpu_pool)
         self._compression = CompressionPolicy(cfg.compress, cfg.compress_policy)
         layout = {"nvme_paths": list(cfg.nvme_paths), "swap_files_per_dir": cfg.swap_files_per_dir}  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
-        self._manifest = await loop.run_in_executor(self._manifest_thread, Manifest, cfg.path, layout)
+        swap_bytes = sum(f.alloc.capacity for f in self._nvme.files)
+        self._manifest = await loop.run_in_executor(
+            self._manifest_thread, functools.partial(Manifest, cfg.path, layout, swap_bytes=swap_bytes)
+        )
         records = await loop.run_in_executor(self._manifest_thread, self._manifest.load)
         committed: dict[str, int] = {}
         for rec in records:
@@ -196,7 +215,11 @@ class TieredStore:
         try:
             self._nvme.mark_used(copy)
         except ValueError as exc:
-            raise ManifestError(f"entry {rec.key!r} in the manifest is inconsistent with the swap files: {exc}") from exc
+            raise ManifestError(
+                f"entry {rec.key!r} in the manifest is inconsistent with the swap files: {exc}; the swap files were "
+                f"truncated or replaced, or the manifest is damaged. `tiered fsck {self.config.path} --delete-damaged` "
+                "removes such records and keeps the rest"
+            ) from exc
         entry = Entry(
             rec.key, rec.dtype, rec.shape, rec.nbytes, rec.generation,
             codec=rec.codec, codec_meta=rec.codec_meta, stored_nbytes=rec.stored_nbytes, persisted=True,
@@ -302,7 +325,7 @@ class TieredStore:
         _check_key(key)
         if key not in self._entries:
             raise KeyNotFoundError(f"key {key!r} is not in the store")
-        return Prefetch(self._submit(self._prefetch, key, tier))
+        return Prefetch(self._submit(self._prefetch, key, tier), self._loop_thread.on_loop_thread)
 
     async def evict(self, key: str, tier: "Tier | str" = Tier.NVME) -> None:
         """Keep ``key`` only in ``tier`` and below: drop faster copies, writing the entry down
@@ -373,6 +396,23 @@ class TieredStore:
             s.nvme_write_bps, s.nvme_read_bps = e.write_bps, e.read_bps
             s.compress_skipped = self._compression.skipped
         return s
+
+    def nvme_space(self) -> NvmeSpace:
+        """Swap-file capacity, allocated extents, budget charge and current entries' extents, in bytes.
+
+        A snapshot like :meth:`stats`. With no operation in flight, allocated == charged == entries'
+        extents; after a reopen that is exactly the committed records' extents (nothing leaked).
+        """
+        files = self._nvme.files
+        entry_bytes = sum(
+            c.footprint for e in list(self._entries.values()) if (c := e.copies.get(Tier.NVME)) is not None
+        )
+        return NvmeSpace(
+            file_bytes=sum(f.alloc.capacity for f in files),
+            allocated_bytes=sum(f.alloc.used_bytes for f in files),
+            charged_bytes=self._nvme.used,
+            entry_bytes=entry_bytes,
+        )
 
     # ------------------------------------------------------------------ calling convention
 
@@ -453,6 +493,8 @@ class TieredStore:
         if compress is not None and not isinstance(compress, bool):
             raise TypeError(f"compress must be True, False or None, got {compress!r}")
         data = tensor.detach() if tensor.requires_grad else tensor
+        if data.is_conj() or data.is_neg():  # lazy views: their memory does not hold the values they show
+            data = await self._in_cpu_pool(lambda: data.resolve_conj().resolve_neg())
         if not data.is_contiguous():
             data = await self._in_cpu_pool(data.contiguous)
         async with self._key_lock(key):
@@ -490,6 +532,11 @@ class TieredStore:
 
     async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor]) -> torch.Tensor:
         _check_key(key)
+        if not isinstance(device, torch.device):
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
         entry = self._entry(key)
         top = entry.top()
         faster = [task for t, task in entry.moving.items() if top is None or t.rank < top.rank]
@@ -618,7 +665,8 @@ class TieredStore:
                 # still points at these extents, so they must not be reused yet.
                 self._settle(Tier.NVME, written)
                 await self._commits.barrier()
-                self._backends[Tier.NVME].release(written)
+                if self._commits.committed_generation(entry.key) != entry.generation:
+                    self._backends[Tier.NVME].release(written)  # else the tombstone failed: keep them
                 self._wake(Tier.NVME)
             return
         new = await self._admit(tier, entry.nbytes)
@@ -662,8 +710,10 @@ class TieredStore:
                 started = time.perf_counter()
                 await self._nvme.store(copy, payload)
                 self._compression.observe_write(stored, time.perf_counter() - started)
-            except BaseException:
+            except BaseException as exc:
                 self._discard(Tier.NVME, copy)
+                if isinstance(exc, OSError):
+                    raise _naming_key(exc, "writing", entry.key) from exc
                 raise
         finally:
             if encoded is not None:
@@ -674,8 +724,10 @@ class TieredStore:
         )
         try:
             applied = await self._commits.submit(entry.key, entry.generation, record, copy)
-        except BaseException:
+        except BaseException as exc:
             self._discard(Tier.NVME, copy)
+            if isinstance(exc, (OSError, TieredError)):
+                raise _naming_key(exc, "committing", entry.key) from exc
             raise
         if not applied:
             self._discard(Tier.NVME, copy)
@@ -708,6 +760,8 @@ class TieredStore:
                 self._codec.release(buf)
         except ChecksumError as exc:
             raise ChecksumError(f"entry {entry.key!r} is corrupt on disk: {exc}") from exc
+        except TransferError as exc:
+            raise TransferError(f"reading entry {entry.key!r} failed: {exc}") from exc
 
     async def _store_memory(self, tier: Tier, copy: Copy, src: Sequence[Span]) -> None:
         await self._device.copy(self._backends[tier].spans(copy), src)  # type: ignore[arg-type]
@@ -863,9 +917,21 @@ class TieredStore:
         self._retire(entry)
         try:
             await self._commits.submit(entry.key, generation, None, None)
-        finally:
-            if nvme is not None:
-                self._backends[Tier.NVME].release(nvme)
+        except BaseException as exc:
+            # The old record may still be committed, pointing at these extents: keep them allocated
+            # (until the next open) so no later put overwrites them. A delete that failed leaves the
+            # key as committed; after a put, the new version's put or delete must try again.
+            if current is not None:
+                current.persisted = True
+            elif nvme is not None and entry.key not in self._entries:
+                self._entries[entry.key] = entry
+                self._add_copy(entry, Tier.NVME, nvme)
+                self._policy.touch(entry.key)
+            if isinstance(exc, (OSError, TieredError)):
+                raise _naming_key(exc, "removing the committed record of", entry.key) from exc
+            raise
+        if nvme is not None:
+            self._backends[Tier.NVME].release(nvme)
 
     def _entry(self, key: str) -> Entry:
         entry = self._entries.get(key)
@@ -909,6 +975,30 @@ class SyncStore:
     def get(self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Blocking :meth:`TieredStore.get`."""
         return self._store._call_sync(self._store._get, key, device, out)
+
+    def get_future(
+        self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None
+    ) -> "concurrent.futures.Future[torch.Tensor]":
+        """Start :meth:`TieredStore.get` and return at once; the future holds the result (``out`` when given).
+
+        ``out`` must not be read or written until the future is done. A CUDA ``out`` is written only after
+        the work queued so far on the caller's current stream has finished (memory the caching allocator
+        handed back may still be read by queued kernels).
+        """
+        return self._store._submit(self._get_when_ready, key, device, out, _ready_event(out))
+
+    def put_future(
+        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None
+    ) -> "concurrent.futures.Future[None]":
+        """Start :meth:`TieredStore.put` and return at once; ``tensor`` must stay unchanged until the future is done."""
+        return self._store._submit(self._store._put, key, tensor, tier, compress, _ready_event(tensor))
+
+    async def _get_when_ready(
+        self, key: str, device: "torch.device | str", out: Optional[torch.Tensor], ready: Any
+    ) -> torch.Tensor:
+        if ready is not None:
+            await self._store._in_cpu_pool(ready.synchronize)
+        return await self._store._get(key, device, out)
 
     def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
         """Same as :meth:`TieredStore.prefetch` (it never blocks)."""
@@ -992,11 +1082,19 @@ def _acquire_lock(path: str) -> int:
 def _check_key(key: object) -> None:
     if not isinstance(key, str):
         raise TypeError(f"keys are strings, got {type(key).__name__}: {key!r}")
+    if not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates: the manifest stores keys as UTF-8 text
+            raise ValueError(f"key {key!r} is not valid Unicode ({exc.reason} at {exc.start}); use a valid string") \
+                from None
 
 
 def _check_tensor(tensor: object) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"put takes a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_nested:
+        raise TypeError("put does not take nested tensors; store each component with t.unbind() instead")
     if tensor.layout is not torch.strided:
         raise TypeError(f"put takes dense (strided) tensors, got layout {tensor.layout}; convert with .to_dense()")
     if tensor.device.type == "meta":
@@ -1032,3 +1130,22 @@ def _consume_exception(task: "asyncio.Task[Any]") -> None:
     # next waiter (or a get falls back to the slower copy). Mark it retrieved to keep logs clean.
     if not task.cancelled():
         task.exception()
+
+
+def _naming_key(exc: BaseException, doing: str, key: str) -> TieredError:
+    """A failed write or commit of one entry as a typed error naming the key: CapacityError when
+    the disk is full, the same type for store errors, TransferError for other OSErrors."""
+    message = f"{doing} entry {key!r} failed: {exc}"
+    cause = exc.__cause__ if isinstance(exc, TransferError) else exc
+    if getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return CapacityError(f"{message}; free disk space or set nvme_bytes")
+    if isinstance(exc, TieredError):
+        return type(exc)(message)
+    return TransferError(message)
+
+
+def _unusable_directory(exc: OSError, field: str, path: str) -> OSError:
+    """An OSError from creating or locking a store directory, saying which setting to change."""
+    reason = exc.strerror or str(exc)
+    return OSError(exc.errno, f"cannot use {path!r} ({field}) as a store directory: {reason}; give a directory "
+                              "this process can create and write")

@@ -80,7 +80,7 @@ class NvmeBackend(TierBackend):
         for directory in self.dirs:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             for i in range(files_per_dir):
-                path = os.path.join(directory, f"swap-{i:02d}.bin")
+                path = swap_file_path(directory, i)
                 handle = open_file(path, direct=direct)
                 os.fchmod(handle.fd, 0o600)
                 size = os.fstat(handle.fd).st_size
@@ -258,6 +258,11 @@ class NvmeBackend(TierBackend):
     async def close(self) -> None:
         for f in self.files:
             f.handle.close()
+
+
+def swap_file_path(directory: str, index: int) -> str:
+    """The path of swap file number ``index`` (counted within its directory) under ``directory``."""
+    return os.path.join(directory, f"swap-{index:02d}.bin")
 
 
 def _free_disk_bytes(directory: str) -> int:

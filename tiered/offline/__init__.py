@@ -1,0 +1,22 @@
+"""Tools that work on a store directory without opening a store: ``tiered inspect`` and ``tiered fsck``.
+
+They read the manifest with SQLite alone (never unpickling anything) and the swap files with plain
+reads, so they also work on a store whose process crashed, and they respect the store's lock file.
+"""
+
+from tiered.offline.fsck import Damage, FsckReport, check_store, repair_store
+from tiered.offline.inspection import EntryRow, InspectReport, inspect_store
+from tiered.offline.storedir import StoreDirectory, StoredRecord, SwapFileInfo
+
+__all__ = [
+    "Damage",
+    "EntryRow",
+    "FsckReport",
+    "InspectReport",
+    "StoreDirectory",
+    "StoredRecord",
+    "SwapFileInfo",
+    "check_store",
+    "inspect_store",
+    "repair_store",
+]

@@ -1,0 +1,128 @@
+"""``tiered inspect DIR`` and ``tiered fsck DIR``: argument parsing, output and exit status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence, TextIO
+
+from tiered.errors import ManifestError, StoreLockedError
+from tiered.offline.fsck import check_store, repair_store
+from tiered.offline.inspection import inspect_store
+from tiered.offline.progress import ByteProgress
+from tiered.offline.reports import fsck_lines, inspect_lines
+from tiered.offline.storedir import StoreDirectory
+
+#: Exit statuses of ``tiered fsck`` (``tiered inspect`` uses OK, PROBLEMS for an unreadable store, USAGE).
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+#: fsck draws a progress bar (on a terminal) when it has at least this many bytes to verify.
+PROGRESS_MIN_BYTES = 256 * 1024 * 1024
+
+
+def build_inspect_parser(prog: str = "tiered inspect") -> argparse.ArgumentParser:
+    """The command line of ``tiered inspect``."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Show what a store directory holds: every committed entry (key, dtype, shape, bytes, stored "
+        "bytes and codec ratio, tiers at rest, generation), then totals and how the swap files' space divides into "
+        "allocated, free and orphaned bytes. Changes nothing; a store running on the directory keeps running.",
+    )
+    p.add_argument("dir", help="the store directory (StoreConfig.path)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--summary", action="store_true", help="leave out the per-entry table")
+    return p
+
+
+def build_fsck_parser(prog: str = "tiered fsck") -> argparse.ArgumentParser:
+    """The command line of ``tiered fsck``."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Verify a closed store directory: read every committed entry's extents and check their CRC-32s "
+        "and fields; report damaged keys and orphaned space (bytes in swap files no record references, e.g. "
+        "after a crash). Without options it changes nothing.",
+        epilog="exit status: 0 no damaged entry (orphaned space alone is harmless: the store reuses it); 1 damaged "
+        "entries found (deleted or not) or the manifest unreadable; "
+        "2 usage error, not a store directory, or the store is open in another process.",
+    )
+    p.add_argument("dir", help="the store directory (StoreConfig.path)")
+    p.add_argument("--reclaim", action="store_true", help="give orphaned space back to the filesystem (punch "
+                   "holes; cut unused file tails)")
+    p.add_argument("--delete-damaged", action="store_true", help="remove damaged entries' records from the "
+                   "manifest, so the store opens and serves the rest (their data is lost)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--threads", type=int, default=8, help="reader threads (default %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+    return p
+
+
+def inspect_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None) -> int:
+    """Run ``tiered inspect``; return its exit status."""
+    out, err = stdout or sys.stdout, stderr or sys.stderr
+    args = _parse(build_inspect_parser(), argv)
+    if isinstance(args, int):
+        return args
+    try:
+        with StoreDirectory.open(args.dir, allow_in_use=True) as directory:
+            report = inspect_store(directory)
+    except ValueError as exc:
+        print(f"tiered inspect: {exc}", file=err)
+        return EXIT_USAGE
+    except (ManifestError, OSError) as exc:
+        print(f"tiered inspect: {exc}", file=err)
+        return EXIT_PROBLEMS
+    if report.in_use_by is not None and not args.json:
+        print(f"tiered inspect: the store is open in process {report.in_use_by}; showing what it has committed",
+              file=err)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2), file=out)
+    else:
+        print("\n".join(inspect_lines(report, encoding=_encoding(out), summary_only=args.summary)), file=out)
+    return EXIT_OK
+
+
+def fsck_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None) -> int:
+    """Run ``tiered fsck``; return its exit status (0 no damage, 1 damage found, 2 usage error)."""
+    out, err = stdout or sys.stdout, stderr or sys.stderr
+    args = _parse(build_fsck_parser(), argv)
+    if isinstance(args, int):
+        return args
+    if args.threads < 1:
+        print(f"tiered fsck: --threads must be at least 1, got {args.threads}", file=err)
+        return EXIT_USAGE
+    repair = args.reclaim or args.delete_damaged
+
+    def progress(total: int) -> ByteProgress:
+        return ByteProgress("verifying", total, enabled=not args.no_progress and total >= PROGRESS_MIN_BYTES,
+                            stream=err)
+
+    try:
+        with StoreDirectory.open(args.dir, exclusive=repair) as directory:
+            report = check_store(directory, threads=args.threads, progress=progress)
+            if repair:
+                report = repair_store(
+                    directory, report, delete_damaged=args.delete_damaged, reclaim_space=args.reclaim
+                )
+    except (ValueError, StoreLockedError) as exc:
+        print(f"tiered fsck: {exc}", file=err)
+        return EXIT_USAGE
+    except (ManifestError, OSError) as exc:
+        print(f"tiered fsck: {exc}", file=err)
+        return EXIT_PROBLEMS
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2), file=out)
+    else:
+        print("\n".join(fsck_lines(report, encoding=_encoding(out))), file=out)
+    return EXIT_OK if report.healthy else EXIT_PROBLEMS
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> "argparse.Namespace | int":
+    """Parsed arguments, or the exit status argparse chose (0 after --help, 2 on a usage error)."""
+    try:
+        return parser.parse_args(list(argv))
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+
+
+def _encoding(stream: TextIO) -> Optional[str]:
+    return getattr(stream, "encoding", None)
