@@ -1,2 +1,25 @@
 """engine: a ZeRO-3 engine that pages an unmodified ``torch.nn.Module``'s parameters through a
-:class:`tiered.TieredStore`. Not built yet; see the issue tracker."""
+:class:`tiered.TieredStore`.
+
+``eng = engine.wrap(model, config=engine.EngineConfig(store=tiered.StoreConfig(...)))`` keeps the
+parameters in the store; the model is then called as usual and hooks fetch each module's
+parameters just before it runs and release them after (docs/engine.md).
+"""
+
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import Engine, EngineClosedError, wrap
+from engine.layout import ShardLayout, param_key
+from engine.stats import EngineStats
+
+__all__ = ["AdamW", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "ShardLayout", "param_key", "wrap"]
+
+
+def __getattr__(name: str) -> Any:
+    # engine.AdamW is imported on first use, so the paging engine does not depend on the optimizer modules.
+    if name == "AdamW":
+        from engine.adamw import AdamW
+
+        return AdamW
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

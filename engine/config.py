@@ -1,0 +1,101 @@
+"""EngineConfig: every knob of the engine, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Optional, Union
+
+from tiered import StoreConfig
+
+MiB = 1024 * 1024
+
+#: Tiers a parameter shard may live in between uses.
+PARAM_TIERS = ("device", "host", "nvme")
+#: Tiers gradient shards, fp32 master weights and Adam moments may live in.
+STATE_TIERS = ("host", "nvme")
+#: Values of EngineConfig.train_dtype (torch dtype names).
+TRAIN_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of :func:`engine.wrap`.
+
+    ``store`` configures the :class:`tiered.TieredStore` the engine opens (one per rank, in a
+    ``rank{N}`` subdirectory of ``store.path`` when the world size is above 1). Byte figures are
+    per rank.
+    """
+
+    store: StoreConfig
+    #: Where parameter shards (in the training dtype) live between uses.
+    param_tier: str = "nvme"
+    #: Most bytes of parameters fetched ahead of use along the recorded order; 0 fetches on demand.
+    prefetch_bytes: int = 256 * MiB
+    #: Where fp32 master weights and Adam moments live (engine.AdamW).
+    optimizer_tier: str = "nvme"
+    #: Where fp32 gradient shards wait between backward and step().
+    grad_tier: str = "host"
+    #: Store master weights and moments compressed (lossless byte-plane zstd, docs/compression.md).
+    compress_optimizer: bool = False
+    #: Clip the global gradient norm to this before each step; None does not clip.
+    max_grad_norm: Optional[float] = None
+    #: fp32 shard bytes the optimizer step streams through AdamW per group (read i+1 while updating
+    #: i and writing i-1, so about three groups of master + moments + gradient are in memory).
+    optimizer_group_bytes: int = 64 * MiB
+    #: Where parameters are materialized for compute; None uses the device the model is on.
+    compute_device: Optional[str] = None
+    #: Dtype floating parameters are trained in ("float32", "bfloat16", "float16"), for wrap to cast
+    #: them to before they go to the store (fp32 master weights are kept either way); None keeps the
+    #: model's own dtypes. DeepSpeed's ``bf16.enabled`` maps here.
+    train_dtype: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, StoreConfig):
+            raise TypeError(f"EngineConfig.store must be a tiered.StoreConfig, got {type(self.store).__name__}")
+        _check_choice("param_tier", self.param_tier, PARAM_TIERS)
+        _check_choice("optimizer_tier", self.optimizer_tier, STATE_TIERS)
+        _check_choice("grad_tier", self.grad_tier, STATE_TIERS)
+        _check_int("prefetch_bytes", self.prefetch_bytes, minimum=0)
+        _check_int("optimizer_group_bytes", self.optimizer_group_bytes, minimum=1)
+        if not isinstance(self.compress_optimizer, bool):
+            raise ValueError(f"EngineConfig.compress_optimizer must be True or False, got {self.compress_optimizer!r}")
+        if self.max_grad_norm is not None:
+            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)):
+                raise ValueError(f"EngineConfig.max_grad_norm must be a number or None, got {self.max_grad_norm!r}")
+            if not self.max_grad_norm > 0:
+                raise ValueError(f"EngineConfig.max_grad_norm must be > 0, got {self.max_grad_norm!r}")
+        if self.compute_device is not None and not isinstance(self.compute_device, str):
+            raise ValueError(f"EngineConfig.compute_device must be a device string, got {self.compute_device!r}")
+        if self.train_dtype is not None:
+            _check_choice("train_dtype", self.train_dtype, TRAIN_DTYPES)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_deepspeed(
+        cls, ds_config: Union[Mapping[str, Any], str, "os.PathLike[str]"], *, store: StoreConfig, **overrides: Any
+    ) -> "EngineConfig":
+        """An EngineConfig from a DeepSpeed JSON config (a dict or a path to the JSON file).
+
+        Maps the ``zero_optimization`` section (offload_param, offload_optimizer, stage3_* keys),
+        ``aio`` and ``gradient_clipping``; unknown or unsupported keys raise ``ValueError`` naming
+        them. ``overrides`` set EngineConfig fields directly. docs/training.md has the mapping.
+        """
+        from engine.deepspeed_config import config_from_deepspeed
+
+        return config_from_deepspeed(cls, ds_config, store=store, **overrides)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"EngineConfig.{name} must be one of {choices}, got {value!r}")
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"EngineConfig.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"EngineConfig.{name} must be >= {minimum}, got {value}")

@@ -1,0 +1,286 @@
+"""engine.wrap and Engine: page an unmodified model's parameters through a tiered store.
+
+``wrap`` writes every parameter's shard into the store (module by module, so a model built on the
+meta device never has more than one module materialized), frees their storage and installs the
+hooks; from then on the model is called as usual and the hooks fetch and release parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from engine.backward import BackwardTracker, SavedParamHooks, register_grad_final_hooks
+from engine.config import EngineConfig
+from engine.handle import HandleState, ParamHandle
+from engine.module_hooks import ForwardScope, ModuleHooks
+from engine.pager import Pager
+from engine.placement import InitFn, Placement, model_device
+from engine.shard_io import ShardIO
+from engine.state_dict_hooks import StateDictHooks
+from engine.stats import EngineCounters, EngineStats, MemoryMeter, bytes_out_by_tier
+from engine.torch_optimizer import TorchOptimizerHooks
+from engine.weights import StateDictLike, WeightSource
+from tiered import StoreStats, TieredStore
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was unwrapped or closed; wrap the model again to page it."""
+
+
+class Engine:
+    """A wrapped model: its parameters live in ``store`` and hooks page them in and out.
+
+    Made by :func:`wrap`. The model object, its modules and its ``nn.Parameter`` objects are the
+    user's own, unchanged except that a released parameter's storage is 0 bytes.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: EngineConfig,
+        store: TieredStore,
+        placement: Placement,
+        meter: MemoryMeter,
+        shard_io: ShardIO,
+        optimizer: Optional[torch.optim.Optimizer],
+    ) -> None:
+        # Built by wrap() once every parameter is in the store.
+        self._model = model
+        self._config = config
+        self._store = store
+        self._meter = meter
+        self._wrap_peak = meter.reset_peak()
+        self._io = shard_io
+        self._handles: list[ParamHandle] = list(placement.handles.values())
+        self._by_id: dict[int, ParamHandle] = {id(h.param): h for h in self._handles}
+        by_storage = {h.storage_id: h for h in self._handles}
+        self._counters = EngineCounters()
+        self._pager = Pager(shard_io, meter, self._counters, config.prefetch_bytes, store.set_access_order)
+        self._tracker = BackwardTracker(self._pager)
+        saved = SavedParamHooks(by_storage, self._tracker)
+        scope = ForwardScope(model, self._pager, self._tracker, saved, self._by_id, self._counters)
+        self._module_hooks = [
+            ModuleHooks(module, placement.by_module.get(module, []), scope) for module in model.modules()
+        ]
+        self._grad_hooks = register_grad_final_hooks(self._handles, self._on_grad_final)
+        self._state_dict_hooks = StateDictHooks(placement.by_module, self._pager, shard_io)
+        self._optimizer_hooks = (
+            TorchOptimizerHooks(optimizer, self._by_id, self._pager) if optimizer is not None else None
+        )
+        self._baseline = bytes_out_by_tier(store.stats())
+        self._last_store_stats: Optional[StoreStats] = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def model(self) -> nn.Module:
+        """The wrapped model (the same object that was passed to :func:`wrap`)."""
+        return self._model
+
+    @property
+    def config(self) -> EngineConfig:
+        """The configuration the engine was made with."""
+        return self._config
+
+    @property
+    def store(self) -> TieredStore:
+        """The store holding the parameter shards (keys ``param/<name>``)."""
+        return self._store
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`unwrap` or :meth:`close`."""
+        return self._closed
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters and the store's (see :class:`EngineStats`)."""
+        store_stats = self._last_store_stats if self._closed else self._store.stats()
+        assert store_stats is not None
+        now = bytes_out_by_tier(store_stats)
+        c = self._counters
+        return EngineStats(
+            steps=c.steps,
+            fetches=c.fetches,
+            prefetch_issued=c.prefetch_issued,
+            prefetch_hits=c.prefetch_hits,
+            prefetch_misses=c.prefetch_misses,
+            prefetch_wasted=c.prefetch_wasted,
+            on_demand_fetches=c.on_demand_fetches,
+            stall_seconds=c.stall_seconds,
+            rerecords=c.rerecords,
+            writebacks=c.writebacks,
+            bytes_fetched={tier: now[tier] - self._baseline[tier] for tier in now},
+            materialized_bytes=self._meter.current,
+            peak_materialized_bytes=self._meter.peak,
+            wrap_peak_materialized_bytes=self._wrap_peak,
+            store=store_stats,
+        )
+
+    def unwrap(self) -> nn.Module:
+        """Materialize every parameter, remove every hook, close the store; return the plain model."""
+        self._check_open()
+        with self._pager.lock:
+            self._settle()
+            self._pager.materialize(self._handles)
+            for handle in self._handles:
+                handle.users = 0
+        self._shutdown()
+        return self._model
+
+    def close(self) -> None:
+        """Remove every hook and close the store, leaving parameters released (the model is unusable
+        until wrapped again with the store's contents as its ``state_dict``). Idempotent."""
+        if self._closed:
+            return
+        with self._pager.lock:
+            self._settle()
+        self._shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._handles)} parameters"
+        return f"Engine({type(self._model).__name__}, {state}, store={self._store.config.path!r})"
+
+    # ------------------------------------------------------------------ seams
+
+    def _on_grad_final(self, handle: ParamHandle) -> None:
+        """A parameter's gradient is final for this backward (post-accumulate-grad).
+
+        Multi-rank training reduce-scatters ``handle.param.grad`` and hands the gradient shard to
+        the store here, before the backward hold is released.
+        """
+        self._pager.end_backward_hold(handle)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this engine was unwrapped or closed; call engine.wrap again")
+
+    def _settle(self) -> None:
+        if self._optimizer_hooks is not None:
+            self._optimizer_hooks.drop()
+        self._tracker.reset()
+        self._pager.drop_prefetched()
+        self._pager.schedule.finish()
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        for hooks in self._module_hooks:
+            hooks.remove()
+        for remover in self._grad_hooks:
+            remover.remove()
+        self._state_dict_hooks.remove()
+        if self._optimizer_hooks is not None:
+            self._optimizer_hooks.remove()
+        self._last_store_stats = self._store.stats()
+        self._store.sync.close()
+
+
+def wrap(
+    model: nn.Module,
+    *,
+    config: EngineConfig,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    process_group: Optional[Any] = None,
+    init_fn: Optional[InitFn] = None,
+    state_dict: Optional[StateDictLike] = None,
+) -> Engine:
+    """Keep ``model``'s parameters in a tiered store and page them in around each use.
+
+    ``config.store`` is opened as the store. ``optimizer``: a ``torch.optim.Optimizer`` built on the
+    model's parameters before wrap (its step fetches them and writes them back). ``init_fn(module)``
+    initializes a module whose parameters are on the meta device (default: its
+    ``reset_parameters()``); ``state_dict`` (a mapping, or a path to a .safetensors or torch file)
+    supplies parameter and buffer values, read one tensor at a time. ``process_group``: None or a
+    group of size 1 for now.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap takes an nn.Module, got {type(model).__name__}")
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an engine.EngineConfig, got {type(config).__name__}")
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_fn must be callable (module) -> None, got {type(init_fn).__name__}")
+    _check_optimizer(optimizer)
+    rank, world = _rank_and_world(process_group)
+    _check_tier_budget(config)
+    device = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
+    source = WeightSource.open(state_dict)
+    try:
+        store = TieredStore.open(config.store)
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
+    try:
+        shard_io = ShardIO(store, config.param_tier)
+        meter = MemoryMeter(
+            sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
+                if p.device.type != "meta")
+        )
+        placement = Placement(
+            model, device=device, shard_io=shard_io, meter=meter, rank=rank, world=world, source=source, init_fn=init_fn
+        )
+        try:
+            placement.run()
+            return Engine(model, config, store, placement, meter, shard_io, optimizer)
+        except BaseException:
+            _restore(placement, shard_io, meter)
+            raise
+    except BaseException:
+        store.sync.close()
+        raise
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _check_optimizer(optimizer: object) -> None:
+    if optimizer is None:
+        return
+    if hasattr(optimizer, "_bind"):
+        raise NotImplementedError("engine.AdamW is bound by the engine's training step, which is not wired in yet")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+
+def _rank_and_world(process_group: Any) -> tuple[int, int]:
+    if process_group is None:
+        return 0, 1
+    import torch.distributed as dist
+
+    world = dist.get_world_size(process_group)
+    if world > 1:
+        raise NotImplementedError(f"sharding across {world} ranks is not wired in yet; pass process_group=None")
+    return dist.get_rank(process_group), world
+
+
+def _check_tier_budget(config: EngineConfig) -> None:
+    budget = {"device": config.store.device_bytes, "host": config.store.host_bytes}.get(config.param_tier)
+    if budget == 0:
+        raise ValueError(
+            f"EngineConfig.param_tier is {config.param_tier!r} but the store's {config.param_tier}_bytes is 0; "
+            "give that tier a budget or choose another param_tier"
+        )
+
+
+def _restore(placement: Placement, shard_io: ShardIO, meter: MemoryMeter) -> None:
+    """After a failed placement, give parameters that had values before wrap their values back."""
+    for handle in placement.handles.values():
+        if handle.state is HandleState.RELEASED and id(handle.param) in placement.was_materialized:
+            try:
+                handle.allocate(meter)
+                shard_io.fetch(handle).result()
+            except Exception:  # noqa: BLE001 - best effort: the original error is the one to raise
+                continue
+            finally:
+                handle.state = HandleState.READY

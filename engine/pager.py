@@ -1,0 +1,225 @@
+"""Pager: brings parameters in when they are needed and out when nothing holds them, prefetching
+along the recorded order within a byte budget.
+
+Every parameter is in one of three situations: *held* (a running module or backward needs it),
+*prefetched* (materialized, or on its way, ahead of its next recorded need) or released. The
+prefetch window is the bytes of prefetched parameters; it never exceeds ``prefetch_bytes``, so
+materialized parameter memory is at most what is held plus ``prefetch_bytes``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Hashable, Iterable, Sequence
+
+from engine.handle import HandleState, ParamHandle
+from engine.schedule import Schedule
+from engine.shard_io import ShardIO, wait_all
+from engine.stats import EngineCounters, MemoryMeter
+
+
+class Pager:
+    """Holds, needs, releases and the prefetch window. Thread-safe (one lock), called by the hooks."""
+
+    def __init__(
+        self,
+        shard_io: ShardIO,
+        meter: MemoryMeter,
+        counters: EngineCounters,
+        prefetch_bytes: int,
+        publish_order: Callable[[Sequence[str]], None],
+    ) -> None:
+        self.schedule: Schedule[ParamHandle] = Schedule()
+        self.lock = threading.RLock()
+        self._io = shard_io
+        self._meter = meter
+        self._counters = counters
+        self._prefetch_bytes = prefetch_bytes
+        self._publish_order = publish_order
+        self._prefetched: dict[ParamHandle, None] = {}  # insertion-ordered set
+        self._window = 0
+        self._scan = 0  # next position of the followed order the prefetcher looks at
+
+    @property
+    def window_bytes(self) -> int:
+        """Bytes of parameters prefetched ahead of their need."""
+        return self._window
+
+    # ------------------------------------------------------------------ steps
+
+    def begin_step(self, mode: Hashable) -> None:
+        """A new step starts (the root module's forward): follow (or record) ``mode``'s order."""
+        with self.lock:
+            self.drop_prefetched()
+            if self.schedule.begin(mode) and self.schedule.order:
+                self._publish_order([h.key for h in self.schedule.order])
+            self._counters.rerecords = self.schedule.rerecords
+            self._counters.steps += 1
+            self._scan = 0
+            self._top_up()
+
+    def drop_prefetched(self) -> None:
+        """Free every prefetched parameter (waiting for transfers in flight): the step departed from
+        its record, backward ended (an optimizer may now change the store), or the engine stops."""
+        with self.lock:
+            for handle in list(self._prefetched):
+                self._unmark(handle)
+                if handle.future is not None:
+                    try:
+                        handle.future.result()
+                        handle.fetch_finished()
+                    except Exception:  # noqa: BLE001 - the bytes are dropped anyway; a later need refetches
+                        pass
+                handle.free(self._meter)
+                self._counters.prefetch_wasted += 1
+
+    # ------------------------------------------------------------------ holds
+
+    def acquire(self, handle: ParamHandle) -> None:
+        """A running module starts using ``handle`` (materialize it first if nothing holds it)."""
+        with self.lock:
+            if not handle.held:
+                self._need(handle)
+            handle.users += 1
+
+    def release(self, handle: ParamHandle, *, keep_for_backward: bool = False) -> None:
+        """A running module stops using ``handle``. ``keep_for_backward`` turns the use into a
+        backward hold (a module re-run during backward: its gradients are still to come)."""
+        with self.lock:
+            assert handle.users > 0, handle
+            handle.users -= 1
+            if keep_for_backward:
+                handle.bwd_hold = True
+            if not handle.held:
+                self._unheld(handle)
+
+    def hold_for_backward(self, handle: ParamHandle) -> None:
+        """Backward needs ``handle`` (it unpacked a saved view of it) until its gradient is final."""
+        with self.lock:
+            if not handle.held:
+                self._need(handle)
+            handle.bwd_hold = True
+
+    def end_backward_hold(self, handle: ParamHandle) -> None:
+        """Backward is done with ``handle`` (its gradient is final, or its module's backward ended)."""
+        with self.lock:
+            if handle.bwd_hold:
+                handle.bwd_hold = False
+                if not handle.held:
+                    self._unheld(handle)
+
+    def write_back(self, handles: Iterable[ParamHandle]) -> None:
+        """Write the materialized values of ``handles`` to the store (in parallel) and wait."""
+        with self.lock:
+            handles = list(handles)
+            wait_all([self._io.write(h) for h in handles])
+            for handle in handles:
+                handle.synced = handle.version
+            self._counters.writebacks += len(handles)
+
+    def materialize(self, handles: Iterable[ParamHandle]) -> None:
+        """Hold all of ``handles`` at once, fetched in parallel and outside the schedule (optimizer
+        steps, unwrap). Undo with :meth:`release` per handle."""
+        with self.lock:
+            handles = list(dict.fromkeys(handles))
+            for handle in handles:
+                if handle.prefetched:
+                    self._unmark(handle)
+                if handle.state is HandleState.RELEASED:
+                    self._start_fetch(handle)
+                handle.users += 1
+            error = None
+            for handle in handles:
+                try:
+                    self._wait(handle)
+                except BaseException as exc:  # noqa: BLE001 - wait for every transfer, then raise
+                    error = error or exc
+            if error is not None:
+                for handle in handles:
+                    self.release(handle)
+                raise error
+
+    # ------------------------------------------------------------------ internals (lock held)
+
+    def _need(self, handle: ParamHandle) -> None:
+        if handle.prefetched:
+            self._counters.prefetch_hits += 1
+            self._unmark(handle)
+        else:
+            self._counters.prefetch_misses += 1
+        was_following = self.schedule.following
+        if not self.schedule.observe(handle) and was_following:
+            self.drop_prefetched()  # departed: on demand for the rest of this step
+            self._counters.rerecords = self.schedule.rerecords + 1
+        if handle.state is HandleState.RELEASED:
+            self._start_fetch(handle)
+        self._wait(handle)
+        self._top_up()
+
+    def _unheld(self, handle: ParamHandle) -> None:
+        if handle.state is HandleState.READY and handle.version != handle.synced:
+            self.write_back([handle])  # changed in place while held: the store must not lose it
+        upcoming = self.schedule.next_position(handle)
+        if upcoming is not None and upcoming < self._scan:
+            # The prefetcher already passed its next need (it was held then): keep it if it fits.
+            if self._window + handle.nbytes <= self._prefetch_bytes:
+                self._mark(handle)
+                return
+            self._scan = upcoming
+        handle.free(self._meter)
+        self._top_up()
+
+    def _top_up(self) -> None:
+        if not self.schedule.following or self._prefetch_bytes == 0:
+            return
+        order = self.schedule.order
+        self._scan = max(self._scan, self.schedule.cursor)
+        while self._scan < len(order):
+            handle = order[self._scan]
+            if handle.state is HandleState.RELEASED:
+                if self._window + handle.nbytes > self._prefetch_bytes:
+                    return
+                self._start_fetch(handle)
+                self._mark(handle)
+                self._counters.prefetch_issued += 1
+            self._scan += 1
+
+    def _start_fetch(self, handle: ParamHandle) -> None:
+        handle.allocate(self._meter)
+        handle.state = HandleState.FETCHING
+        handle.fetch_started()
+        try:
+            handle.future = self._io.fetch(handle)
+        except BaseException:
+            handle.state = HandleState.READY  # so free() releases the storage just allocated
+            handle.free(self._meter, force=True)
+            raise
+        self._counters.fetches += 1
+
+    def _wait(self, handle: ParamHandle) -> None:
+        if handle.state is not HandleState.FETCHING:
+            return
+        assert handle.future is not None
+        started = time.perf_counter()
+        try:
+            handle.future.result()
+        except BaseException:
+            handle.state = HandleState.READY
+            handle.free(self._meter, force=True)
+            raise
+        finally:
+            self._counters.stall_seconds += time.perf_counter() - started
+        handle.state = HandleState.READY
+        handle.future = None
+        handle.fetch_finished()
+
+    def _mark(self, handle: ParamHandle) -> None:
+        handle.prefetched = True
+        self._prefetched[handle] = None
+        self._window += handle.nbytes
+
+    def _unmark(self, handle: ParamHandle) -> None:
+        handle.prefetched = False
+        del self._prefetched[handle]
+        self._window -= handle.nbytes

@@ -1,0 +1,242 @@
+"""Placement: at wrap, every parameter's shard goes into the store, one module at a time.
+
+For each module in pre-order: its direct parameters are given exclusive, contiguous storage on the
+compute device (a parameter on the meta device gets empty storage, keeping its identity through
+``torch.utils.swap_tensors``); a module with tensors on the meta device is initialized
+(``init_fn(module)``, else ``module.reset_parameters()``) unless the weight source sets them all;
+values from the weight source are copied in; then the shards are written and the storage freed.
+So at most one module's parameters (plus tied ones it shares) are materialized at a time.
+Buffers are moved to the compute device and stay there.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from engine.handle import HandleState, ParamHandle
+from engine.layout import ShardLayout, is_dense, param_key
+from engine.shard_io import ShardIO, wait_all
+from engine.stats import MemoryMeter
+from engine.weights import WeightSource
+
+InitFn = Callable[[nn.Module], None]
+
+
+def parameter_names(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """id(parameter) -> every fully qualified name it has (tied weights have several), first first."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {k: tuple(v) for k, v in names.items()}
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer not on the meta device; CPU if none."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+class Placement:
+    """Writes a model's parameters into the store module by module; ``handles`` grows as it goes,
+    so a caller can undo a placement that failed half way."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: torch.device,
+        shard_io: ShardIO,
+        meter: MemoryMeter,
+        rank: int = 0,
+        world: int = 1,
+        source: Optional[WeightSource] = None,
+        init_fn: Optional[InitFn] = None,
+    ) -> None:
+        self._model = model
+        self._device = device
+        self._io = shard_io
+        self._meter = meter
+        self._rank = rank
+        self._world = world
+        self._source = source
+        self._init_fn = init_fn
+        self._names = parameter_names(model)
+        self._storage_users: collections.Counter[int] = collections.Counter()
+        self._moved_buffers: dict[int, torch.Tensor] = {}
+        self.handles: dict[int, ParamHandle] = {}  # id(param) -> handle, in placement order
+        self.by_module: dict[nn.Module, list[ParamHandle]] = {}
+        self.was_materialized: set[int] = set()  # ids of parameters that had data before wrap
+
+    def run(self) -> None:
+        """Place every parameter; raise ValueError for unusable weights (nothing is left half-written)."""
+        if self._source is not None:
+            known = {n for names in self._names.values() for n in names}
+            known.update(name for name, _ in self._model.named_buffers(remove_duplicate=False))
+            unknown = sorted(n for n in self._source.unused() if n not in known)
+            if unknown:
+                raise ValueError(
+                    f"{self._source.origin} has {len(unknown)} entries that match no parameter or buffer of the "
+                    f"model: {unknown[:10]}; remove them or load into the model they came from"
+                )
+            tensors = [*self._model.named_parameters(remove_duplicate=False), *self._model.named_buffers()]
+            for name, tensor in tensors:  # before anything is written, so a mismatch leaves the model as it was
+                if name in self._source and self._source.shape(name) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"{name!r}: {self._source.origin} has shape {self._source.shape(name)}, the model "
+                        f"{tuple(tensor.shape)}"
+                    )
+        for name, param in self._model.named_parameters():
+            if param.device.type != "meta" and param.untyped_storage().nbytes() < _extent_bytes(param):
+                raise ValueError(
+                    f"parameter {name!r} has no data (its storage is {param.untyped_storage().nbytes()} bytes): "
+                    "is the model already wrapped by an engine? Unwrap it first"
+                )
+            if param.device.type != "meta":
+                self.was_materialized.add(id(param))
+                self._storage_users[param.untyped_storage()._cdata] += 1
+        for name, module in self._model.named_modules():
+            self._place_module(name, module)
+
+    # ------------------------------------------------------------------ one module
+
+    def _place_module(self, prefix: str, module: nn.Module) -> None:
+        mine: list[ParamHandle] = []
+        new: list[ParamHandle] = []
+        missing: list[str] = []  # tensors on meta that the weight source does not set
+        for param in {id(p): p for p in module._parameters.values() if p is not None}.values():
+            handle = self.handles.get(id(param))
+            if handle is None:
+                names = self._names[id(param)]
+                if param.device.type == "meta" and (self._source is None or self._source.find(names) is None):
+                    missing.append(names[0])
+                handle = self._adopt(param)
+                new.append(handle)
+            mine.append(handle)
+        self.by_module[module] = mine
+        missing += [n for n in self._place_buffers(prefix, module) if self._source is None or n not in self._source]
+
+        rewrite = list(new)
+        if missing:
+            for handle in mine:
+                if handle.state is HandleState.RELEASED:  # tied, placed by an earlier module: init may change it
+                    self._refetch(handle)
+                    rewrite.append(handle)
+            self._init(prefix, module, missing)
+        if self._source is not None:
+            self._load(prefix, module, rewrite)
+        wait_all([self._io.write(h) for h in rewrite])
+        for handle in rewrite:  # only once written: a failed placement keeps the values in the parameters
+            handle.free(self._meter)
+
+    def _adopt(self, param: nn.Parameter) -> ParamHandle:
+        """Give ``param`` exclusive contiguous storage on the compute device and a handle."""
+        nbytes = param.numel() * param.element_size()
+        if param.device.type == "meta":
+            fresh = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=self._device), param.requires_grad)
+            fresh.__dict__.update(param.__dict__)  # swap_tensors swaps __dict__ too: keep the user's attributes
+            torch.utils.swap_tensors(param, fresh)
+            self._meter.add(nbytes)
+        else:
+            storage = param.untyped_storage()
+            exclusive = (
+                param.device == self._device
+                and is_dense(param)
+                and param.storage_offset() == 0
+                and storage.nbytes() == nbytes
+                and storage.resizable()
+                and self._storage_users[storage._cdata] == 1
+            )
+            if not exclusive:  # keeps a dense layout (channels-last, transposed), else row-major
+                fresh = torch.empty_like(param, device=self._device, memory_format=torch.preserve_format)
+                fresh.copy_(param.detach())
+                param.data = fresh
+        names = self._names[id(param)]
+        layout = ShardLayout.of(param, rank=self._rank, world=self._world)
+        handle = ParamHandle(param, names, layout, param_key(names[0]))
+        self.handles[id(param)] = handle
+        return handle
+
+    def _place_buffers(self, prefix: str, module: nn.Module) -> list[str]:
+        """Move the module's buffers to the compute device; return the names of those on meta."""
+        meta = []
+        for name, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            moved = self._moved_buffers.get(id(buf))
+            if moved is None:
+                if buf.device.type == "meta":
+                    meta.append(_join(prefix, name))
+                    moved = torch.empty_like(buf, device=self._device)
+                elif buf.device != self._device:
+                    moved = buf.to(self._device)
+                else:
+                    continue
+                try:
+                    torch.utils.swap_tensors(buf, moved)  # keeps aliases of the buffer object valid
+                    moved = buf
+                except RuntimeError:
+                    module._buffers[name] = moved
+                self._moved_buffers[id(buf)] = moved
+            elif moved is not buf:
+                module._buffers[name] = moved
+        return meta
+
+    def _refetch(self, handle: ParamHandle) -> None:
+        handle.allocate(self._meter)
+        handle.state = HandleState.FETCHING
+        try:
+            self._io.fetch(handle).result()
+        finally:
+            handle.state = HandleState.READY
+
+    def _init(self, prefix: str, module: nn.Module, missing: list[str]) -> None:
+        with torch.no_grad():
+            if self._init_fn is not None:
+                self._init_fn(module)
+            elif callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+            else:
+                raise ValueError(
+                    f"module {prefix or '<root>'!r} ({type(module).__name__}) has tensors on the meta device that no "
+                    f"state dict sets and that it has no reset_parameters() for: {missing}; pass init_fn=... or a "
+                    "state_dict that has them"
+                )
+
+    def _load(self, prefix: str, module: nn.Module, handles: list[ParamHandle]) -> None:
+        assert self._source is not None
+        with torch.no_grad():
+            for handle in handles:
+                found = self._source.find(handle.names)
+                if found is not None:
+                    _copy_checked(handle.param, self._source.read(found), found)
+                    self._source.used.update(n for n in handle.names if n in self._source)  # tied: every alias
+            for name, buf in module._buffers.items():
+                full = _join(prefix, name)
+                if buf is not None and full in self._source:
+                    _copy_checked(buf, self._source.read(full), full)
+
+
+def _extent_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of storage ``tensor`` reaches into (offset plus its furthest element)."""
+    if tensor.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (tensor.storage_offset() + last + 1) * tensor.element_size()
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(
+            f"{name!r}: the state dict's tensor has shape {tuple(src.shape)}, the model's {tuple(dst.shape)}"
+        )
+    dst.detach().copy_(src)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

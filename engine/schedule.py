@@ -1,0 +1,101 @@
+"""Schedule: the recorded order of parameter needs in one step, replayed and checked in later steps.
+
+A *need* is the moment a parameter must be materialized while no one holds it: a module's forward
+pre-hook, backward unpacking a saved parameter, code reading it outside its module. The hooks
+release deterministically, so the same control flow produces the same sequence of needs.
+
+One order is kept per mode (grad enabled or not, so inference forwards do not disturb the training
+record). A step that needs something other than the next recorded item *departs*: it is followed
+on demand for the rest of the step and its own sequence replaces the record when the step ends.
+A step that ends early (a prefix of the record) keeps the record.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Generic, Hashable, Optional, Sequence, TypeVar
+
+T = TypeVar("T", bound=Hashable)
+
+
+class Schedule(Generic[T]):
+    """Record and replay of need orders; pure bookkeeping, no I/O."""
+
+    def __init__(self) -> None:
+        self._orders: dict[Hashable, list[T]] = {}
+        self._mode: Optional[Hashable] = None
+        self._order: Optional[list[T]] = None
+        self._positions: dict[T, list[int]] = {}
+        self._current: list[T] = []
+        self.cursor = 0
+        self.departed = False
+        self.rerecords = 0
+
+    @property
+    def order(self) -> Sequence[T]:
+        """The order this step follows (empty while recording a mode's first step)."""
+        return self._order if self._order is not None else ()
+
+    @property
+    def following(self) -> bool:
+        """True while this step matches its recorded order (so far), i.e. prefetch may run ahead."""
+        return self._order is not None and not self.departed
+
+    def begin(self, mode: Hashable) -> bool:
+        """End the running step (keeping its record if needed) and start one in ``mode``.
+
+        Returns True when the order to follow differs from the previous step's (a new record, or
+        another mode), so the caller can publish it.
+        """
+        previous = self._order
+        self._finish()
+        self._mode = mode
+        self._order = self._orders.get(mode)
+        self._positions = {}
+        if self._order is not None:
+            for i, item in enumerate(self._order):
+                self._positions.setdefault(item, []).append(i)
+        self._current = []
+        self.cursor = 0
+        self.departed = False
+        return self._order is not previous
+
+    def observe(self, item: T) -> bool:
+        """Record a need of ``item``; True when it is the next item of the recorded order."""
+        self._current.append(item)
+        if not self.following:
+            return False
+        assert self._order is not None
+        if self.cursor < len(self._order) and self._order[self.cursor] == item:
+            self.cursor += 1
+            return True
+        self.departed = True
+        return False
+
+    def next_position(self, item: T) -> Optional[int]:
+        """Index of ``item``'s next need at or after the cursor in the followed order, or None."""
+        if not self.following:
+            return None
+        positions = self._positions.get(item)
+        if not positions:
+            return None
+        i = bisect.bisect_left(positions, self.cursor)
+        return positions[i] if i < len(positions) else None
+
+    def finish(self) -> None:
+        """End the running step without starting another (e.g. before the engine closes)."""
+        self._finish()
+        self._mode = None
+        self._order = None
+
+    def _finish(self) -> None:
+        if self._mode is None:
+            return
+        if self._order is None or self.departed:
+            if self._order is not None:
+                self.rerecords += 1
+            if self._current:
+                self._orders[self._mode] = self._current
+            else:
+                self._orders.pop(self._mode, None)
+        self._current = []

@@ -1,0 +1,99 @@
+"""The engine's counters, its materialized-bytes meter and the snapshot ``Engine.stats()`` returns."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from tiered import StoreStats, Tier
+
+
+class MemoryMeter:
+    """Bytes of parameter storage currently materialized by (or handed to) the engine, and the peak."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.current = start
+        self.peak = start
+
+    def add(self, nbytes: int) -> None:
+        """``nbytes`` of parameter storage were allocated."""
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+
+    def sub(self, nbytes: int) -> None:
+        """``nbytes`` of parameter storage were freed."""
+        self.current -= nbytes
+        assert self.current >= 0, self.current
+
+    def reset_peak(self) -> int:
+        """Start a new peak at the current value; return the old peak."""
+        old, self.peak = self.peak, self.current
+        return old
+
+
+@dataclasses.dataclass
+class EngineCounters:
+    """Mutable counters, updated by the hooks (one thread at a time)."""
+
+    steps: int = 0
+    fetches: int = 0
+    prefetch_issued: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    prefetch_wasted: int = 0
+    on_demand_fetches: int = 0
+    stall_seconds: float = 0.0
+    rerecords: int = 0
+    writebacks: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of :meth:`engine.Engine.stats`.
+
+    ``bytes_fetched`` maps each tier name to the bytes of parameter reads the store served from it
+    since wrap. A *need* is the moment a parameter must be materialized (a module is about to run,
+    backward unpacks it, code reads it): a prefetch hit is a need whose fetch had already been
+    started ahead along the recorded order, a miss one that had to be fetched then.
+    ``stall_seconds`` is time the hooks spent blocked waiting for parameter bytes.
+    ``on_demand_fetches`` counts parameters found by the access mode: read outside every module
+    that holds them. ``rerecords`` counts steps that departed from the recorded order.
+    Materialized bytes are parameter storage currently allocated (held by running modules, by
+    backward, or prefetched); ``wrap_peak_materialized_bytes`` is the peak during :func:`engine.wrap`.
+    """
+
+    steps: int
+    fetches: int
+    prefetch_issued: int
+    prefetch_hits: int
+    prefetch_misses: int
+    prefetch_wasted: int
+    on_demand_fetches: int
+    stall_seconds: float
+    rerecords: int
+    writebacks: int
+    bytes_fetched: Mapping[str, int]
+    materialized_bytes: int
+    peak_materialized_bytes: int
+    wrap_peak_materialized_bytes: int
+    store: StoreStats
+
+    @property
+    def prefetch_hit_rate(self) -> float:
+        """Hits over needs (hits + misses); 0.0 before any need."""
+        needs = self.prefetch_hits + self.prefetch_misses
+        return self.prefetch_hits / needs if needs else 0.0
+
+    def as_dict(self) -> dict:
+        """Plain JSON-ready dict (the store's snapshot included, and the hit rate)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "store"}
+        out["bytes_fetched"] = dict(self.bytes_fetched)
+        out["prefetch_hit_rate"] = self.prefetch_hit_rate
+        out["store"] = self.store.as_dict()
+        return out
+
+
+def bytes_out_by_tier(stats: StoreStats) -> dict[str, int]:
+    """Bytes read by gets served from each tier, by tier name."""
+    return {tier.value: stats.tiers[tier].bytes_out for tier in Tier}
