@@ -1,0 +1,161 @@
+"""engine.AdamW: the optimizer users hand to ``engine.wrap``; its state lives in the store."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from engine import optimizer_step
+from engine.config import EngineConfig
+from engine.optim_clip import AllReduceSum
+from engine.optim_io import AsyncTensorStore
+from engine.optim_types import AdamHyper, OptimShard, OptimStepStats
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW whose fp32 master weights and moments live in the engine's store, updated by a
+    streamed, pipelined CPU step (``engine.optimizer_step``) with torch's own AdamW math.
+
+    Built without parameters: ``engine.wrap(model, optimizer=AdamW(...))`` binds it to the model.
+    It is a real ``torch.optim.Optimizer``, so torch LR schedulers drive ``param_groups[0]["lr"]``;
+    they may be created before or after wrap, since the one parameter group exists from the start
+    (with no parameters until bound). ``step()`` runs the engine's step; calling it before the
+    optimizer is bound raises RuntimeError. ``foreach``/``fused`` choose torch's math path as for
+    ``torch.optim.AdamW`` (default: torch's CPU default, the single-tensor path).
+    """
+
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+    ) -> None:
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"AdamW betas must be a pair (beta1, beta2), got {betas!r}")
+        AdamHyper(lr, betas[0], betas[1], eps, weight_decay, foreach, fused)  # validates, with the value shown
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
+            foreach=foreach, fused=fused, capturable=False, differentiable=False, decoupled_weight_decay=True,
+        )
+        super().__init__([{"params": []}], defaults)
+        self._step_fn: Optional[Callable[[], Any]] = None
+        self._zero_grad_fn: Optional[Callable[[bool], None]] = None
+        self._shard_steps: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ binding (engine side)
+
+    @property
+    def bound(self) -> bool:
+        """True once ``engine.wrap`` has bound the optimizer to a model."""
+        return self._step_fn is not None
+
+    def _bind(self, params: Iterable[torch.nn.Parameter], step_fn: Callable[[], Any],
+              zero_grad_fn: Optional[Callable[[bool], None]] = None) -> None:
+        """Give the optimizer its parameters (one group) and the engine's step; called by wrap.
+
+        ``step_fn()`` runs when ``step()`` is called (``eng.step()`` should call ``optimizer.step()``
+        so LR schedulers and step hooks see it); ``zero_grad_fn(set_to_none)`` after ``zero_grad()``.
+        """
+        if self.bound:
+            raise RuntimeError("this engine.AdamW is already bound to a model; create one optimizer per wrap")
+        if not callable(step_fn):
+            raise TypeError(f"step_fn must be callable, got {step_fn!r}")
+        group = self.param_groups[0]
+        self.param_groups.clear()
+        try:
+            self.add_param_group(dict(group, params=list(params)))  # torch's checks: tensors, leaves, no duplicates
+            checked = self.param_groups[0]["params"]
+        finally:
+            self.param_groups[:] = [group]  # the same dict: whoever holds it (a scheduler) sees the params
+        group["params"] = checked
+        self._step_fn = step_fn
+        self._zero_grad_fn = zero_grad_fn
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer API
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """Run the engine's optimizer step (after ``closure()``, if given, under grad mode)."""
+        if self._step_fn is None:
+            raise RuntimeError(
+                "engine.AdamW.step() was called before the optimizer was bound to a model: pass it to "
+                "engine.wrap(model, optimizer=...) and step with eng.step()"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_fn()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad on the bound parameters, then the engine's (gradient shards in the store)."""
+        super().zero_grad(set_to_none)
+        if self._zero_grad_fn is not None:
+            self._zero_grad_fn(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict plus ``shard_steps`` (updates taken per shard name); the
+        master weights and moments are in the store, saved with the engine's checkpoint."""
+        sd = super().state_dict()
+        sd["shard_steps"] = dict(self._shard_steps)
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore hyperparameters and per-shard step counts saved by :meth:`state_dict`."""
+        sd = dict(state_dict)
+        steps = sd.pop("shard_steps", {})
+        if not isinstance(steps, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in steps.items()
+        ):
+            raise ValueError(f"state_dict['shard_steps'] must map shard names to step counts >= 0, got {steps!r}")
+        super().load_state_dict(sd)
+        self._shard_steps = dict(steps)
+
+    # ------------------------------------------------------------------ the offloaded step
+
+    def hyperparameters(self) -> list[AdamHyper]:
+        """Each parameter group's current hyperparameters (an LR scheduler's lr included)."""
+        return [
+            AdamHyper(g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"], g["foreach"], g["fused"])
+            for g in self.param_groups
+        ]
+
+    @property
+    def shard_steps(self) -> dict[str, int]:
+        """Updates taken so far by each shard, by shard name (a copy)."""
+        return dict(self._shard_steps)
+
+    def run_step(
+        self,
+        store: AsyncTensorStore,
+        shards: Sequence[OptimShard],
+        *,
+        config: EngineConfig,
+        grad_norms: Optional[Mapping[str, torch.Tensor]] = None,
+        all_reduce: Optional[AllReduceSum] = None,
+        on_event: Optional[optimizer_step.EventHook] = None,
+    ) -> OptimStepStats:
+        """One offloaded AdamW step over ``shards`` with this optimizer's hyperparameters and step
+        counts and ``config``'s tiers, compression, group size and clipping (the engine's
+        ``step_fn`` calls this). Blocks; counts are updated only when the step succeeds."""
+        stats = optimizer_step.step(
+            store,
+            shards,
+            self.hyperparameters(),
+            self._shard_steps,
+            state_tier=config.optimizer_tier,
+            param_tier=config.param_tier,
+            compress=config.compress_optimizer,
+            group_bytes=config.optimizer_group_bytes,
+            max_grad_norm=config.max_grad_norm,
+            grad_norms=grad_norms,
+            all_reduce=all_reduce,
+            on_event=on_event,
+        )
+        self._shard_steps.update(stats.step_counts)
+        return stats

@@ -1,0 +1,412 @@
+"""Map a DeepSpeed JSON config onto EngineConfig and the store's StoreConfig.
+
+Every key is accounted for: it is *mapped* (its value sets an EngineConfig or StoreConfig field),
+*accepted* (validated, then deliberately without effect, for a documented reason: DeepSpeed's
+own logging, buffer pools the store does not need, ...), *default-only* (a DeepSpeed feature the
+engine does not have: accepted only at the value that turns it off), or an error. Unknown keys are
+errors too (DeepSpeed silently ignores them). All problems are collected and raised as one
+ValueError naming each key by its path, e.g. ``zero_optimization.offload_param.foo``.
+
+Keys the JSON leaves out, or sets to "auto" (the Hugging Face integration's placeholder), keep the
+EngineConfig defaults and the given StoreConfig's values, not DeepSpeed's defaults. docs/training.md
+has the full table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+from typing import Any, Callable, Mapping, Optional, Union
+
+from tiered import StoreConfig
+
+DeepSpeedConfig = Union[Mapping[str, Any], str, "os.PathLike[str]"]
+
+MAP, ACCEPT, DEFAULT_ONLY = "map", "accept", "default-only"
+ALIGNMENT = 4096
+FP32_BYTES = 4
+
+
+class _Bad(ValueError):
+    """A value of the wrong type or range (message: what was expected)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """How one DeepSpeed key is handled: ``check`` normalizes its value (raising on a bad one),
+    ``action`` is MAP, ACCEPT or DEFAULT_ONLY, ``why`` says what it maps to or why it has no effect."""
+
+    check: Callable[[Any], Any]
+    action: str
+    why: str
+    default: Any = None
+
+
+Schema = Mapping[str, Union[Key, "Schema"]]  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------- checkers
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _Bad("must be true or false")
+    return v
+
+
+def _int(minimum: Optional[int] = 0) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        # JSON writes 5e7 as a float; DeepSpeed (pydantic) accepts integral floats for int fields.
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _Bad("must be an integer")
+        if minimum is not None and v < minimum:
+            raise _Bad(f"must be >= {minimum}")
+        return v
+
+    return check
+
+
+def _number(low: float = 0.0, high: Optional[float] = None) -> Callable[[Any], float]:
+    def check(v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise _Bad("must be a number")
+        if v < low or (high is not None and v > high):
+            raise _Bad(f"must be in [{low}, {high}]" if high is not None else f"must be >= {low}")
+        return float(v)
+
+    return check
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if not isinstance(v, str) or v.lower() not in choices:
+            raise _Bad(f"must be one of {list(choices)}")
+        return v.lower()
+
+    return check
+
+
+def _path(v: Any) -> str:
+    if not isinstance(v, (str, os.PathLike)) or not os.fspath(v):
+        raise _Bad("must be a directory path")
+    return os.fspath(v)
+
+
+def _any(v: Any) -> Any:
+    return v
+
+
+def _mapping_or_none(v: Any) -> Any:
+    if v is not None and not isinstance(v, Mapping):
+        raise _Bad("must be an object or null")
+    return v
+
+
+def _block_size(v: Any) -> int:
+    n = _int(ALIGNMENT)(v)
+    if n % ALIGNMENT:
+        raise _Bad(f"must be a multiple of {ALIGNMENT} (the store's O_DIRECT alignment)")
+    return n
+
+
+# ---------------------------------------------------------------------------------------- schema
+
+_ASYNC = "the engine always overlaps it (prefetch along the recorded order, pipelined optimizer step)"
+_BUFFERS = "the store streams any tensor through its own staging slots: no fixed DeepSpeed buffer pool to size"
+_PINNED = "the store pins its host pool and staging buffers whenever CUDA is present"
+_COMM = "the engine issues one collective per parameter shard; DeepSpeed's bucketing knob has no counterpart"
+_ZERO12 = "applies to ZeRO stages 1 and 2 only"
+_LOGGING = "DeepSpeed's own logging/monitoring; the engine reports through eng.stats()"
+_LOOP = "the training loop is yours: the engine has no data loader or batch; call eng.step() when you step"
+_MODEL_SIDE = "changes how DeepSpeed patches or traces modules; the engine uses plain module hooks"
+_RESIDENT = ("the engine pages every parameter through the store; hot ones stay resident in its "
+             "device/host tiers by the recorded access order (Belady eviction)")
+
+OFFLOAD_PARAM: Schema = {
+    "device": Key(_choice("none", "cpu", "nvme"), MAP, "param_tier: none -> device, cpu -> host, nvme -> nvme"),
+    "nvme_path": Key(_path, MAP, "StoreConfig.nvme_paths (with offload_optimizer.nvme_path)"),
+    "pin_memory": Key(_bool, ACCEPT, _PINNED),
+    "buffer_count": Key(_int(), ACCEPT, _BUFFERS),
+    "buffer_size": Key(_int(), ACCEPT, _BUFFERS),
+    "max_in_cpu": Key(_int(), ACCEPT, "host memory is StoreConfig.host_bytes, one budget for all data"),
+}
+
+OFFLOAD_OPTIMIZER: Schema = {
+    "device": Key(_choice("none", "cpu", "nvme"), MAP,
+                  "optimizer_tier: cpu -> host, nvme -> nvme, none -> host (the optimizer always runs on the "
+                  "CPU; the host tier is the closest place for its state)"),
+    "nvme_path": Key(_path, MAP, "StoreConfig.nvme_paths (with offload_param.nvme_path)"),
+    "pin_memory": Key(_bool, ACCEPT, _PINNED),
+    "buffer_count": Key(_int(), ACCEPT, "the step streams groups of optimizer_group_bytes (sub_group_size)"),
+    "fast_init": Key(_bool, ACCEPT, "state is created lazily at each shard's first step; nothing to speed up"),
+    "pipeline_read": Key(_bool, ACCEPT, "the step always reads group i+1 while updating group i"),
+    "pipeline_write": Key(_bool, ACCEPT, "the step always writes group i-1 while updating group i"),
+    "ratio": Key(_number(0.0, 1.0), DEFAULT_ONLY, "partial optimizer offload is not supported", 1.0),
+    "super_offload": Key(_bool, DEFAULT_ONLY, "SuperOffload (Grace Hopper) is not supported", False),
+    "cpuadam_cores_perc": Key(_number(0.0, 1.0), ACCEPT, "used only with super_offload, which is off"),
+}
+
+ZERO: Schema = {
+    "stage": Key(_int(), MAP, "must be 3: the engine is ZeRO-3 (parameters, gradients and optimizer state sharded)"),
+    "offload_param": OFFLOAD_PARAM,
+    "offload_optimizer": OFFLOAD_OPTIMIZER,
+    "stage3_prefetch_bucket_size": Key(_int(), MAP, "prefetch_bytes = elements x training-dtype bytes"),
+    "sub_group_size": Key(_int(1), MAP, "optimizer_group_bytes = elements x 4 (fp32)"),
+    "cpu_offload": Key(_bool, MAP, "deprecated DeepSpeed name: true = offload_optimizer.device cpu"),
+    "cpu_offload_param": Key(_bool, MAP, "deprecated DeepSpeed name: true = offload_param.device cpu"),
+    "cpu_offload_use_pin_memory": Key(_bool, ACCEPT, _PINNED),
+    "stage3_max_live_parameters": Key(_int(), ACCEPT, "the engine releases each module's parameters right after "
+                                      "use; materialized memory is bounded by the largest module plus prefetch_bytes"),
+    "stage3_max_reuse_distance": Key(_int(), ACCEPT, _RESIDENT),
+    "stage3_param_persistence_threshold": Key(_int(), ACCEPT, _RESIDENT),
+    "stage3_model_persistence_threshold": Key(_int(), ACCEPT, _RESIDENT),
+    "stage3_gather_16bit_weights_on_model_save": Key(_bool, ACCEPT, "eng.state_dict() always consolidates"),
+    "stage3_gather_fp16_weights_on_model_save": Key(_bool, ACCEPT, "eng.state_dict() always consolidates"),
+    "stage3_module_granularity_threshold": Key(_int(None), ACCEPT, _MODEL_SIDE),
+    "stage3_use_all_reduce_for_fetch_params": Key(_bool, ACCEPT, _COMM),
+    "stage3_allgather_sequential": Key(_bool, ACCEPT, _COMM),
+    "overlap_comm": Key(_bool, ACCEPT, _ASYNC),
+    "contiguous_gradients": Key(_bool, ACCEPT, "each gradient shard goes to the store as soon as it is final"),
+    "reduce_scatter": Key(_bool, ACCEPT, "gradients are always reduce-scattered when world size > 1"),
+    "reduce_bucket_size": Key(_int(), ACCEPT, _COMM),
+    "allgather_partitions": Key(_bool, ACCEPT, _COMM),
+    "allgather_bucket_size": Key(_int(), ACCEPT, _COMM),
+    "use_multi_rank_bucket_allreduce": Key(_bool, ACCEPT, _COMM),
+    "ignore_unused_parameters": Key(_bool, ACCEPT, "a parameter without a gradient is skipped, as torch does"),
+    "round_robin_gradients": Key(_bool, ACCEPT, _ZERO12),
+    "compute_grad_norm": Key(_bool, ACCEPT, _ZERO12),
+    "parameter_alignment": Key(_bool, ACCEPT, _ZERO12),
+    "memory_efficient_linear": Key(_bool, ACCEPT, _MODEL_SIDE),
+    "override_module_apply": Key(_bool, ACCEPT, _MODEL_SIDE),
+    "log_trace_cache_warnings": Key(_bool, ACCEPT, _LOGGING),
+    "enable_sanity_checks": Key(_bool, ACCEPT, "DeepSpeed's internal checks; the engine's invariants are always on"),
+    "load_from_fp32_weights": Key(_bool, DEFAULT_ONLY, "checkpoints always restore the fp32 master weights", True),
+    "elastic_checkpoint": Key(_bool, DEFAULT_ONLY, "elastic checkpoints are not supported", False),
+    "legacy_stage1": Key(_bool, DEFAULT_ONLY, "stage 1 is not supported", False),
+    "pipeline_loading_checkpoint": Key(_bool, DEFAULT_ONLY, "pipeline-parallel loading is not supported", False),
+    "zero_hpz_partition_size": Key(_int(), DEFAULT_ONLY, "ZeRO++ hierarchical partitioning is not supported", 1),
+    "zero_quantized_weights": Key(_bool, DEFAULT_ONLY, "ZeRO++ quantized weights are not supported", False),
+    "zero_quantized_nontrainable_weights": Key(_bool, DEFAULT_ONLY, "quantized weights are not supported", False),
+    "zero_quantized_gradients": Key(_bool, DEFAULT_ONLY, "ZeRO++ quantized gradients are not supported", False),
+    "zeropp_loco_param": Key(_mapping_or_none, DEFAULT_ONLY, "LoCo-Zero++ is not supported", None),
+    "mics_shard_size": Key(_int(None), DEFAULT_ONLY, "MiCS sharding is not supported", -1),
+    "mics_hierarchical_params_gather": Key(_bool, DEFAULT_ONLY, "MiCS sharding is not supported", False),
+    "save_muon_momentum_buffer_in_memory": Key(_bool, DEFAULT_ONLY, "the Muon optimizer is not supported", False),
+    "zenflow": Key(_mapping_or_none, DEFAULT_ONLY, "ZenFlow is not supported", None),
+    "leaf_module": Key(_mapping_or_none, DEFAULT_ONLY, "ZeRO-3 leaf modules are not supported: every module "
+                       "with parameters is hooked on its own", None),
+}
+
+AIO: Schema = {
+    "block_size": Key(_block_size, MAP, "StoreConfig.block_size"),
+    "queue_depth": Key(_int(1), MAP, "StoreConfig.queue_depth (blocks in flight over the whole store)"),
+    "intra_op_parallelism": Key(_int(1), MAP, "StoreConfig.io_threads"),
+    "thread_count": Key(_int(1), MAP, "StoreConfig.io_threads (older DeepSpeed name of intra_op_parallelism)"),
+    "single_submit": Key(_bool, ACCEPT, "libaio submission detail; each store I/O thread issues one syscall per block"),
+    "overlap_events": Key(_bool, ACCEPT, "libaio completion detail; store blocks complete independently"),
+    "use_gds": Key(_bool, DEFAULT_ONLY, "GPUDirect Storage is not supported yet (docs/architecture.md)", False),
+}
+
+_NOT_ENABLED = "used only when fp16 is enabled, which is not supported"
+FP16: Schema = {
+    "enabled": Key(_bool, DEFAULT_ONLY, "fp16 with loss scaling is not supported; use bf16 or fp32", False),
+    **{k: Key(_any, ACCEPT, _NOT_ENABLED) for k in (
+        "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+        "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")},
+}
+
+BF16: Schema = {
+    "enabled": Key(_bool, MAP, "train_dtype: true -> bfloat16 (fp32 master weights kept, as in DeepSpeed)"),
+    "immediate_grad_update": Key(_bool, ACCEPT, "gradient shards always go to the store when final"),
+    "check_grad_overflow": Key(_bool, ACCEPT, "no loss scaling in bf16, so no overflow skipping"),
+    "check_overflow": Key(_bool, ACCEPT, "no loss scaling in bf16, so no overflow skipping"),
+    "bf16_master_weights_and_grads": Key(_bool, DEFAULT_ONLY, "master weights and gradients are fp32", False),
+    "bf16_optimizer_states": Key(_bool, DEFAULT_ONLY, "Adam moments are fp32", False),
+}
+
+TOP: Schema = {
+    "zero_optimization": ZERO,
+    "aio": AIO,
+    "bf16": BF16,
+    "bfloat16": BF16,
+    "fp16": FP16,
+    "gradient_clipping": Key(_number(), MAP, "max_grad_norm (0 -> None, no clipping)"),
+    "optimizer": Key(_mapping_or_none, MAP, "validated here; build it with optimizer_from_deepspeed(ds)"),
+    "scheduler": Key(_mapping_or_none, MAP, "validated here; build it with scheduler_from_deepspeed(ds, optimizer)"),
+    "train_batch_size": Key(_int(1), ACCEPT, _LOOP),
+    "train_micro_batch_size_per_gpu": Key(_int(1), ACCEPT, _LOOP),
+    "gradient_accumulation_steps": Key(_int(1), ACCEPT, _LOOP),
+    "steps_per_print": Key(_int(), ACCEPT, _LOGGING),
+    "wall_clock_breakdown": Key(_bool, ACCEPT, _LOGGING),
+    "memory_breakdown": Key(_bool, ACCEPT, _LOGGING),
+    "dump_state": Key(_bool, ACCEPT, _LOGGING),
+    "tensorboard": Key(_mapping_or_none, ACCEPT, _LOGGING),
+    "wandb": Key(_mapping_or_none, ACCEPT, _LOGGING),
+    "csv_monitor": Key(_mapping_or_none, ACCEPT, _LOGGING),
+    "comet": Key(_mapping_or_none, ACCEPT, _LOGGING),
+    "flops_profiler": Key(_mapping_or_none, ACCEPT, _LOGGING),
+    "zero_allow_untested_optimizer": Key(_bool, ACCEPT, "relaxes DeepSpeed's check of client optimizers"),
+    "zero_force_ds_cpu_optimizer": Key(_bool, ACCEPT, "the engine's optimizer is always its own CPU AdamW"),
+    "prescale_gradients": Key(_bool, DEFAULT_ONLY, "gradient prescaling is not supported", False),
+    "gradient_predivide_factor": Key(_number(), DEFAULT_ONLY, "gradient predivision is not supported", 1.0),
+    "sparse_gradients": Key(_bool, DEFAULT_ONLY, "sparse gradients are not supported", False),
+    "communication_data_type": Key(_any, DEFAULT_ONLY, "choosing the collectives' dtype is not supported", None),
+}
+
+
+# ---------------------------------------------------------------------------------------- public API
+
+
+def load_deepspeed_config(ds_config: DeepSpeedConfig) -> dict[str, Any]:
+    """The DeepSpeed config as a dict: ``ds_config`` itself (a mapping) or the JSON file it names."""
+    if isinstance(ds_config, Mapping):
+        return dict(ds_config)
+    if isinstance(ds_config, (str, os.PathLike)):
+        path = os.fspath(ds_config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"cannot read the DeepSpeed config {path!r}: {exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the DeepSpeed config {path!r} is not valid JSON: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ValueError(f"the DeepSpeed config {path!r} must hold a JSON object, got {type(loaded).__name__}")
+        return loaded
+    raise TypeError(f"a DeepSpeed config is a dict or a path to a JSON file, got {type(ds_config).__name__}")
+
+
+def deepspeed_settings(ds_config: DeepSpeedConfig) -> tuple[dict[str, Any], list[str]]:
+    """Walk the config against the schema: (values of the keys present, by dotted path; problems)."""
+    found: dict[str, Any] = {}
+    problems: list[str] = []
+    _walk(load_deepspeed_config(ds_config), TOP, "", found, problems)
+    return found, problems
+
+
+def config_from_deepspeed(cls: type, ds_config: DeepSpeedConfig, *, store: StoreConfig, **overrides: Any) -> Any:
+    """An EngineConfig (``cls``) from a DeepSpeed config dict or JSON path, over ``store``.
+
+    Mapped values replace the matching fields of ``store`` and of the EngineConfig defaults;
+    ``overrides`` replace EngineConfig fields last. ValueError names every unknown or unsupported
+    key and every bad value, by path.
+    """
+    if not isinstance(store, StoreConfig):
+        raise TypeError(f"store must be a tiered.StoreConfig, got {type(store).__name__}")
+    found, problems = deepspeed_settings(ds_config)
+    engine_fields, store_fields = _map(found, problems)
+    if problems:
+        lines = "\n  ".join(problems)
+        raise ValueError(f"the DeepSpeed config has {len(problems)} unsupported or invalid setting(s):\n  {lines}")
+    return cls(store=store.replace(**store_fields), **{**engine_fields, **overrides})
+
+
+# ---------------------------------------------------------------------------------------- internals
+
+
+def _walk(section: Mapping[str, Any], schema: Schema, path: str, found: dict[str, Any], problems: list[str]) -> None:
+    for key, value in section.items():
+        where = f"{path}.{key}" if path else str(key)
+        spec = schema.get(key) if isinstance(key, str) else None
+        if spec is None:
+            close = difflib.get_close_matches(str(key), list(schema), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{where}: unknown key, or a DeepSpeed setting the engine does not support{hint}")
+            continue
+        if isinstance(value, str) and value == "auto":
+            continue  # the Hugging Face integration's placeholder: treated as not set
+        if not isinstance(spec, Key):
+            if value is None:
+                continue
+            if not isinstance(value, Mapping):
+                problems.append(f"{where}: must be an object, got {_show(value)}")
+                continue
+            found[where] = value
+            _walk(value, spec, where, found, problems)
+            continue
+        try:
+            normalized = spec.check(value)
+        except _Bad as exc:
+            problems.append(f"{where}: {exc}, got {_show(value)}")
+            continue
+        if spec.action == DEFAULT_ONLY and normalized != spec.default:
+            problems.append(f"{where}: {spec.why} (only {_show(spec.default)} is accepted), got {_show(value)}")
+            continue
+        found[where] = normalized
+
+
+def _show(value: Any) -> str:
+    """A value as the JSON the user wrote (repr for what JSON cannot hold)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """EngineConfig and StoreConfig fields from the validated values; adds cross-key problems."""
+    eng: dict[str, Any] = {}
+    sto: dict[str, Any] = {}
+    z = "zero_optimization"
+    stage = found.get(f"{z}.stage")
+    if stage != 3:
+        got = "missing" if stage is None else f"got {stage}"
+        problems.append(f"{z}.stage: must be 3 (the engine is ZeRO-3), {got}")
+
+    param_device = found.get(f"{z}.offload_param.device")
+    if found.get(f"{z}.cpu_offload_param") is not None:
+        if param_device is not None:
+            problems.append(f"{z}.cpu_offload_param: deprecated and conflicts with {z}.offload_param.device")
+        elif found[f"{z}.cpu_offload_param"]:
+            param_device = "cpu"
+    if param_device is not None:
+        eng["param_tier"] = {"none": "device", "cpu": "host", "nvme": "nvme"}[param_device]
+
+    optim_device = found.get(f"{z}.offload_optimizer.device")
+    if found.get(f"{z}.cpu_offload") is not None:
+        if optim_device is not None:
+            problems.append(f"{z}.cpu_offload: deprecated and conflicts with {z}.offload_optimizer.device")
+        elif found[f"{z}.cpu_offload"]:
+            optim_device = "cpu"
+    if optim_device is not None:
+        eng["optimizer_tier"] = "nvme" if optim_device == "nvme" else "host"
+
+    paths = [found[k] for k in (f"{z}.offload_param.nvme_path", f"{z}.offload_optimizer.nvme_path") if k in found]
+    if paths:
+        sto["nvme_paths"] = tuple(dict.fromkeys(os.path.abspath(p) for p in paths))
+
+    bf16 = [found[k] for k in ("bf16.enabled", "bfloat16.enabled") if k in found]
+    if len(set(bf16)) > 1:
+        problems.append("bfloat16.enabled: conflicts with bf16.enabled (two names of one DeepSpeed setting)")
+    if bf16 and bf16[0]:
+        eng["train_dtype"] = "bfloat16"
+    element_bytes = 2 if eng.get("train_dtype") == "bfloat16" else 4
+    if f"{z}.stage3_prefetch_bucket_size" in found:
+        eng["prefetch_bytes"] = found[f"{z}.stage3_prefetch_bucket_size"] * element_bytes
+    if f"{z}.sub_group_size" in found:
+        eng["optimizer_group_bytes"] = found[f"{z}.sub_group_size"] * FP32_BYTES
+
+    threads = {k: found[k] for k in ("aio.intra_op_parallelism", "aio.thread_count") if k in found}
+    if len(set(threads.values())) > 1:
+        problems.append("aio.thread_count: older name of aio.intra_op_parallelism, set to a different value")
+    if threads:
+        sto["io_threads"] = next(iter(threads.values()))
+    for key, field in (("aio.block_size", "block_size"), ("aio.queue_depth", "queue_depth")):
+        if key in found:
+            sto[field] = found[key]
+
+    if "gradient_clipping" in found:
+        eng["max_grad_norm"] = found["gradient_clipping"] or None  # DeepSpeed clips only when > 0
+
+    from engine.optim_deepspeed import optimizer_problems, scheduler_problems
+
+    if found.get("optimizer") is not None:
+        problems.extend(optimizer_problems(found["optimizer"]))
+    if found.get("scheduler") is not None:
+        problems.extend(scheduler_problems(found["scheduler"]))
+    return eng, sto

@@ -1,0 +1,403 @@
+"""EngineConfig.from_deepspeed: every DeepSpeed key is mapped, accepted for a stated reason, or
+refused by name; plus engine.AdamW and LR schedulers from the optimizer and scheduler sections."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import tiered
+from engine.adamw import AdamW
+from engine.config import EngineConfig
+from engine.deepspeed_config import ACCEPT, DEFAULT_ONLY, MAP, TOP, Key, config_from_deepspeed
+from engine.optim_deepspeed import SCHEDULES, optimizer_from_deepspeed, scheduler_from_deepspeed
+from engine.optim_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+
+MiB = 1024 * 1024
+ZERO3 = {"zero_optimization": {"stage": 3}}
+
+
+@pytest.fixture
+def store(tmp_path) -> tiered.StoreConfig:
+    return tiered.StoreConfig(path=str(tmp_path / "store"), block_size=4 * MiB, queue_depth=16, io_threads=6)
+
+
+def ds(**sections) -> dict:
+    """A stage-3 config with ``zero_optimization`` keys from ``zero=`` and other top-level sections."""
+    config = copy.deepcopy(ZERO3)
+    config["zero_optimization"].update(sections.pop("zero", {}))
+    config.update(sections)
+    return config
+
+
+def problems_of(config, store) -> str:
+    with pytest.raises(ValueError) as info:
+        EngineConfig.from_deepspeed(config, store=store)
+    return str(info.value)
+
+
+def test_minimal_stage3_config_keeps_every_default(store):
+    config = EngineConfig.from_deepspeed(ZERO3, store=store)
+    assert config == EngineConfig(store=store)
+
+
+@pytest.mark.parametrize("fragment,engine_fields,store_fields", [
+    ({"zero": {"offload_param": {"device": "nvme"}}}, {"param_tier": "nvme"}, {}),
+    ({"zero": {"offload_param": {"device": "cpu"}}}, {"param_tier": "host"}, {}),
+    ({"zero": {"offload_param": {"device": "none"}}}, {"param_tier": "device"}, {}),
+    ({"zero": {"offload_optimizer": {"device": "nvme"}}}, {"optimizer_tier": "nvme"}, {}),
+    ({"zero": {"offload_optimizer": {"device": "cpu"}}}, {"optimizer_tier": "host"}, {}),
+    ({"zero": {"offload_optimizer": {"device": "none"}}}, {"optimizer_tier": "host"}, {}),
+    ({"zero": {"cpu_offload": True}}, {"optimizer_tier": "host"}, {}),
+    ({"zero": {"cpu_offload_param": True}}, {"param_tier": "host"}, {}),
+    ({"zero": {"cpu_offload": False, "cpu_offload_param": False}}, {}, {}),
+    ({"zero": {"stage3_prefetch_bucket_size": 5e7}}, {"prefetch_bytes": 200_000_000}, {}),
+    ({"zero": {"stage3_prefetch_bucket_size": 1000}, "bf16": {"enabled": True}},
+     {"prefetch_bytes": 2000, "train_dtype": "bfloat16"}, {}),
+    ({"zero": {"sub_group_size": 1e6}}, {"optimizer_group_bytes": 4_000_000}, {}),
+    ({"bf16": {"enabled": False}}, {}, {}),
+    ({"bfloat16": {"enabled": True}}, {"train_dtype": "bfloat16"}, {}),
+    ({"gradient_clipping": 1.5}, {"max_grad_norm": 1.5}, {}),
+    ({"gradient_clipping": 0}, {"max_grad_norm": None}, {}),
+    ({"aio": {"block_size": 1048576}}, {}, {"block_size": 1048576}),
+    ({"aio": {"queue_depth": 8}}, {}, {"queue_depth": 8}),
+    ({"aio": {"intra_op_parallelism": 3}}, {}, {"io_threads": 3}),
+    ({"aio": {"thread_count": 2}}, {}, {"io_threads": 2}),
+    ({"aio": {"thread_count": 2, "intra_op_parallelism": 2}}, {}, {"io_threads": 2}),
+])
+def test_each_mapping(store, fragment, engine_fields, store_fields):
+    config = EngineConfig.from_deepspeed(ds(**fragment), store=store)
+    assert config == EngineConfig(store=store.replace(**store_fields), **engine_fields)
+
+
+def test_nvme_paths_of_both_offload_sections(store, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    zero = {"offload_param": {"device": "nvme", "nvme_path": a},
+            "offload_optimizer": {"device": "nvme", "nvme_path": b}}
+    assert EngineConfig.from_deepspeed(ds(zero=zero), store=store).store.nvme_paths == (a, b)
+    zero["offload_optimizer"]["nvme_path"] = a + "/"
+    assert EngineConfig.from_deepspeed(ds(zero=zero), store=store).store.nvme_paths == (a,)
+
+
+def test_accepted_keys_change_nothing(store):
+    zero = {
+        "offload_param": {"device": "nvme", "pin_memory": True, "buffer_count": 5, "buffer_size": 1e8,
+                          "max_in_cpu": 1e9},
+        "offload_optimizer": {"device": "nvme", "pin_memory": True, "buffer_count": 4, "fast_init": False,
+                              "pipeline_read": True, "pipeline_write": True, "ratio": 1.0},
+        "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 5e8, "reduce_scatter": True,
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_param_persistence_threshold": 1e5, "stage3_gather_16bit_weights_on_model_save": True,
+        "allgather_partitions": True, "allgather_bucket_size": 5e8, "load_from_fp32_weights": True,
+        "round_robin_gradients": False, "ignore_unused_parameters": True, "zero_quantized_weights": False,
+    }
+    top = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
+           "steps_per_print": 10, "wall_clock_breakdown": False, "fp16": {"enabled": False, "loss_scale": 0},
+           "aio": {"single_submit": False, "overlap_events": True, "use_gds": False},
+           "tensorboard": {"enabled": False}, "prescale_gradients": False, "zero_allow_untested_optimizer": True}
+    config = EngineConfig.from_deepspeed(ds(zero=zero, **top), store=store)
+    assert config == EngineConfig(store=store, param_tier="nvme", optimizer_tier="nvme")
+
+
+def test_auto_values_are_treated_as_unset(store):
+    config = EngineConfig.from_deepspeed(
+        ds(zero={"stage3_prefetch_bucket_size": "auto", "sub_group_size": "auto"}, gradient_clipping="auto",
+           bf16={"enabled": "auto"}, train_batch_size="auto", optimizer={"type": "AdamW", "params": {"lr": "auto"}}),
+        store=store,
+    )
+    assert config == EngineConfig(store=store)
+
+
+def test_overrides_win_and_absent_keys_keep_the_store(store):
+    config = EngineConfig.from_deepspeed(
+        ds(zero={"offload_param": {"device": "cpu"}}, aio={"queue_depth": 4}), store=store,
+        param_tier="nvme", compress_optimizer=True,
+    )
+    assert config.param_tier == "nvme" and config.compress_optimizer
+    assert (config.store.queue_depth, config.store.block_size, config.store.io_threads) == (4, 4 * MiB, 6)
+
+
+def test_json_file(store, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds(zero={"offload_optimizer": {"device": "nvme"}}, gradient_clipping=1.0)))
+    for given in (str(path), path):
+        config = EngineConfig.from_deepspeed(given, store=store)
+        assert config.optimizer_tier == "nvme" and config.max_grad_norm == 1.0
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        EngineConfig.from_deepspeed(str(path), store=store)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        EngineConfig.from_deepspeed(str(path), store=store)
+    with pytest.raises(ValueError, match="cannot read"):
+        EngineConfig.from_deepspeed(str(tmp_path / "missing.json"), store=store)
+    with pytest.raises(TypeError, match="dict or a path"):
+        EngineConfig.from_deepspeed(42, store=store)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="StoreConfig"):
+        config_from_deepspeed(EngineConfig, ZERO3, store="nope")  # type: ignore[arg-type]
+
+
+def test_every_unknown_key_is_named_with_its_path(store):
+    config = ds(
+        zero={"stage3_prefetch_bucket_sise": 1, "offload_param": {"device": "nvme", "buffer_cnt": 2},
+              "offload_optimizer": {"device": "cpu", "speed": 3}},
+        aio={"block_size": 1048576, "threads": 4}, bf16={"enabled": True, "magic": 1},
+        unknown_section={"a": 1}, train_batch_size=8,
+    )
+    message = problems_of(config, store)
+    assert "6 unsupported or invalid" in message
+    for path in ("zero_optimization.stage3_prefetch_bucket_sise", "zero_optimization.offload_param.buffer_cnt",
+                 "zero_optimization.offload_optimizer.speed", "aio.threads", "bf16.magic", "unknown_section"):
+        assert f"{path}: unknown key" in message
+    assert "did you mean 'stage3_prefetch_bucket_size'?" in message
+    assert "unknown_section.a" not in message  # an unknown section is named once
+
+
+@pytest.mark.parametrize("fragment,path,expected", [
+    ({"fp16": {"enabled": True}}, "fp16.enabled", "only false is accepted"),
+    ({"zero": {"offload_optimizer": {"ratio": 0.5}}}, "zero_optimization.offload_optimizer.ratio", "partial"),
+    ({"zero": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients", "not supported"),
+    ({"zero": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size", "only 1"),
+    ({"aio": {"use_gds": True}}, "aio.use_gds", "GPUDirect"),
+    ({"prescale_gradients": True}, "prescale_gradients", "not supported"),
+    ({"communication_data_type": "fp16"}, "communication_data_type", "only null"),
+    ({"zero": {"offload_param": {"device": "gpu"}}}, "zero_optimization.offload_param.device", "one of"),
+    ({"zero": {"reduce_bucket_size": -1}}, "zero_optimization.reduce_bucket_size", ">= 0"),
+    ({"zero": {"sub_group_size": 1.5}}, "zero_optimization.sub_group_size", "integer"),
+    ({"zero": {"overlap_comm": "yes"}}, "zero_optimization.overlap_comm", "true or false"),
+    ({"zero": {"offload_param": 5}}, "zero_optimization.offload_param", "must be an object"),
+    ({"aio": {"block_size": 1000000}}, "aio.block_size", "multiple of 4096"),
+    ({"gradient_clipping": -1}, "gradient_clipping", ">= 0"),
+    ({"aio": {"thread_count": 2, "intra_op_parallelism": 4}}, "aio.thread_count", "different value"),
+    ({"zero": {"cpu_offload": True, "offload_optimizer": {"device": "nvme"}}}, "zero_optimization.cpu_offload",
+     "conflicts"),
+    ({"bf16": {"enabled": True}, "bfloat16": {"enabled": False}}, "bfloat16.enabled", "conflicts"),
+])
+def test_unsupported_or_invalid_values_are_named(store, fragment, path, expected):
+    message = problems_of(ds(**fragment), store)
+    line = next((line for line in message.splitlines() if line.strip().startswith(f"{path}:")), None)
+    assert line is not None and expected in line, message
+
+
+@pytest.mark.parametrize("config,expected", [
+    ({}, "must be 3 (the engine is ZeRO-3), missing"),
+    ({"zero_optimization": {"stage": 2}}, "got 2"),
+    ({"zero_optimization": True}, "zero_optimization: must be an object"),
+])
+def test_stage_must_be_3(store, config, expected):
+    assert expected in problems_of(config, store)
+
+
+def test_problems_in_several_sections_are_reported_together(store):
+    config = ds(zero={"stage": 1, "foo": 1}, optimizer={"type": "Lamb"}, scheduler={"type": "OneCycle"},
+                fp16={"enabled": True})
+    message = problems_of(config, store)
+    for path in ("zero_optimization.stage", "zero_optimization.foo", "optimizer.type", "scheduler.type",
+                 "fp16.enabled"):
+        assert f"\n  {path}:" in message, message
+
+
+def test_schema_covers_every_key_of_the_installed_deepspeed():
+    """Each key DeepSpeed's own config classes know is classified here: none would be 'unknown'."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.swap_tensor import constants as aio
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+
+    def names(model) -> set[str]:
+        return {field.alias or name for name, field in model.model_fields.items()}
+
+    zero = TOP["zero_optimization"]
+    assert names(DeepSpeedZeroConfig) <= set(zero)
+    assert names(DeepSpeedZeroOffloadParamConfig) <= set(zero["offload_param"])
+    assert names(DeepSpeedZeroOffloadOptimizerConfig) <= set(zero["offload_optimizer"])
+    assert {getattr(aio, n) for n in dir(aio) if n.startswith("AIO_") and n.count("_") >= 2
+            and not n.endswith(("_DEFAULT", "_FORMAT"))} <= set(TOP["aio"])
+
+
+def test_every_key_has_an_action_and_a_reason():
+    def walk(schema):
+        for key, spec in schema.items():
+            if isinstance(spec, Key):
+                assert spec.action in (MAP, ACCEPT, DEFAULT_ONLY) and spec.why, key
+            else:
+                walk(spec)
+
+    walk(TOP)
+
+
+# ------------------------------------------------------------------------------ optimizer section
+
+
+def test_optimizer_from_deepspeed():
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6,
+                                                        "weight_decay": 0.1}}}
+    opt = optimizer_from_deepspeed(config)
+    assert isinstance(opt, AdamW)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (3e-4, (0.9, 0.95), 1e-6, 0.1)
+
+
+@pytest.mark.parametrize("section,weight_decay", [
+    ({"type": "Adam", "params": {"lr": 1e-4}}, 0.0),  # DeepSpeed's Adam is AdamW mode, weight decay 0
+    ({"type": "adamw", "params": {"torch_adam": True}}, 0.01),  # torch.optim.AdamW's default
+    ({"type": "Adam", "params": {"adam_w_mode": True, "bias_correction": True, "amsgrad": False}}, 0.0),
+])
+def test_optimizer_defaults_follow_deepspeed(section, weight_decay):
+    assert optimizer_from_deepspeed({"optimizer": section}).param_groups[0]["weight_decay"] == weight_decay
+
+
+def test_no_optimizer_section_gives_torch_defaults():
+    assert optimizer_from_deepspeed(ZERO3).param_groups[0]["weight_decay"] == 0.01
+
+
+@pytest.mark.parametrize("section,expected", [
+    ({"type": "Lamb"}, "optimizer.type"),
+    ({"params": {"lr": 1e-3}}, "optimizer.type: missing"),
+    ({"type": "Adam", "params": {"adam_w_mode": False}}, "L2-regularized"),
+    ({"type": "AdamW", "params": {"max_grad_norm": 1.0}}, "gradient_clipping"),
+    ({"type": "AdamW", "params": {"amsgrad": True}}, "AMSGrad"),
+    ({"type": "AdamW", "params": {"betas": [0.9]}}, "optimizer.params.betas"),
+    ({"type": "AdamW", "params": {"momentum": 0.9}}, "optimizer.params.momentum: unknown"),
+])
+def test_optimizer_problems(store, section, expected):
+    with pytest.raises(ValueError, match=expected):
+        optimizer_from_deepspeed({"optimizer": section})
+    assert expected.split(":")[0] in problems_of(ds(optimizer=section), store)
+
+
+# ------------------------------------------------------------------------------ scheduler section
+
+
+def _lrs(scheduler, optimizer, steps: int) -> list[float]:
+    lrs = [optimizer.param_groups[0]["lr"]]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Detected call of")  # no optimizer steps here
+        for _ in range(steps):
+            scheduler.step()
+            lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs
+
+
+SCHEDULE_CASES = [
+    ("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 7, "warmup_type": "log"}),
+    ("WarmupLR", {"warmup_num_steps": 5, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 20, "warmup_max_lr": 2e-3, "warmup_num_steps": 4, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 12, "warmup_num_steps": 1}),
+    ("WarmupCosineLR", {"total_num_steps": 25, "warmup_num_steps": 5, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01}),
+    ("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 3, "warmup_type": "linear"}),
+]
+
+
+@pytest.mark.parametrize("kind,params", SCHEDULE_CASES)
+def test_schedules_equal_deepspeed_lr_sequence(kind, params):
+    ds_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    ours_opt = AdamW(lr=5e-4)
+    ours = scheduler_from_deepspeed({"scheduler": {"type": kind, "params": params}}, ours_opt)
+    assert isinstance(ours, SCHEDULES[kind][0])
+    theirs_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=5e-4)
+    theirs = getattr(ds_schedules, kind)(theirs_opt, **params)
+    assert _lrs(ours, ours_opt, 30) == _lrs(theirs, theirs_opt, 30)
+
+
+def test_schedules_without_deepspeed_installed():
+    """The formulas at a few points, so the module is checked where DeepSpeed is absent too."""
+    opt = AdamW(lr=1.0)
+    lrs = _lrs(WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=4, warmup_type="linear"), opt, 6)
+    assert lrs == [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    opt = AdamW(lr=1.0)
+    lrs = _lrs(WarmupDecayLR(opt, total_num_steps=6, warmup_max_lr=1.0, warmup_num_steps=2,
+                             warmup_type="linear"), opt, 8)
+    assert lrs == [0.0, 0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    opt = AdamW(lr=2.0)
+    lrs = _lrs(WarmupCosineLR(opt, total_num_steps=4, warmup_num_steps=2, cos_min_ratio=0.0,
+                              warmup_type="linear"), opt, 5)
+    assert lrs[:3] == [0.0, 0.0, 1.0] and lrs[3] == pytest.approx(1.0) and lrs[-1] == 0.0
+
+
+def test_torch_scheduler_by_name():
+    opt = AdamW(lr=1.0)
+    scheduler = scheduler_from_deepspeed({"scheduler": {"type": "StepLR", "params": {"step_size": 2, "gamma": 0.5}}},
+                                         opt)
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
+    assert _lrs(scheduler, opt, 4) == [1.0, 1.0, 0.5, 0.5, 0.25]
+    assert scheduler_from_deepspeed(ZERO3, opt) is None
+
+
+@pytest.mark.parametrize("section,expected", [
+    ({"type": "OneCycle", "params": {}}, "scheduler.type: not supported"),
+    ({"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3}}, "total_num_steps: missing"),
+    ({"type": "WarmupLR", "params": {"warmup_type": "cubic"}}, "warmup_type"),
+    ({"type": "WarmupLR", "params": {"warmup_steps": 3}}, "scheduler.params.warmup_steps: unknown"),
+    ({"type": "WarmupLR", "params": {"last_batch_iteration": 5}}, "state_dict"),
+    ({"type": "StepLR", "params": {"step": 2}}, "torch.optim.lr_scheduler.StepLR"),
+    ({"type": "WarmupLR", "extra": 1}, "scheduler.extra: unknown"),
+])
+def test_scheduler_problems(store, section, expected):
+    with pytest.raises(ValueError, match=expected):
+        scheduler_from_deepspeed({"scheduler": section}, AdamW())
+    assert expected.split(":")[0] in problems_of(ds(scheduler=section), store)
+
+
+def test_a_full_hugging_face_style_config(store, tmp_path):
+    """The shape of config users copy from the DeepSpeed and Hugging Face docs (ZeRO-Infinity)."""
+    nvme = str(tmp_path / "nvme")
+    config = {
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto"}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 4,
+                                  "fast_init": False},
+            "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 5,
+                              "buffer_size": 1e8, "max_in_cpu": 1e9},
+            "aio": None,
+            "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1, "single_submit": False,
+                "overlap_events": True},
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    }
+    message = problems_of(config, store)  # "aio" is not a zero_optimization key: named, nothing else
+    assert message.count("\n  ") == 1 and "zero_optimization.aio: unknown key" in message
+    del config["zero_optimization"]["aio"]
+    engine_config = EngineConfig.from_deepspeed(config, store=store)
+    assert engine_config == EngineConfig(
+        store=store.replace(nvme_paths=(nvme,), block_size=262144, queue_depth=32, io_threads=1),
+        param_tier="nvme", optimizer_tier="nvme", optimizer_group_bytes=4_000_000_000,
+    )
+    opt = optimizer_from_deepspeed(config)
+    assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["weight_decay"] == 0.0
+    assert isinstance(scheduler_from_deepspeed(config, opt), WarmupLR)
+    assert os.fspath(nvme) in engine_config.store.nvme_paths
+
+
+def test_the_training_guide_lists_every_key():
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "training.md"), encoding="utf-8") as f:
+        doc = f.read()
+
+    def paths(schema, prefix):
+        for key, spec in schema.items():
+            path = f"{prefix}.{key}" if prefix else key
+            if isinstance(spec, Key):
+                yield path
+            else:
+                yield from paths(spec, path)
+
+    missing = [p for p in paths({k: v for k, v in TOP.items() if k != "bfloat16"}, "") if f"`{p}`" not in doc]
+    assert not missing, f"docs/training.md does not list {missing}"
