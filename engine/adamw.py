@@ -130,6 +130,10 @@ class AdamW(torch.optim.Optimizer):
         """Updates taken so far by each shard, by shard name (a copy)."""
         return dict(self._shard_steps)
 
+    def _set_shard_steps(self, steps: Mapping[str, int]) -> None:
+        """Replace the per-shard step counts (the engine, resuming from its step record)."""
+        self._shard_steps = {str(k): int(v) for k, v in steps.items()}
+
     def run_step(
         self,
         store: AsyncTensorStore,

@@ -49,6 +49,10 @@ class EngineConfig:
     #: them to before they go to the store (fp32 master weights are kept either way); None keeps the
     #: model's own dtypes. DeepSpeed's ``bf16.enabled`` maps here.
     train_dtype: Optional[str] = None
+    #: Resume from the store's own state at ``store.path`` (after a crash, or a clean close):
+    #: parameters, fp32 master weights, Adam moments and step counts of the last completed
+    #: ``engine.AdamW`` step. False starts afresh, discarding any training state the store holds.
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -69,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.compute_device must be a device string, got {self.compute_device!r}")
         if self.train_dtype is not None:
             _check_choice("train_dtype", self.train_dtype, TRAIN_DTYPES)
+        if not isinstance(self.resume, bool):
+            raise ValueError(f"EngineConfig.resume must be True or False, got {self.resume!r}")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         """A copy with some fields changed (validated again)."""

@@ -7,14 +7,18 @@ hooks; from then on the model is called as usual and the hooks fetch and release
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
+from engine import checkpoint
 from engine.backward import BackwardTracker, SavedParamHooks, register_grad_final_hooks
+from engine.collectives import Collectives, group_rank_and_world
 from engine.config import EngineConfig
 from engine.handle import HandleState, ParamHandle
+from engine.layout import rank_store_config
 from engine.module_hooks import ForwardScope, ModuleHooks
 from engine.pager import Pager
 from engine.placement import InitFn, Placement, model_device
@@ -24,6 +28,9 @@ from engine.stats import EngineCounters, EngineStats, MemoryMeter, bytes_out_by_
 from engine.torch_optimizer import TorchOptimizerHooks
 from engine.weights import StateDictLike, WeightSource
 from tiered import StoreStats, TieredStore
+
+if TYPE_CHECKING:
+    from engine.training import Training
 
 
 class EngineClosedError(RuntimeError):
@@ -67,9 +74,19 @@ class Engine:
         ]
         self._grad_hooks = register_grad_final_hooks(self._handles, self._on_grad_final)
         self._state_dict_hooks = StateDictHooks(placement.by_module, self._pager, shard_io)
-        self._optimizer_hooks = (
-            TorchOptimizerHooks(optimizer, self._by_id, self._pager) if optimizer is not None else None
-        )
+        self._optimizer = optimizer
+        self._training: Optional[Training] = None
+        self._optimizer_hooks: Optional[TorchOptimizerHooks] = None
+        if _is_engine_optimizer(optimizer):
+            from engine.training import Training
+
+            self._training = Training(
+                model, self._by_id, optimizer, shard_io, self._pager, config  # type: ignore[arg-type]
+            )
+            if shard_io.collectives is not None:  # global-norm clipping sums squares over ranks
+                self._training.all_reduce = shard_io.all_reduce_sum
+        elif optimizer is not None:
+            self._optimizer_hooks = TorchOptimizerHooks(optimizer, self._by_id, self._pager)
         self._baseline = bytes_out_by_tier(store.stats())
         self._last_store_stats: Optional[StoreStats] = None
         self._closed = False
@@ -96,6 +113,62 @@ class Engine:
         """True after :meth:`unwrap` or :meth:`close`."""
         return self._closed
 
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The optimizer passed to :func:`wrap` (an ``engine.AdamW`` is bound to the model)."""
+        return self._optimizer
+
+    @property
+    def completed_steps(self) -> int:
+        """Optimizer steps of ``engine.AdamW`` completed on this store, including those of the run a
+        resumed engine continues (0 without an engine optimizer)."""
+        return self._training.completed_steps if self._training is not None else 0
+
+    def step(self) -> None:
+        """One optimizer step: ``optimizer.step()``, so LR schedulers and step hooks see it. With
+        ``engine.AdamW`` the gradient shards stream through the offloaded AdamW and the new
+        parameters go to the store (docs/training.md); with a torch optimizer its hooks fetch the
+        parameters, torch updates them and they are written back."""
+        self._check_open()
+        if self._optimizer is None:
+            raise RuntimeError("eng.step() needs an optimizer: pass optimizer=engine.AdamW(...) to engine.wrap")
+        self._optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()``: with ``engine.AdamW`` the gradient shards in the store go;
+        without an optimizer, the model's ``zero_grad``."""
+        self._check_open()
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            self._model.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model's whole state as ``{name: tensor}`` on the CPU, every parameter consolidated
+        (gathered across ranks): a plain model's ``load_state_dict`` accepts it. Parameters are in
+        the training dtype. With several ranks every rank must call it and each gets the whole dict."""
+        self._check_open()
+        return checkpoint.consolidated_state_dict(self._model, self._handles, self._io)
+
+    def save_checkpoint(self, path: "str | os.PathLike[str]", *, overwrite: bool = False) -> None:
+        """Save a sharded checkpoint to the directory ``path``, atomically: one safetensors file per
+        rank (its parameter shards, ``engine.AdamW`` state and buffers) and ``metadata.json``. Every
+        rank calls it, between steps. docs/training.md, "Checkpoints"."""
+        self._check_open()
+        checkpoint.save_checkpoint(self._checkpoint_parts(), path, overwrite=overwrite)
+
+    def load_checkpoint(self, path: "str | os.PathLike[str]", *, load_optimizer: bool = True) -> None:
+        """Load a checkpoint saved by :meth:`save_checkpoint` (same world size, same model): weights,
+        buffers and, with ``load_optimizer``, the ``engine.AdamW`` state, step counts and
+        hyperparameters. Raises ``engine.checkpoint.CheckpointError`` naming any mismatch."""
+        self._check_open()
+        checkpoint.load_checkpoint(self._checkpoint_parts(), path, load_optimizer=load_optimizer)
+
+    def _checkpoint_parts(self) -> checkpoint.EngineParts:
+        return checkpoint.EngineParts(
+            self._model, self._handles, self._io, self._pager, self._config, self._training, self._optimizer
+        )
+
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and the store's (see :class:`EngineStats`)."""
         store_stats = self._last_store_stats if self._closed else self._store.stats()
@@ -118,6 +191,20 @@ class Engine:
             peak_materialized_bytes=self._meter.peak,
             wrap_peak_materialized_bytes=self._wrap_peak,
             store=store_stats,
+            **self._training_stats(),
+        )
+
+    def _training_stats(self) -> dict[str, Any]:
+        if self._training is None:
+            return {}
+        t = self._training.counters
+        return dict(
+            optimizer_steps=t.steps,
+            optimizer_seconds=t.seconds,
+            optimizer_bytes_read=t.bytes_read,
+            optimizer_bytes_written=t.bytes_written,
+            optimizer_stall_seconds=t.stall_seconds,
+            grad_bytes_offloaded=self._training.grads.bytes_offloaded,
         )
 
     def unwrap(self) -> nn.Module:
@@ -158,6 +245,10 @@ class Engine:
         Multi-rank training reduce-scatters ``handle.param.grad`` and hands the gradient shard to
         the store here, before the backward hold is released.
         """
+        if self._training is not None:
+            self._training.grads.offload(handle)  # to the store as an fp32 shard; param.grad = None
+        elif handle.param.grad is not None:  # no engine optimizer: param.grad is the mean over ranks, as with DDP
+            self._io.average_grad(handle.param.grad)
         self._pager.end_backward_hold(handle)
 
     # ------------------------------------------------------------------ internals
@@ -175,6 +266,14 @@ class Engine:
 
     def _shutdown(self) -> None:
         self._closed = True
+        if self._training is not None:
+            self._training.close()
+        self._remove_hooks()
+        self._last_store_stats = self._store.stats()
+        self._io.close()
+        self._store.sync.close()
+
+    def _remove_hooks(self) -> None:
         for hooks in self._module_hooks:
             hooks.remove()
         for remover in self._grad_hooks:
@@ -182,8 +281,15 @@ class Engine:
         self._state_dict_hooks.remove()
         if self._optimizer_hooks is not None:
             self._optimizer_hooks.remove()
-        self._last_store_stats = self._store.stats()
-        self._store.sync.close()
+
+    def _start_training(self, resume: bool) -> None:
+        """Fresh: commit an empty step record. Resume: take up the store's (Training.start)."""
+        if self._training is not None:
+            self._training.start(resume)
+        elif resume:
+            raise ValueError(
+                "EngineConfig(resume=True) resumes training with engine.AdamW: pass optimizer=engine.AdamW(...)"
+            )
 
 
 def wrap(
@@ -201,8 +307,11 @@ def wrap(
     model's parameters before wrap (its step fetches them and writes them back). ``init_fn(module)``
     initializes a module whose parameters are on the meta device (default: its
     ``reset_parameters()``); ``state_dict`` (a mapping, or a path to a .safetensors or torch file)
-    supplies parameter and buffer values, read one tensor at a time. ``process_group``: None or a
-    group of size 1 for now.
+    supplies parameter and buffer values, read one tensor at a time. ``process_group``: the
+    ``torch.distributed`` group to shard over; None uses the default group when
+    ``torch.distributed`` is initialized (each rank then keeps 1/world of every parameter in the
+    ``rank{N}`` subdirectory of the store's paths), and no sharding otherwise; a group of size 1
+    does not shard (docs/training.md, "Multiple processes").
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap takes an nn.Module, got {type(model).__name__}")
@@ -211,32 +320,53 @@ def wrap(
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn must be callable (module) -> None, got {type(init_fn).__name__}")
     _check_optimizer(optimizer)
-    rank, world = _rank_and_world(process_group)
+    if config.resume and (state_dict is not None or not _is_engine_optimizer(optimizer)):
+        raise ValueError(
+            "EngineConfig(resume=True) takes parameters and optimizer state from the store: pass "
+            "optimizer=engine.AdamW(...) and no state_dict"
+        )
+    group, rank, world = _rank_and_world(process_group)
     _check_tier_budget(config)
     device = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
     source = WeightSource.open(state_dict)
+    collectives = Collectives(group) if group is not None else None  # its thread starts on first use
     try:
-        store = TieredStore.open(config.store)
+        store = TieredStore.open(rank_store_config(config.store, rank, world))
     except BaseException:
         if source is not None:
             source.close()
         raise
     try:
-        shard_io = ShardIO(store, config.param_tier)
+        shard_io = ShardIO(store, config.param_tier, collectives)
         meter = MemoryMeter(
             sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
                 if p.device.type != "meta")
         )
+        from engine.training import check_resumable, discard_training_state
+
+        if config.resume:
+            check_resumable(store)
+        else:
+            discard_training_state(store)  # this wrap's parameters replace the earlier run's
         placement = Placement(
-            model, device=device, shard_io=shard_io, meter=meter, rank=rank, world=world, source=source, init_fn=init_fn
+            model, device=device, shard_io=shard_io, meter=meter, rank=rank, world=world, source=source,
+            init_fn=init_fn, dtype=_train_dtype(config), from_store=config.resume,
         )
         try:
             placement.run()
-            return Engine(model, config, store, placement, meter, shard_io, optimizer)
+            engine = Engine(model, config, store, placement, meter, shard_io, optimizer)
+            try:
+                engine._start_training(config.resume)
+            except BaseException:
+                engine._remove_hooks()
+                raise
+            return engine
         except BaseException:
             _restore(placement, shard_io, meter)
             raise
     except BaseException:
+        if collectives is not None:
+            collectives.close()
         store.sync.close()
         raise
     finally:
@@ -244,24 +374,34 @@ def wrap(
             source.close()
 
 
+def _is_engine_optimizer(optimizer: object) -> bool:
+    """True for an ``engine.AdamW`` (imported lazily: paging alone needs no optimizer modules)."""
+    if optimizer is None or not hasattr(optimizer, "_bind"):
+        return False
+    from engine.adamw import AdamW
+
+    return isinstance(optimizer, AdamW)
+
+
+def _train_dtype(config: EngineConfig) -> Optional[torch.dtype]:
+    return getattr(torch, config.train_dtype) if config.train_dtype is not None else None
+
+
 def _check_optimizer(optimizer: object) -> None:
     if optimizer is None:
         return
-    if hasattr(optimizer, "_bind"):
-        raise NotImplementedError("engine.AdamW is bound by the engine's training step, which is not wired in yet")
+    if _is_engine_optimizer(optimizer):
+        if optimizer.bound:  # type: ignore[attr-defined]
+            raise ValueError("this engine.AdamW is already bound to a model; create one optimizer per engine.wrap")
+        return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
 
 
-def _rank_and_world(process_group: Any) -> tuple[int, int]:
-    if process_group is None:
-        return 0, 1
-    import torch.distributed as dist
-
-    world = dist.get_world_size(process_group)
-    if world > 1:
-        raise NotImplementedError(f"sharding across {world} ranks is not wired in yet; pass process_group=None")
-    return dist.get_rank(process_group), world
+def _rank_and_world(process_group: Any) -> tuple[Any, int, int]:
+    """(group to shard over or None, rank, world): the default group when None and torch.distributed
+    is initialized."""
+    return group_rank_and_world(process_group)
 
 
 def _check_tier_budget(config: EngineConfig) -> None:

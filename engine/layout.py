@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
+
+from tiered import StoreConfig
 
 #: Store keys of parameter shards are this prefix plus the parameter's fully qualified name.
 PARAM_KEY_PREFIX = "param/"
@@ -14,6 +17,31 @@ PARAM_KEY_PREFIX = "param/"
 def param_key(name: str) -> str:
     """The store key of the parameter called ``name`` (its first fully qualified name)."""
     return PARAM_KEY_PREFIX + name
+
+
+#: Store keys of fp32 gradient shards (between backward and the optimizer step).
+GRAD_KEY_PREFIX = "grad/"
+#: Store keys of the optimizer's fp32 state: ``optim/<name>/master``, ``.../exp_avg``, ``.../exp_avg_sq``.
+OPTIM_KEY_PREFIX = "optim/"
+
+
+def grad_key(name: str) -> str:
+    """The store key of the fp32 gradient shard of the parameter called ``name``."""
+    return GRAD_KEY_PREFIX + name
+
+
+def optim_keys(name: str, slot: int = 0) -> tuple[str, str, str]:
+    """The store keys ``(master, exp_avg, exp_avg_sq)`` of the parameter called ``name``.
+
+    The engine keeps the optimizer state in two key sets and writes each step into the one the
+    last completed step did not use (a crash mid-step leaves the other whole): ``slot`` 0 is
+    ``optim/<name>/master`` etc., slot 1 the same with ``~1`` appended. Which slot is live is in
+    the engine's step record (``engine.training``: ``Training.live_shards()`` gives the live keys).
+    """
+    assert slot in (0, 1), slot
+    base = OPTIM_KEY_PREFIX + name
+    suffix = "~1" if slot else ""
+    return base + "/master" + suffix, base + "/exp_avg" + suffix, base + "/exp_avg_sq" + suffix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +116,18 @@ class ShardLayout:
     def is_whole(self) -> bool:
         """True when this rank's shard is the whole parameter (world size 1): no collective needed."""
         return self.world == 1
+
+
+def rank_store_config(store: StoreConfig, rank: int, world: int) -> StoreConfig:
+    """The store configuration of ``rank``: ``store`` itself at world size 1, else every directory
+    (``path`` and each of ``nvme_paths``) with a ``rank{N}`` subdirectory, so ranks sharing a
+    filesystem never share a store."""
+    if world == 1:
+        return store
+    sub = f"rank{rank}"
+    return store.replace(
+        path=os.path.join(store.path, sub), nvme_paths=[os.path.join(p, sub) for p in store.nvme_paths or ()]
+    )
 
 
 def is_dense(tensor: torch.Tensor) -> bool:

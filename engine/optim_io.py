@@ -58,7 +58,7 @@ def check_shards(shards: Sequence[OptimShard], groups: int) -> None:
         if shard.name in names:
             raise ValueError(f"two shards are named {shard.name!r}; shard names must be unique")
         names.add(shard.name)
-        for key in shard.keys():
+        for key in shard.all_keys():
             if key in keys:
                 raise ValueError(f"store key {key!r} is used by two shards (or twice by {shard.name!r})")
             keys.add(key)

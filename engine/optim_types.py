@@ -27,6 +27,10 @@ class OptimShard:
     skipped, as torch skips parameters whose ``.grad`` is None. ``master_key``, ``exp_avg_key``
     and ``exp_avg_sq_key`` hold the fp32 master weights and Adam moments. ``group`` indexes the
     hyperparameter groups (``AdamW.param_groups``) the shard belongs to.
+
+    ``state_out_keys``: where the step writes the updated master, ``exp_avg`` and ``exp_avg_sq``
+    (None: back into the keys it read). The engine writes each step's state to the other of two
+    key sets, so a crash in the middle of a step leaves the last completed step's state whole.
     """
 
     name: str
@@ -38,6 +42,7 @@ class OptimShard:
     exp_avg_key: str
     exp_avg_sq_key: str
     group: int = 0
+    state_out_keys: Optional[tuple[str, str, str]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -56,10 +61,32 @@ class OptimShard:
             raise ValueError(f"OptimShard {self.name!r}: its five store keys must differ, got {keys}")
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 0:
             raise ValueError(f"OptimShard {self.name!r}: group must be an int >= 0, got {self.group!r}")
+        if self.state_out_keys is not None:
+            out = self.state_out_keys
+            if not isinstance(out, tuple) or len(out) != 3 or not all(isinstance(k, str) and k for k in out):
+                raise ValueError(
+                    f"OptimShard {self.name!r}: state_out_keys must be None or three non-empty strings, got {out!r}"
+                )
+            if len(set(out)) != 3 or set(out) & {self.param_key, self.grad_key}:
+                raise ValueError(
+                    f"OptimShard {self.name!r}: state_out_keys must differ from each other and from the param and "
+                    f"grad keys, got {out}"
+                )
 
     def keys(self) -> tuple[str, str, str, str, str]:
         """The shard's store keys: param, grad, master, exp_avg, exp_avg_sq."""
         return (self.param_key, self.grad_key, self.master_key, self.exp_avg_key, self.exp_avg_sq_key)
+
+    @property
+    def out_keys(self) -> tuple[str, str, str]:
+        """Where the step writes the updated master, exp_avg and exp_avg_sq."""
+        if self.state_out_keys is not None:
+            return self.state_out_keys
+        return (self.master_key, self.exp_avg_key, self.exp_avg_sq_key)
+
+    def all_keys(self) -> tuple[str, ...]:
+        """Every store key the shard reads or writes, each once."""
+        return tuple(dict.fromkeys((*self.keys(), *self.out_keys)))
 
     @property
     def fp32_bytes(self) -> int:

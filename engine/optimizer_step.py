@@ -296,9 +296,10 @@ async def _write_group(store: AsyncTensorStore, loaded: list[_Loaded], io: IOCou
         s = item.shard
         assert item.master is not None and item.exp_avg is not None and item.exp_avg_sq is not None
         assert item.param is not None
-        puts.append(io.put(store, s.master_key, item.master, state_tier, compress))
-        puts.append(io.put(store, s.exp_avg_key, item.exp_avg, state_tier, compress))
-        puts.append(io.put(store, s.exp_avg_sq_key, item.exp_avg_sq, state_tier, compress))
+        master_key, exp_avg_key, exp_avg_sq_key = s.out_keys
+        puts.append(io.put(store, master_key, item.master, state_tier, compress))
+        puts.append(io.put(store, exp_avg_key, item.exp_avg, state_tier, compress))
+        puts.append(io.put(store, exp_avg_sq_key, item.exp_avg_sq, state_tier, compress))
         puts.append(io.put(store, s.param_key, item.param, param_tier, None))
     await gather_all(puts)
 

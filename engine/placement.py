@@ -7,11 +7,17 @@ compute device (a parameter on the meta device gets empty storage, keeping its i
 values from the weight source are copied in; then the shards are written and the storage freed.
 So at most one module's parameters (plus tied ones it shares) are materialized at a time.
 Buffers are moved to the compute device and stay there.
+
+With ``dtype`` (``EngineConfig.train_dtype``) floating parameters and buffers are cast to it as
+their module is placed, as ``model.to(dtype)`` would. With ``from_store`` (resuming) the values
+are the store's: parameters are adopted without being written, after checking that the store
+holds a shard of the right size and dtype for each.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 from typing import Callable, Optional
 
 import torch
@@ -57,7 +63,10 @@ class Placement:
         world: int = 1,
         source: Optional[WeightSource] = None,
         init_fn: Optional[InitFn] = None,
+        dtype: Optional[torch.dtype] = None,
+        from_store: bool = False,
     ) -> None:
+        assert not (from_store and source is not None), "resuming takes every value from the store"
         self._model = model
         self._device = device
         self._io = shard_io
@@ -66,6 +75,8 @@ class Placement:
         self._world = world
         self._source = source
         self._init_fn = init_fn
+        self._dtype = dtype
+        self._from_store = from_store
         self._names = parameter_names(model)
         self._storage_users: collections.Counter[int] = collections.Counter()
         self._moved_buffers: dict[int, torch.Tensor] = {}
@@ -113,7 +124,9 @@ class Placement:
             handle = self.handles.get(id(param))
             if handle is None:
                 names = self._names[id(param)]
-                if param.device.type == "meta" and (self._source is None or self._source.find(names) is None):
+                if param.device.type == "meta" and not self._from_store and (
+                    self._source is None or self._source.find(names) is None
+                ):
                     missing.append(names[0])
                 handle = self._adopt(param)
                 new.append(handle)
@@ -130,22 +143,30 @@ class Placement:
             self._init(prefix, module, missing)
         if self._source is not None:
             self._load(prefix, module, rewrite)
+        if self._from_store:
+            for handle in rewrite:
+                self._check_stored(handle)
+                handle.free(self._meter)
+            return
         wait_all([self._io.write(h) for h in rewrite])
         for handle in rewrite:  # only once written: a failed placement keeps the values in the parameters
             handle.free(self._meter)
 
     def _adopt(self, param: nn.Parameter) -> ParamHandle:
         """Give ``param`` exclusive contiguous storage on the compute device and a handle."""
-        nbytes = param.numel() * param.element_size()
+        dtype = self._dtype if self._dtype is not None and param.is_floating_point() else param.dtype
+        nbytes = param.numel() * dtype.itemsize
         if param.device.type == "meta":
-            fresh = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=self._device), param.requires_grad)
+            fresh = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=self._device), param.requires_grad)
             fresh.__dict__.update(param.__dict__)  # swap_tensors swaps __dict__ too: keep the user's attributes
             torch.utils.swap_tensors(param, fresh)
             self._meter.add(nbytes)
         else:
             storage = param.untyped_storage()
+            storage_dtype = param.dtype
             exclusive = (
                 param.device == self._device
+                and param.dtype == dtype
                 and is_dense(param)
                 and param.storage_offset() == 0
                 and storage.nbytes() == nbytes
@@ -153,9 +174,12 @@ class Placement:
                 and self._storage_users[storage._cdata] == 1
             )
             if not exclusive:  # keeps a dense layout (channels-last, transposed), else row-major
-                fresh = torch.empty_like(param, device=self._device, memory_format=torch.preserve_format)
+                fresh = torch.empty_like(param, dtype=dtype, device=self._device, memory_format=torch.preserve_format)
                 fresh.copy_(param.detach())
                 param.data = fresh
+                if dtype != storage_dtype:  # cast to the training dtype: the meter counts the new size
+                    self._meter.add(nbytes)
+                    self._meter.sub(param.numel() * storage_dtype.itemsize)
         names = self._names[id(param)]
         layout = ShardLayout.of(param, rank=self._rank, world=self._world)
         handle = ParamHandle(param, names, layout, param_key(names[0]))
@@ -170,11 +194,12 @@ class Placement:
                 continue
             moved = self._moved_buffers.get(id(buf))
             if moved is None:
+                dtype = self._dtype if self._dtype is not None and buf.is_floating_point() else buf.dtype
                 if buf.device.type == "meta":
                     meta.append(_join(prefix, name))
-                    moved = torch.empty_like(buf, device=self._device)
-                elif buf.device != self._device:
-                    moved = buf.to(self._device)
+                    moved = torch.empty_like(buf, dtype=dtype, device=self._device)
+                elif buf.device != self._device or buf.dtype != dtype:
+                    moved = buf.to(self._device, dtype)
                 else:
                     continue
                 try:
@@ -186,6 +211,22 @@ class Placement:
             elif moved is not buf:
                 module._buffers[name] = moved
         return meta
+
+    def _check_stored(self, handle: ParamHandle) -> None:
+        """Resuming: the store must hold ``handle``'s shard with its size and dtype."""
+        store = self._io.store
+        if handle.key not in store:
+            raise ValueError(
+                f"resuming: the store has no shard of parameter {handle.name!r} ({handle.key!r}); it holds another "
+                "model, or the shard lived in a memory tier that a crash lost (param_tier='nvme' survives crashes)"
+            )
+        info = store.info(handle.key)
+        if info.dtype != handle.layout.dtype or math.prod(info.shape) != handle.layout.shard_numel:
+            raise ValueError(
+                f"resuming: the store's shard of {handle.name!r} is {info.dtype} with {math.prod(info.shape)} "
+                f"elements, the model's is {handle.layout.dtype} with {handle.layout.shard_numel} (a different "
+                "model, or a different EngineConfig.train_dtype)"
+            )
 
     def _refetch(self, handle: ParamHandle) -> None:
         handle.allocate(self._meter)

@@ -61,6 +61,12 @@ class EngineStats:
     that holds them. ``rerecords`` counts steps that departed from the recorded order.
     Materialized bytes are parameter storage currently allocated (held by running modules, by
     backward, or prefetched); ``wrap_peak_materialized_bytes`` is the peak during :func:`engine.wrap`.
+
+    With ``engine.AdamW`` (0 otherwise): ``optimizer_steps`` run by this engine, their total
+    ``optimizer_seconds`` (commit included), ``optimizer_bytes_read``/``optimizer_bytes_written``
+    (logical tensor bytes the steps moved through the store, before compression),
+    ``optimizer_stall_seconds`` (time the steps waited on store I/O that the pipeline did not hide),
+    ``grad_bytes_offloaded`` (fp32 gradient shard bytes put to the store by backward).
     """
 
     steps: int
@@ -78,6 +84,12 @@ class EngineStats:
     peak_materialized_bytes: int
     wrap_peak_materialized_bytes: int
     store: StoreStats
+    optimizer_steps: int = 0
+    optimizer_seconds: float = 0.0
+    optimizer_bytes_read: int = 0
+    optimizer_bytes_written: int = 0
+    optimizer_stall_seconds: float = 0.0
+    grad_bytes_offloaded: int = 0
 
     @property
     def prefetch_hit_rate(self) -> float:

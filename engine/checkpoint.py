@@ -1,0 +1,555 @@
+"""Checkpoints of a wrapped model: sharded save and load, and a consolidated state dict.
+
+A checkpoint is a directory::
+
+    <dir>/metadata.json          world size, parameters and their layouts, buffers, optimizer
+                                 hyperparameters and step counts, per-file sizes and CRC-32s
+    <dir>/rank0.safetensors      rank 0's parameter shards, optimizer state and buffers
+    <dir>/rank1.safetensors      ... one file per rank
+
+Each rank writes its own file, streaming one store entry at a time (never the whole state in
+memory), in the safetensors format (no pickle anywhere). Tensor names in a rank file:
+``param/<name>`` (the shard in the training dtype, padding included), ``optim/<name>/master``,
+``optim/<name>/exp_avg``, ``optim/<name>/exp_avg_sq`` (fp32, shards that have taken a step) and
+``buffer/<name>`` (this rank's buffers, whole).
+
+Save is atomic: the files go to ``<dir>.partial``, each is fsynced, rank 0 writes the metadata
+last, fsyncs, renames the directory to ``<dir>`` and fsyncs its parent; so ``<dir>`` either does
+not exist or is complete. Every rank must call save and load (they are collective at world size
+> 1), between steps. Errors found on any rank (a mismatch, a missing file, an I/O error) are
+raised on every rank, so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import zlib
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.handle import ParamHandle
+from engine.pager import Pager
+from engine.safetensors_stream import SafetensorsFormatError, SafetensorsReader, SafetensorsWriter, TensorSpec
+from engine.shard_io import ShardIO
+
+FORMAT = "tiered-engine-checkpoint"
+VERSION = 1
+METADATA_FILE = "metadata.json"
+PARTIAL_SUFFIX = ".partial"
+OLD_SUFFIX = ".old"
+#: Bytes of puts in flight while a checkpoint is loaded into the store.
+LOAD_INFLIGHT_BYTES = 256 << 20
+_STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the engine loading it, is incomplete or is damaged; or saving
+    failed on some rank. The message says which and what to do."""
+
+
+def rank_file(rank: int) -> str:
+    """The file name of ``rank``'s part of a checkpoint."""
+    return f"rank{rank}.safetensors"
+
+
+@dataclasses.dataclass
+class EngineParts:
+    """What checkpoints need of an engine (``Engine._checkpoint_parts()`` builds it).
+
+    ``training`` is the engine's ``engine.training.Training`` when it trains with ``engine.AdamW``
+    (``optimizer`` is then that AdamW), else None.
+    """
+
+    model: nn.Module
+    handles: Sequence[ParamHandle]
+    io: ShardIO
+    pager: Pager
+    config: EngineConfig
+    training: Optional[Any] = None
+    optimizer: Optional[torch.optim.Optimizer] = None
+
+
+# ---------------------------------------------------------------------------- consolidated state dict
+
+
+def consolidated_state_dict(model: nn.Module, handles: Sequence[ParamHandle], io: ShardIO) -> dict[str, Any]:
+    """``model.state_dict()`` with every parameter whole (gathered across ranks) and every tensor a
+    CPU copy: what a plain model's ``load_state_dict`` accepts. Tied parameters appear under each of
+    their names as one tensor, as in ``state_dict()``. Collective at world size > 1: every rank calls
+    it and gets the whole dict."""
+    by_id = {id(h.param): h for h in handles}
+    whole: dict[int, torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: the Parameter objects, untouched
+        handle = by_id.get(id(value))
+        if handle is not None:
+            if id(value) not in whole:
+                whole[id(value)] = io.read_copy(handle).detach().to("cpu")  # a new tensor already
+            out[name] = whole[id(value)]
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.detach().to("cpu", copy=True)
+        else:
+            out[name] = value  # a module's extra state
+    return out
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overwrite: bool = False) -> None:
+    """Write a sharded checkpoint of ``parts`` to the directory ``path`` (see the module docstring)."""
+    path = os.path.abspath(os.fspath(path))
+    partial = path + PARTIAL_SUFFIX
+    io = parts.io
+    rank = io.rank
+    error = _attempt(lambda: _between_steps(parts, "save a checkpoint"))
+    if rank == 0 and error is None:
+        error = _attempt(lambda: _prepare_partial(path, partial, overwrite))
+    _agree(io, error, "preparing the checkpoint directory")
+
+    written: Any = None
+    try:
+        written = _write_rank_file(parts, os.path.join(partial, rank_file(rank)))
+        error = None
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+        error = exc
+    files = _gather(io, written if error is None else None)
+    complete = all(f is not None for f in files)
+    if rank == 0 and error is None and complete:
+        error = _attempt(lambda: _finish_save(parts, path, partial, files, overwrite))
+    if rank == 0 and (error is not None or not complete):
+        shutil.rmtree(partial, ignore_errors=True)  # what a failed save wrote (the published checkpoint stays)
+    _agree(io, error, "writing the checkpoint", failed=[r for r, f in enumerate(files) if f is None])
+
+
+def _prepare_partial(path: str, partial: str, overwrite: bool) -> None:
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"the checkpoint's parent directory {parent!r} does not exist; create it first")
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(
+            f"checkpoint directory {path!r} already exists; choose another path or pass overwrite=True"
+        )
+    shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
+    os.mkdir(partial)
+
+
+def _write_rank_file(parts: EngineParts, file: str) -> dict[str, Any]:
+    """Stream this rank's shards, optimizer state and buffers from the store into ``file``."""
+    store = parts.io.store
+    sources: list[tuple[TensorSpec, Callable[[], torch.Tensor]]] = []
+    for handle in _unique(parts.handles):
+        info = store.info(handle.key)
+        sources.append((TensorSpec("param/" + handle.name, info.dtype, tuple(info.shape)),
+                        _store_reader(store, handle.key)))
+    for name, keys in _live_state_keys(parts).items():
+        for state, key in zip(_STATE_NAMES, keys):
+            info = store.info(key)
+            sources.append((TensorSpec(f"optim/{name}/{state}", info.dtype, tuple(info.shape)),
+                            _store_reader(store, key)))
+    for name, buf in parts.model.named_buffers():
+        sources.append((TensorSpec("buffer/" + name, buf.dtype, tuple(buf.shape)), _value(buf)))
+    getters = {spec.name: get for spec, get in sources}
+    writer = SafetensorsWriter(file, [spec for spec, _ in sources], {"format": FORMAT, "rank": str(parts.io.rank)})
+    try:
+        for spec in writer.order:
+            writer.write(spec.name, getters[spec.name]())
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"bytes": writer.nbytes, "crc32": writer.crc32}
+
+
+def _finish_save(parts: EngineParts, path: str, partial: str, files: list[Any], overwrite: bool) -> None:
+    """Rank 0: check every rank's file is there (a shared filesystem), write the metadata, publish."""
+    for rank, info in enumerate(files):
+        file = os.path.join(partial, rank_file(rank))
+        if not os.path.isfile(file) or os.path.getsize(file) != info["bytes"]:
+            raise CheckpointError(
+                f"rank {rank} wrote {rank_file(rank)} but rank 0 does not see it in {partial!r}: every rank must "
+                "save to a directory on a filesystem they all share"
+            )
+    metadata = _metadata(parts, files)
+    meta_file = os.path.join(partial, METADATA_FILE)
+    with open(meta_file, "w", encoding="utf-8") as f:
+        json.dump(metadata, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(partial)
+    old = path + OLD_SUFFIX
+    replacing = os.path.exists(path)
+    if replacing:
+        if not overwrite:
+            raise FileExistsError(f"checkpoint directory {path!r} appeared while saving; pass overwrite=True")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    try:
+        os.rename(partial, path)
+    except BaseException:
+        if replacing:
+            os.rename(old, path)  # put the previous checkpoint back
+        raise
+    _fsync_dir(os.path.dirname(path))
+    if replacing:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _metadata(parts: EngineParts, files: list[Any]) -> dict[str, Any]:
+    params = []
+    for handle in _unique(parts.handles):
+        layout = handle.layout
+        params.append({
+            "name": handle.name, "names": list(handle.names), "shape": list(layout.shape),
+            "dtype": _dtype_str(layout.dtype), "stride": list(layout.stride), "numel": layout.numel,
+            "shard_numel": layout.shard_numel, "padded_numel": layout.padded_numel,
+            "trainable": handle.trainable,
+        })
+    buffers = [{"name": n, "shape": list(b.shape), "dtype": _dtype_str(b.dtype)}
+               for n, b in parts.model.named_buffers()]
+    optimizer = None
+    if parts.training is not None:
+        sd = parts.optimizer.state_dict()  # type: ignore[union-attr]
+        optimizer = {
+            "type": "engine.AdamW",
+            "step": parts.training.completed_steps,
+            "shard_steps": dict(sd.get("shard_steps", {})),
+            "param_groups": _jsonable(sd["param_groups"], "optimizer param_groups"),
+            "with_state": sorted(_live_state_keys(parts)),
+        }
+    return {
+        "format": FORMAT, "version": VERSION, "world_size": parts.io.world,
+        "params": params, "buffers": buffers, "optimizer": optimizer,
+        "files": {rank_file(r): f for r, f in enumerate(files)},
+    }
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_optimizer: bool = True) -> None:
+    """Load the checkpoint at ``path`` into ``parts``' store (parameters, buffers and, with
+    ``load_optimizer``, the optimizer state, step counts and hyperparameters). Checks the
+    checkpoint against the engine first and changes nothing when they disagree."""
+    path = os.path.abspath(os.fspath(path))
+    io = parts.io
+    reader: Optional[SafetensorsReader] = None
+    metadata: dict[str, Any] = {}
+
+    def check() -> None:
+        nonlocal reader, metadata
+        _between_steps(parts, "load a checkpoint")
+        metadata = _read_metadata(path)
+        _check_metadata(parts, metadata, load_optimizer)
+        file = os.path.join(path, rank_file(io.rank))
+        expected = metadata["files"].get(rank_file(io.rank))
+        if not os.path.isfile(file):
+            raise CheckpointError(f"the checkpoint has no file {rank_file(io.rank)} for rank {io.rank} in {path!r}")
+        if expected is None or os.path.getsize(file) != expected.get("bytes"):
+            raise CheckpointError(f"{file!r} is not the file the checkpoint's metadata describes (its size differs)")
+        try:
+            reader = SafetensorsReader(file)
+        except SafetensorsFormatError as exc:
+            raise CheckpointError(f"{file!r} is damaged: {exc}") from exc
+        _check_rank_file(parts, metadata, reader, load_optimizer)
+
+    try:
+        _agree(io, _attempt(check), f"checking checkpoint {path!r}")
+        with parts.pager.lock:
+            parts.pager.drop_prefetched()  # their values are about to change
+        _agree(io, _attempt(lambda: _load_rank_file(parts, metadata, reader, load_optimizer)),
+               f"loading checkpoint {path!r}")
+    finally:
+        if reader is not None:
+            reader.close()
+
+
+def _read_metadata(path: str) -> dict[str, Any]:
+    file = os.path.join(path, METADATA_FILE)
+    if not os.path.isfile(file):
+        hint = " (a save that did not finish leaves only a .partial directory)" if os.path.isdir(
+            path + PARTIAL_SUFFIX) else ""
+        raise CheckpointError(f"{path!r} is not a checkpoint: it has no {METADATA_FILE}{hint}")
+    try:
+        with open(file, encoding="utf-8") as f:
+            metadata = json.load(f)
+    except ValueError as exc:
+        raise CheckpointError(f"{file!r} is not valid JSON: {exc}") from exc
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{file!r} is not the metadata of an engine checkpoint")
+    if metadata.get("version") != VERSION:
+        raise CheckpointError(
+            f"{file!r} has checkpoint version {metadata.get('version')!r}; this engine reads version {VERSION}"
+        )
+    kinds = {"world_size": int, "params": list, "buffers": list, "files": dict, "optimizer": (dict, type(None))}
+    for key, kind in kinds.items():
+        if not isinstance(metadata.get(key), kind) or (key == "optimizer" and metadata[key] is not None and not all(
+                k in metadata[key] for k in ("step", "shard_steps", "param_groups", "with_state"))):
+            raise CheckpointError(f"{file!r} is malformed: {key!r} is missing or of the wrong type")
+    for entry, needs in [(p, {"name", "shape", "dtype", "stride"}) for p in metadata["params"]] + [
+            (b, {"name", "shape", "dtype"}) for b in metadata["buffers"]]:
+        if not isinstance(entry, dict) or not needs <= set(entry):
+            raise CheckpointError(f"{file!r} is malformed: {entry!r} is not a parameter or buffer record")
+    return metadata
+
+
+def _check_metadata(parts: EngineParts, metadata: dict[str, Any], load_optimizer: bool) -> None:
+    world = parts.io.world
+    if metadata["world_size"] != world:
+        raise CheckpointError(
+            f"the checkpoint was saved by {metadata['world_size']} rank(s) but this engine runs on {world}: load it "
+            f"with {metadata['world_size']} processes (each rank holds a different shard), or consolidate the "
+            "weights with eng.state_dict() and pass them to engine.wrap(state_dict=...)"
+        )
+    saved = {p["name"]: p for p in metadata["params"]}
+    mine = {h.name: h for h in _unique(parts.handles)}
+    missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    if missing or extra:
+        raise CheckpointError(
+            f"the checkpoint's parameters do not match the model's: the model has {len(missing)} the checkpoint "
+            f"lacks {missing[:5]} and the checkpoint has {len(extra)} the model lacks {extra[:5]}"
+        )
+    for name, handle in mine.items():
+        p, layout = saved[name], handle.layout
+        if tuple(p["shape"]) != layout.shape or p["dtype"] != _dtype_str(layout.dtype):
+            raise CheckpointError(
+                f"parameter {name!r} is {p['dtype']} {tuple(p['shape'])} in the checkpoint but {layout.dtype} "
+                f"{layout.shape} in the model (a different model, or another EngineConfig.train_dtype)"
+            )
+        if tuple(p["stride"]) != layout.stride:
+            raise CheckpointError(
+                f"parameter {name!r} was saved with strides {tuple(p['stride'])} (memory order of its shards) but the "
+                f"model's has {layout.stride}: give the parameter the same memory format as when it was saved"
+            )
+    saved_buffers = {b["name"]: b for b in metadata["buffers"]}
+    my_buffers = dict(parts.model.named_buffers())
+    if set(saved_buffers) != set(my_buffers):
+        raise CheckpointError(
+            f"the checkpoint's buffers {sorted(set(saved_buffers) - set(my_buffers))[:5]} are not the model's, or the "
+            f"model's {sorted(set(my_buffers) - set(saved_buffers))[:5]} are not in the checkpoint"
+        )
+    for name, buf in my_buffers.items():
+        if tuple(saved_buffers[name]["shape"]) != tuple(buf.shape):
+            raise CheckpointError(
+                f"buffer {name!r} has shape {tuple(saved_buffers[name]['shape'])} in the checkpoint, "
+                f"{tuple(buf.shape)} in the model"
+            )
+    optimizer = metadata["optimizer"]
+    if not load_optimizer:
+        return
+    if optimizer is not None and parts.training is None:
+        raise CheckpointError(
+            "the checkpoint has engine.AdamW state but this engine has no engine.AdamW: wrap with "
+            "optimizer=engine.AdamW(...) to resume training, or pass load_optimizer=False to load only the weights"
+        )
+    if optimizer is None and parts.training is not None:
+        raise CheckpointError(
+            "the checkpoint has no optimizer state (it was saved without engine.AdamW): pass load_optimizer=False to "
+            "start the optimizer afresh from the checkpoint's weights"
+        )
+    if optimizer is not None:
+        groups = len(parts.optimizer.param_groups)  # type: ignore[union-attr]
+        if len(optimizer["param_groups"]) != groups:
+            raise CheckpointError(
+                f"the checkpoint's optimizer has {len(optimizer['param_groups'])} parameter groups, this one {groups}"
+            )
+
+
+def _check_rank_file(parts: EngineParts, metadata: dict[str, Any], reader: SafetensorsReader,
+                     load_optimizer: bool) -> None:
+    wanted = {"param/" + h.name: (h.layout.dtype, (h.layout.shard_numel,)) for h in _unique(parts.handles)}
+    wanted.update({"buffer/" + n: (b.dtype, tuple(b.shape)) for n, b in parts.model.named_buffers()})
+    if load_optimizer and metadata["optimizer"] is not None:
+        layouts = {h.name: h.layout for h in _unique(parts.handles)}
+        for name in metadata["optimizer"]["with_state"]:
+            for state in _STATE_NAMES:
+                wanted[f"optim/{name}/{state}"] = (torch.float32, (layouts[name].shard_numel,))
+    for name, (dtype, shape) in wanted.items():
+        spec = reader.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"{reader.path!r} has no tensor {name!r}")
+        if spec.dtype != dtype or math.prod(spec.shape) != math.prod(shape):
+            raise CheckpointError(
+                f"{reader.path!r}: {name!r} is {spec.dtype} {spec.shape}, this engine expects {dtype} {shape}"
+            )
+
+
+def _load_rank_file(parts: EngineParts, metadata: dict[str, Any], reader: Optional[SafetensorsReader],
+                    load_optimizer: bool) -> None:
+    assert reader is not None
+    store, config = parts.io.store, parts.config
+    crcs = metadata["files"][rank_file(parts.io.rank)]["crc32"]
+    puts = _BoundedPuts(store, LOAD_INFLIGHT_BYTES)
+    try:
+        for handle in _unique(parts.handles):
+            puts.put(handle.key, _read_checked(reader, "param/" + handle.name, crcs), config.param_tier, None)
+        optimizer = metadata["optimizer"] if load_optimizer else None
+        if parts.training is not None:
+            training = parts.training
+            if optimizer is not None:
+                for name in optimizer["with_state"]:
+                    for state, key in zip(_STATE_NAMES, training.staging_keys(name)):
+                        puts.put(key, _read_checked(reader, f"optim/{name}/{state}", crcs).reshape(-1),
+                                 config.optimizer_tier, config.compress_optimizer)
+        puts.wait()
+    finally:
+        puts.wait(raise_errors=False)
+    with torch.no_grad():
+        for name, buf in parts.model.named_buffers():
+            buf.copy_(_read_checked(reader, "buffer/" + name, crcs))
+    if parts.training is not None:
+        if optimizer is not None:
+            _restore_hyperparameters(parts.optimizer, optimizer)
+            parts.training.commit_staged(optimizer["step"], optimizer["shard_steps"])
+        else:  # weights only: the optimizer starts afresh from them
+            parts.training.commit_staged(parts.training.completed_steps, {})
+
+
+def _restore_hyperparameters(optimizer: Any, saved: dict[str, Any]) -> None:
+    current = optimizer.param_groups
+    groups = []
+    for group, now in zip(saved["param_groups"], current):
+        groups.append({k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v
+                       for k, v in group.items()})
+    optimizer.load_state_dict({"state": {}, "param_groups": groups, "shard_steps": saved["shard_steps"]})
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _between_steps(parts: EngineParts, what: str) -> None:
+    with parts.pager.lock:
+        busy = [h.name for h in parts.handles if h.held]
+        if busy:
+            raise RuntimeError(
+                f"cannot {what} while the model is running (parameters in use: {busy[:3]}); call it between steps"
+            )
+
+
+def _live_state_keys(parts: EngineParts) -> dict[str, tuple[str, str, str]]:
+    """Shard name -> store keys of its master, exp_avg, exp_avg_sq, for shards that have state."""
+    if parts.training is None:
+        return {}
+    store = parts.io.store
+    out = {}
+    for shard in parts.training.live_shards():
+        keys = (shard.master_key, shard.exp_avg_key, shard.exp_avg_sq_key)
+        if all(k in store for k in keys):
+            out[shard.name] = keys
+    return out
+
+
+def _unique(handles: Sequence[ParamHandle]) -> list[ParamHandle]:
+    return list({id(h): h for h in handles}.values())
+
+
+def _store_reader(store: Any, key: str) -> Callable[[], torch.Tensor]:
+    return lambda: store.sync.get(key)
+
+
+def _value(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: tensor.detach()
+
+
+def _read_checked(reader: SafetensorsReader, name: str, crcs: Mapping[str, int]) -> torch.Tensor:
+    tensor = reader.read(name)
+    want = crcs.get(name)
+    got = zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    if want is None or got != want:
+        raise CheckpointError(f"{reader.path!r}: tensor {name!r} is damaged (CRC-32 {got:#010x}, expected {want})")
+    return tensor
+
+
+class _BoundedPuts:
+    """Store puts in flight with at most ``limit`` bytes outstanding (at least one put)."""
+
+    def __init__(self, store: Any, limit: int) -> None:
+        self._store = store
+        self._limit = limit
+        self._pending: list[tuple[Any, int]] = []
+        self._bytes = 0
+
+    def put(self, key: str, tensor: torch.Tensor, tier: str, compress: Optional[bool]) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        while self._pending and self._bytes + nbytes > self._limit:
+            future, n = self._pending.pop(0)
+            self._bytes -= n
+            future.result()
+        self._pending.append((self._store.sync.put_future(key, tensor, tier, compress), nbytes))
+        self._bytes += nbytes
+
+    def wait(self, raise_errors: bool = True) -> None:
+        pending, self._pending, self._bytes = self._pending, [], 0
+        first = None
+        for future, _ in pending:
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - the first is raised after all finished
+                first = first or exc
+        if first is not None and raise_errors:
+            raise first
+
+
+def _attempt(fn: Callable[[], Any]) -> Optional[BaseException]:
+    """Run ``fn``; return its exception (to share with the other ranks) or None."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - handed to _agree, which raises it
+        return exc
+    return None
+
+
+def _gather(io: ShardIO, obj: Any) -> list[Any]:
+    if io.collectives is None:
+        return [obj]
+    comm = io.collectives
+    return comm.run(comm.all_gather_object, obj)
+
+
+def _agree(io: ShardIO, error: Optional[BaseException], doing: str, failed: Sequence[int] = ()) -> None:
+    """Raise on every rank if any rank failed: this rank's own error as it is, else a CheckpointError
+    naming the ranks that failed and why."""
+    messages = _gather(io, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    bad = {r: m for r, m in enumerate(messages) if m is not None}
+    bad.update({r: bad.get(r, "its file could not be written") for r in failed})
+    if bad:
+        detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
+        raise CheckpointError(f"{doing} failed on another rank: {detail}")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dtype_str(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _jsonable(value: Any, what: str) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v, what) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, what) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise CheckpointError(f"{what}: {value!r} ({type(value).__name__}) cannot be saved in the checkpoint's JSON")
+
+
+__all__ = [
+    "CheckpointError", "EngineParts", "consolidated_state_dict", "load_checkpoint", "rank_file", "save_checkpoint",
+]

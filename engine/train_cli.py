@@ -1,0 +1,203 @@
+"""``tiered train --demo``: train a GPT-style model whose parameters, gradients and optimizer states
+do not fit the configured device + host budgets, with the rest in NVMe swap files."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+import time
+from typing import Optional, Sequence, TextIO
+
+import torch
+
+MiB = 1024 * 1024
+#: A file the demo leaves in its directory, so a rerun may clear what an earlier run left.
+MARKER = ".tiered-train-demo"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLine:
+    """What the progress line shows after a step."""
+
+    step: int
+    steps: int
+    loss: float
+    tokens_per_s: float
+    bytes_moved: int
+    stall_fraction: float
+
+    def render(self) -> str:
+        width = 24
+        filled = width * self.step // self.steps
+        return (f"step {self.step:>4}/{self.steps} [{'#' * filled}{'.' * (width - filled)}] loss {self.loss:7.4f} "
+                f"| {self.tokens_per_s:8,.0f} tok/s | moved {_gb(self.bytes_moved)} "
+                f"| stall {100 * self.stall_fraction:4.1f}%")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tiered train",
+        description="Train a GPT-style model with its parameters, gradients and AdamW states paged through a "
+        "tiered store: budgets for device and host memory, everything else in swap files under --dir.",
+    )
+    p.add_argument("--demo", action="store_true", help="the built-in demo: a GPT on a synthetic bigram language "
+                   "(the model sizes below default to the demo's)")
+    p.add_argument("--dir", default="tiered-demo", help="directory for the swap files and manifest (default: "
+                   "./tiered-demo); use a directory on your NVMe disk")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--embd", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--host-mib", type=int, default=48, help="host memory budget of the store (MiB)")
+    p.add_argument("--device-mib", type=int, default=0, help="device memory budget of the store (MiB)")
+    p.add_argument("--prefetch-mib", type=int, default=32, help="parameter bytes fetched ahead of use (MiB)")
+    p.add_argument("--param-tier", choices=("device", "host", "nvme"), default="nvme")
+    p.add_argument("--optimizer-tier", choices=("host", "nvme"), default="nvme")
+    p.add_argument("--compress-optimizer", action="store_true", help="store master weights and Adam moments "
+                   "with lossless byte-plane zstd")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", action="store_true", help="keep the store directory afterwards (see `tiered inspect`)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> int:
+    """Run ``tiered train``; return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.demo:
+        parser.error("only the built-in demo exists so far: run `tiered train --demo` (see --help for its sizes)")
+    for name in ("steps", "layers", "embd", "heads", "vocab", "seq", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for name in ("host_mib", "device_mib", "prefetch_mib"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    try:
+        directory = _prepare(args.dir)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        return _train(args, directory, out)
+    finally:
+        if not args.keep:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _prepare(path: str) -> str:
+    directory = os.path.abspath(path)
+    if os.path.exists(directory) and os.listdir(directory):
+        if not os.path.exists(os.path.join(directory, MARKER)):
+            raise ValueError(f"--dir {directory} exists and is not empty (and is not an earlier demo's): "
+                             "pass an empty or new directory")
+        shutil.rmtree(directory)
+    os.makedirs(directory, exist_ok=True)
+    open(os.path.join(directory, MARKER), "w").close()
+    return directory
+
+
+def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
+    import engine
+    import tiered
+    from engine.demo import GPT, BigramStream, GPTConfig
+
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_embd=args.embd, n_head=args.heads)
+    n = cfg.num_params
+    state_bytes = n * (4 + 4 + 12)  # fp32 parameter, gradient, master + two moments
+    budget = (args.host_mib + args.device_mib) * MiB
+    print(f"model: GPT, {args.layers} layers x {args.embd}, {n / 1e6:.1f} M parameters", file=out)
+    print(f"parameters + gradients + AdamW states: {_gb(state_bytes)}; device + host budget: {_gb(budget)}"
+          f" ({state_bytes / max(budget, 1):.1f}x); the rest goes to {directory}", file=out)
+
+    torch.manual_seed(args.seed)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    store = tiered.StoreConfig(path=os.path.join(directory, "store"), host_bytes=args.host_mib * MiB,
+                               device_bytes=args.device_mib * MiB, prefault_host=False)
+    config = engine.EngineConfig(store=store, param_tier=args.param_tier, optimizer_tier=args.optimizer_tier,
+                                 prefetch_bytes=args.prefetch_mib * MiB, compress_optimizer=args.compress_optimizer)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay), config=config,
+                      init_fn=_init_module(cfg))
+    data = BigramStream(cfg.vocab_size, cfg.seq_len, args.batch, seed=args.seed)
+    tty = out.isatty() if hasattr(out, "isatty") else False
+    losses: list[float] = []
+    start = time.perf_counter()
+    try:
+        for step in range(1, args.steps + 1):
+            x, y = data.batch(step - 1)
+            loss = model(x, y)
+            loss.backward()
+            eng.step()
+            eng.zero_grad()
+            losses.append(loss.item())
+            elapsed = time.perf_counter() - start
+            stats = eng.stats()
+            line = StepLine(step, args.steps, losses[-1], step * x.numel() / elapsed,
+                            stats.store.bytes_read + stats.store.bytes_written, min(1.0, _stalled(stats) / elapsed))
+            if tty:
+                out.write("\r" + line.render())
+                out.flush()
+            elif step == 1 or step == args.steps or step % max(1, args.steps // 10) == 0:
+                print(line.render(), file=out)
+        if tty:
+            out.write("\n")
+        _report(eng.stats(), losses, data.loss_floor, time.perf_counter() - start, directory, args.keep, out)
+    finally:
+        eng.close() if hasattr(eng, "close") else eng.unwrap()
+    return 0
+
+
+def _init_module(cfg: "object"):
+    """GPT's own initialization, applied to one module at a time as wrap materializes it."""
+    import math
+
+    from torch import nn
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02
+            if isinstance(module, nn.Linear) and module.out_features == cfg.n_embd:
+                std = 0.02 / math.sqrt(2 * cfg.n_layer)
+            nn.init.normal_(module.weight, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+
+    return init
+
+
+def _stalled(stats: "object") -> float:
+    """Seconds spent waiting on the store: parameter fetches plus the optimizer step's I/O stalls."""
+    return stats.stall_seconds + stats.optimizer_stall_seconds  # type: ignore[attr-defined]
+
+
+def _report(stats: object, losses: list[float], floor: float, seconds: float, directory: str, keep: bool,
+            out: TextIO) -> None:
+    store = stats.store
+    print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} (the data's floor is {floor:.4f}) in {seconds:.1f} s", file=out)
+    print("where the data went (store tiers at the end):", file=out)
+    for tier, t in store.tiers.items():
+        if not (t.used_bytes or t.bytes_in or t.bytes_out):
+            continue
+        print(f"  {tier.value:<6} {_gb(t.used_bytes):>9} in {t.entries:>4} entries; read {_gb(t.bytes_out)},"
+              f" written {_gb(t.bytes_in)}", file=out)
+    print(f"  disk I/O: {_gb(store.bytes_read)} read, {_gb(store.bytes_written)} written", file=out)
+    if store.bytes_after_codec < store.bytes_before_codec:
+        print(f"  compression: {_gb(store.bytes_before_codec)} -> {_gb(store.bytes_after_codec)}"
+              f" ({store.bytes_after_codec / store.bytes_before_codec:.3f})", file=out)
+    print(f"  parameter stalls: {getattr(stats, 'stall_seconds', 0.0):.2f} s; prefetch hits "
+          f"{getattr(stats, 'prefetch_hits', 0)}, misses {getattr(stats, 'prefetch_misses', 0)}", file=out)
+    if keep:
+        print(f"store kept in {directory}: `tiered inspect {os.path.join(directory, 'store')}` lists it", file=out)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"

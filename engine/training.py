@@ -1,0 +1,347 @@
+"""Training: ``engine.AdamW`` bound to a wrapped model: gradient offload, the step, zero_grad, resume.
+
+``engine.wrap(model, optimizer=engine.AdamW(...))`` binds the optimizer over ``model.parameters()``
+and routes its ``step()`` here (so LR schedulers and step hooks see every step):
+
+1. wait for the gradient puts still in flight (``GradOffload``);
+2. give optimizer state to shards that got a gradient and have none yet: fp32 master upcast from
+   the training-dtype shard, zero moments, in slot 0 (``optimizer_step.init_state``), and commit;
+3. stream every shard through ``AdamW.run_step``: read the live slot's master and moments, write
+   the new ones to the other slot and the new training-dtype shard to ``param/<name>``;
+4. commit: put the step record (``engine/step``, durable on nvme) naming the new slots and step
+   counts, then delete the superseded slot's keys.
+
+A crash anywhere leaves a record whose slots are whole. ``param/<name>`` of a trainable shard is
+overwritten in place during the step, so resuming (``EngineConfig(resume=True)``) rewrites it from
+the live master (cast to the training dtype: exactly what the step wrote). A step that raises does
+the same before re-raising, so the model keeps the last completed step's values.
+
+For checkpoints (``engine/checkpoint.py``): :meth:`Training.live_shards` gives the store keys of the
+current state; to install loaded state atomically, write each shard's master and moments to
+:meth:`Training.staging_keys` and call :meth:`Training.commit_staged`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from engine.adamw import AdamW
+from engine.config import EngineConfig
+from engine.grad_offload import GradOffload, delete_keys
+from engine.handle import ParamHandle
+from engine.layout import GRAD_KEY_PREFIX, OPTIM_KEY_PREFIX, grad_key, optim_keys
+from engine.optim_clip import AllReduceSum
+from engine.optim_io import gather_all, plan_groups, run_sync
+from engine.optim_types import OptimShard, OptimStepStats
+from engine.optimizer_step import EventHook, init_state
+from engine.pager import Pager
+from engine.shard_io import ShardIO
+from engine.step_record import NO_STATE, STEP_RECORD_KEY, ShardState, StepRecord, StepRecordError
+from tiered import TieredStore
+
+
+@dataclasses.dataclass
+class TrainCounters:
+    """Totals over the optimizer steps run by this engine (this process)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    stall_seconds: float = 0.0
+    last: Optional[OptimStepStats] = None
+
+    def add(self, stats: OptimStepStats, seconds: float) -> None:
+        """Count one finished step (``seconds``: the whole step, commit included)."""
+        self.steps += 1
+        self.seconds += seconds
+        self.bytes_read += stats.bytes_read
+        self.bytes_written += stats.bytes_written
+        self.stall_seconds += stats.io_stall_seconds
+        self.last = stats
+
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+    """A trainable parameter's shard as the optimizer sees it."""
+
+    name: str
+    numel: int
+    dtype: torch.dtype
+    param_key: str
+
+
+def discard_training_state(store: TieredStore) -> None:
+    """Delete gradient shards, optimizer state and the step record an earlier run left in ``store``
+    (a fresh, non-resuming wrap: its parameters replace that run's, so its state no longer fits)."""
+    stale = [k for k in store.keys() if k.startswith((GRAD_KEY_PREFIX, OPTIM_KEY_PREFIX)) or k == STEP_RECORD_KEY]
+    delete_keys(store, stale)
+
+
+def check_resumable(store: TieredStore) -> None:
+    """ValueError unless ``store`` holds a step record to resume from."""
+    if STEP_RECORD_KEY not in store:
+        raise ValueError(
+            f"EngineConfig(resume=True), but the store at {store.config.path} has no step record: no training with "
+            "engine.AdamW ran there (or a later wrap started afresh); wrap without resume"
+        )
+
+
+class Training:
+    """The engine's side of ``engine.AdamW``: one per wrapped model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        by_id: Mapping[int, ParamHandle],
+        optimizer: AdamW,
+        shard_io: ShardIO,
+        pager: Pager,
+        config: EngineConfig,
+    ) -> None:
+        if optimizer.bound:
+            raise ValueError("this engine.AdamW is already bound to a model; create one optimizer per engine.wrap")
+        self._store: TieredStore = shard_io.store
+        self._optimizer = optimizer
+        self._pager = pager
+        self._config = config
+        self._handles = list(by_id.values())
+        params = list(model.parameters())  # model order, tied parameters once: the order clip_grad_norm_ sees
+        self._params = [
+            _Param(h.name, h.layout.shard_numel, h.layout.dtype, h.key)
+            for h in (by_id[id(p)] for p in params)
+            if h.trainable
+        ]
+        self.grads = GradOffload(
+            shard_io, config.grad_tier, inflight_bytes=config.optimizer_group_bytes,
+            keep_norms=config.max_grad_norm is not None,
+        )
+        self.record = StepRecord.empty([p.name for p in self._params])
+        self.counters = TrainCounters()
+        #: Tracing hook passed to every step's ``run_step`` (tests use it to stop a step half way).
+        self.on_event: Optional[EventHook] = None
+        self._closed = False
+        #: Sums a rank's sum of squared gradients over ranks for clipping (multi-rank training).
+        self.all_reduce: Optional[AllReduceSum] = _all_reduce_sum(shard_io)
+        optimizer._bind(params, self._step, self._zero_grad)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, resume: bool) -> None:
+        """Fresh: commit an empty record (step 0). Resume: take up the store's record (see module doc)."""
+        if not resume:
+            self.record.write(self._store)
+            return
+        check_resumable(self._store)
+        record = StepRecord.read(self._store)
+        assert record is not None
+        names = [p.name for p in self._params]
+        missing = sorted(set(names) - set(record.shards))
+        extra = sorted(set(record.shards) - set(names))
+        if missing or extra:
+            raise StepRecordError(
+                f"the store's step record does not match the model's trainable parameters: the model has "
+                f"{missing[:5]} that the record lacks and the record has {extra[:5]} that the model lacks"
+            )
+        for p in self._params:
+            state = record.shards[p.name]
+            if state.slot != NO_STATE:
+                absent = [k for k in optim_keys(p.name, state.slot) if k not in self._store]
+                if absent:
+                    raise StepRecordError(
+                        f"optimizer state of {p.name!r} from step {record.step} is missing from the store "
+                        f"({absent[0]!r}): it was in the host tier (optimizer_tier='host'), which does not survive "
+                        "a crash; crash resume needs optimizer_tier='nvme'"
+                    )
+        self.record = StepRecord(record.step, {n: record.shards[n] for n in names})
+        self._optimizer._set_shard_steps({n: s.steps for n, s in self.record.shards.items()})
+        self._restore_params()
+        self.grads.discard_stored()
+        self._delete_inactive()
+
+    def close(self) -> None:
+        """Wait for gradient puts still in flight (errors are dropped: the engine is closing); later
+        steps raise and zero_grad does nothing more than torch's."""
+        self._closed = True
+        try:
+            self.grads.flush()
+        except RuntimeError:
+            pass
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def completed_steps(self) -> int:
+        """Optimizer steps completed on this store (a resumed run counts the earlier ones)."""
+        return self.record.step
+
+    def live_shards(self) -> list[OptimShard]:
+        """Every trainable shard with the store keys of its current state (a shard that never took
+        a step has none yet: its slot-0 keys are absent from the store)."""
+        return [self._shard(p, max(self.record.shards[p.name].slot, 0)) for p in self._params]
+
+    def staging_keys(self, name: str) -> tuple[str, str, str]:
+        """Where to write loaded master, exp_avg, exp_avg_sq of ``name`` before :meth:`commit_staged`."""
+        return optim_keys(name, self._other(self.record.shards[name].slot))
+
+    def commit_staged(self, step: int, shard_steps: Mapping[str, int]) -> None:
+        """Install state written to :meth:`staging_keys`: a shard whose staged master is in the store
+        takes ``shard_steps[name]``; the others have no state (and must have 0 steps). Commits the
+        record at ``step``, rewrites the trainable parameters from their masters, drops the old state
+        and every gradient shard."""
+        self.grads.discard_stored()
+        shards = {}
+        for p in self._params:
+            slot = self._other(self.record.shards[p.name].slot)
+            count = int(shard_steps.get(p.name, 0))
+            staged = optim_keys(p.name, slot)
+            if all(k in self._store for k in staged):
+                shards[p.name] = ShardState(count, slot)
+            elif count:
+                raise StepRecordError(f"{p.name!r} has taken {count} steps but no state was staged at {staged}")
+            else:
+                shards[p.name] = ShardState(0, NO_STATE)
+        record = StepRecord(step, shards)
+        record.write(self._store)
+        self.record = record
+        self._optimizer._set_shard_steps({n: s.steps for n, s in self.record.shards.items()})
+        self._restore_params()
+        self._delete_inactive()  # the replaced state, and anything staged for a shard left without state
+
+    # ------------------------------------------------------------------ the step (AdamW.step -> here)
+
+    def _step(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "the engine this engine.AdamW is bound to was closed or unwrapped; wrap the model again with a new "
+                "engine.AdamW (EngineConfig(resume=True) continues from the store)"
+            )
+        started = time.perf_counter()
+        with self._pager.lock:
+            busy = [h.name for h in self._handles if h.held]
+            if busy:
+                raise RuntimeError(
+                    f"eng.step() was called while the model is running (parameters in use: {busy[:3]}); step after "
+                    "backward() has returned"
+                )
+            self._pager.drop_prefetched()
+        self.grads.flush()
+        with_grad = [p for p in self._params if self.grads.has_grad(p.name)]
+        self._init_new_state([p for p in with_grad if self.record.shards[p.name].slot == NO_STATE])
+        shards = [self._shard(p, max(self.record.shards[p.name].slot, 0), write_other=True) for p in self._params]
+        cfg = self._config
+        # Norms taken on the compute device (CUDA) join the step's CPU math as CPU scalars.
+        norms = {n: t.cpu() for n, t in self.grads.norms.items()} if cfg.max_grad_norm is not None else None
+        try:
+            stats = self._optimizer.run_step(
+                self._store, shards, config=cfg, grad_norms=norms, all_reduce=self.all_reduce, on_event=self.on_event,
+            )
+        except BaseException:
+            self._rollback()
+            raise
+        counts = self._optimizer.shard_steps
+        previous = self.record
+        updated = {p.name for p in with_grad}
+        record = StepRecord(previous.step + 1, {
+            name: ShardState(counts.get(name, 0), self._other(s.slot) if name in updated else s.slot)
+            for name, s in previous.shards.items()
+        })
+        try:
+            record.write(self._store)  # the commit point
+        except BaseException:
+            self._optimizer._set_shard_steps({n: s.steps for n, s in previous.shards.items()})
+            self._rollback()
+            raise
+        self.record = record
+        delete_keys(self._store, [k for name in updated for k in optim_keys(name, previous.shards[name].slot)])
+        self.counters.add(stats, time.perf_counter() - started)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
+        if not self._closed:
+            self.grads.zero(set_to_none)
+
+    # ------------------------------------------------------------------ internals
+
+    def _shard(self, p: _Param, slot: int, *, write_other: bool = False) -> OptimShard:
+        master, exp_avg, exp_avg_sq = optim_keys(p.name, slot)
+        return OptimShard(
+            p.name, p.numel, p.dtype, p.param_key, grad_key(p.name), master, exp_avg, exp_avg_sq,
+            state_out_keys=optim_keys(p.name, 1 - slot) if write_other else None,
+        )
+
+    @staticmethod
+    def _other(slot: int) -> int:
+        return 0 if slot == NO_STATE else 1 - slot
+
+    def _init_new_state(self, params: list[_Param]) -> None:
+        """State for shards stepping for the first time, committed before the step can touch their
+        parameters (so a crash in the step finds their pre-step values in the master)."""
+        if not params:
+            return
+        cfg = self._config
+        init_state(self._store, [self._shard(p, 0) for p in params], state_tier=cfg.optimizer_tier,
+                   compress=cfg.compress_optimizer, group_bytes=cfg.optimizer_group_bytes)
+        fresh = {p.name for p in params}
+        record = StepRecord(self.record.step, {
+            name: ShardState(s.steps, 0) if name in fresh else s for name, s in self.record.shards.items()
+        })
+        record.write(self._store)
+        self.record = record
+
+    def _rollback(self) -> None:
+        """After a failed step: parameters back to the live masters (best effort; the step's error is
+        what the caller sees)."""
+        try:
+            self._restore_params()
+        except Exception:  # noqa: BLE001 - the original error is re-raised by the caller
+            pass
+
+    def _restore_params(self) -> None:
+        """Rewrite every trainable shard that has state from its live master, cast to the training
+        dtype, one group at a time."""
+        shards = [s for s, p in zip(self.live_shards(), self._params) if self.record.shards[p.name].slot != NO_STATE]
+        if shards:
+            run_sync(_restore(self._store, shards, self._config.param_tier, self._config.optimizer_group_bytes))
+
+    def _delete_inactive(self) -> None:
+        """Delete state keys of the slots the record does not name (a crashed step's partial writes)."""
+        stale = []
+        for p in self._params:
+            live = self.record.shards[p.name].slot
+            for slot in (0, 1):
+                if slot != live:
+                    stale += optim_keys(p.name, slot)
+        delete_keys(self._store, stale)
+
+
+def _all_reduce_sum(shard_io: ShardIO) -> Optional[AllReduceSum]:
+    """The sum over ranks of a 0-dim tensor, through the engine's collectives (None on one rank)."""
+    comm = getattr(shard_io, "collectives", None)
+    if comm is None:
+        return None
+
+    def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+        comm.run(comm.all_reduce_sum, tensor)
+        return tensor
+
+    return all_reduce
+
+
+async def _restore(store: TieredStore, shards: Sequence[OptimShard], tier: str, group_bytes: int) -> None:
+    loop = asyncio.get_running_loop()
+    for group in plan_groups(shards, group_bytes):
+        masters = await gather_all(store.get(s.master_key) for s in group)
+        params = await loop.run_in_executor(None, _cast, group, masters)
+        await gather_all(store.put(s.param_key, p, tier) for s, p in zip(group, params))
+
+
+def _cast(group: list[OptimShard], masters: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [m.view(-1) if s.train_dtype == torch.float32 else m.view(-1).to(s.train_dtype)
+            for s, m in zip(group, masters)]
+

@@ -1,0 +1,287 @@
+"""Checkpoints (one process): sharded save and load, the consolidated state dict, resume exactness,
+atomic saves and the errors a mismatched or damaged checkpoint raises."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Optional
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+import engine
+from engine.checkpoint import METADATA_FILE, CheckpointError, rank_file
+from engine_models import ConvNet, TinyGPT, engine_config, gpt_tokens, images, store_config
+
+KiB = 1024
+LR = 1e-2
+
+
+def train_config(path, *, optimizer_tier: str = "nvme", compress: bool = False, train_dtype: Optional[str] = None,
+                 max_grad_norm: Optional[float] = None) -> engine.EngineConfig:
+    return engine.EngineConfig(
+        store=store_config(path), param_tier="nvme", optimizer_tier=optimizer_tier, compress_optimizer=compress,
+        train_dtype=train_dtype, max_grad_norm=max_grad_norm, optimizer_group_bytes=8 * KiB, prefetch_bytes=16 * KiB,
+    )
+
+
+def train(model: nn.Module, eng: engine.Engine, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = model(gpt_tokens(seed=step)).float().pow(2).mean()
+        loss.backward()
+        eng.step()
+        eng.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def model_with_seed(seed: int) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT()
+
+
+# ---------------------------------------------------------------------------- weights and state dict
+
+
+def test_state_dict_is_consolidated_and_loads_into_a_plain_model(tmp_path):
+    model = model_with_seed(0)
+    want = copy.deepcopy(model).state_dict()
+    with engine.wrap(model, config=engine_config(tmp_path)) as eng:
+        sd = eng.state_dict()
+    assert list(sd) == list(want)
+    for name, value in want.items():
+        assert torch.equal(sd[name], value) and sd[name].device.type == "cpu", name
+    assert sd["lm_head.weight"] is sd["wte.weight"]  # tied, as in state_dict()
+    plain = model_with_seed(1)
+    plain.load_state_dict(sd)
+    assert torch.equal(plain.blocks[0].qkv.weight, want["blocks.0.qkv.weight"])
+
+
+def test_weights_round_trip_with_buffers(tmp_path):
+    model = ConvNet()
+    model.train()
+    model(images())  # batch norm running statistics move away from their initial values
+    ref = copy.deepcopy(model)
+    want_out = copy.deepcopy(model).eval()(images(seed=1))
+    with engine.wrap(model, config=engine_config(tmp_path / "a", tier="host")) as eng:
+        eng.save_checkpoint(tmp_path / "ckpt")
+    files = sorted(os.listdir(tmp_path / "ckpt"))
+    assert files == [METADATA_FILE, rank_file(0)]
+    assert not os.path.exists(str(tmp_path / "ckpt") + ".partial")
+    # the rank file is plain safetensors: the library reads it
+    tensors = safetensors.torch.load_file(str(tmp_path / "ckpt" / rank_file(0)))
+    assert torch.equal(tensors["param/head.weight"], ref.head.weight.detach().reshape(-1))
+    assert torch.equal(tensors["buffer/features.1.running_mean"], ref.features[1].running_mean)
+
+    torch.manual_seed(5)
+    fresh = ConvNet()
+    with engine.wrap(fresh, config=engine_config(tmp_path / "b")) as eng:
+        eng.load_checkpoint(tmp_path / "ckpt")
+        assert torch.equal(fresh.features[1].running_var, ref.features[1].running_var)
+        assert torch.equal(fresh.eval()(images(seed=1)), want_out)
+
+
+def test_channels_last_parameter_keeps_its_memory_order(tmp_path):
+    conv = nn.Conv2d(3, 5, 3)
+    conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
+    want = conv.weight.detach().clone()
+    with engine.wrap(conv, config=engine_config(tmp_path / "a")) as eng:
+        eng.save_checkpoint(tmp_path / "ckpt")
+        meta = json.loads((tmp_path / "ckpt" / METADATA_FILE).read_text())
+        assert meta["params"][0]["stride"] == list(want.stride())
+    other = nn.Conv2d(3, 5, 3)  # row-major: its shards would be in another memory order
+    with engine.wrap(other, config=engine_config(tmp_path / "b")) as eng:
+        with pytest.raises(CheckpointError, match="strides"):
+            eng.load_checkpoint(tmp_path / "ckpt")
+    other = nn.Conv2d(3, 5, 3)
+    other.weight.data = other.weight.data.contiguous(memory_format=torch.channels_last)
+    with engine.wrap(other, config=engine_config(tmp_path / "c")) as eng:
+        eng.load_checkpoint(tmp_path / "ckpt")
+        assert torch.equal(eng.state_dict()["weight"], want)
+
+
+# ---------------------------------------------------------------------------- resume exactness
+
+
+@pytest.mark.parametrize("variant", ["fp32-nvme-compressed", "bf16-host-clipped"])
+def test_resume_continues_the_loss_curve_exactly(tmp_path, variant):
+    kw = (dict(compress=True) if variant.startswith("fp32")
+          else dict(optimizer_tier="host", train_dtype="bfloat16", max_grad_norm=0.05))
+    model = model_with_seed(0)
+    opt = engine.AdamW(lr=LR, weight_decay=0.01)
+    eng = engine.wrap(model, optimizer=opt, config=train_config(tmp_path / "a", **kw))
+    train(model, eng, range(2))
+    eng.save_checkpoint(tmp_path / "ckpt")
+    want = train(model, eng, range(2, 4))
+    want_sd = eng.state_dict()
+    eng.close()
+
+    fresh = model_with_seed(1)  # other initial values: everything must come from the checkpoint
+    fresh_opt = engine.AdamW(lr=0.5, weight_decay=0.0)  # other hyperparameters: restored from the checkpoint
+    eng = engine.wrap(fresh, optimizer=fresh_opt, config=train_config(tmp_path / "b", **kw))
+    eng.load_checkpoint(tmp_path / "ckpt")
+    assert fresh_opt.param_groups[0]["lr"] == LR and fresh_opt.param_groups[0]["betas"] == (0.9, 0.999)
+    assert eng.completed_steps == 2 and set(fresh_opt.shard_steps.values()) == {2}
+    got = train(fresh, eng, range(2, 4))
+    assert got == want  # bit for bit
+    for name, value in eng.state_dict().items():
+        assert torch.equal(value, want_sd[name]), name
+    eng.close()
+
+
+def test_resume_in_a_new_process(tmp_path):
+    """Train 2 steps, save, go on 2 steps; a new process wraps a fresh model, loads, trains 2 steps:
+    the same losses, bit for bit."""
+    model = model_with_seed(0)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=train_config(tmp_path / "a"))
+    train(model, eng, range(2))
+    eng.save_checkpoint(tmp_path / "ckpt")
+    want = train(model, eng, range(2, 4))
+    eng.close()
+    script = textwrap.dedent(f"""
+        import json, pathlib, sys
+        sys.path[:0] = {[os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]!r}
+        import engine
+        from test_engine_checkpoint import model_with_seed, train, train_config
+        model = model_with_seed(7)
+        eng = engine.wrap(model, optimizer=engine.AdamW(), config=train_config(pathlib.Path({str(tmp_path / "b")!r})))
+        eng.load_checkpoint({str(tmp_path / "ckpt")!r})
+        print(json.dumps(train(model, eng, range(2, 4))))
+        eng.close()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == want
+
+
+def test_weights_only_load_starts_the_optimizer_afresh(tmp_path):
+    model = model_with_seed(0)
+    eng = engine.wrap(model, config=engine_config(tmp_path / "a"))
+    eng.save_checkpoint(tmp_path / "weights")
+    eng.close()
+    trained = model_with_seed(3)
+    opt = engine.AdamW(lr=LR)
+    eng = engine.wrap(trained, optimizer=opt, config=train_config(tmp_path / "b"))
+    train(trained, eng, range(2))  # state exists now; the load must drop it
+    with pytest.raises(CheckpointError, match="no optimizer state"):
+        eng.load_checkpoint(tmp_path / "weights")
+    eng.load_checkpoint(tmp_path / "weights", load_optimizer=False)
+    assert opt.shard_steps == {} or set(opt.shard_steps.values()) == {0}
+    got = train(trained, eng, range(2))
+    eng.close()
+
+    ref = model_with_seed(0)  # the oracle: the saved weights trained from a fresh optimizer
+    ref_eng = engine.wrap(ref, optimizer=engine.AdamW(lr=LR), config=train_config(tmp_path / "c"))
+    assert train(ref, ref_eng, range(2)) == got
+    ref_eng.close()
+
+
+# ---------------------------------------------------------------------------- errors and atomicity
+
+
+def test_mismatches_are_reported_before_anything_changes(tmp_path):
+    model = model_with_seed(0)
+    opt = engine.AdamW(lr=LR)
+    eng = engine.wrap(model, optimizer=opt, config=train_config(tmp_path / "a"))
+    train(model, eng, range(1))
+    eng.save_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        eng.save_checkpoint(tmp_path / "ckpt")
+    before = eng.state_dict()
+
+    meta_file = tmp_path / "ckpt" / METADATA_FILE
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps(dict(meta, world_size=2)))
+    with pytest.raises(CheckpointError, match=r"saved by 2 rank\(s\) but this engine runs on 1"):
+        eng.load_checkpoint(tmp_path / "ckpt")
+    meta_file.write_text(json.dumps(meta))
+
+    with engine.wrap(TinyGPT(d=64), config=engine_config(tmp_path / "b")) as other:
+        with pytest.raises(CheckpointError, match="wte.weight"):
+            other.load_checkpoint(tmp_path / "ckpt", load_optimizer=False)
+    with engine.wrap(nn.Sequential(nn.Linear(2, 2)), config=engine_config(tmp_path / "c")) as other:
+        with pytest.raises(CheckpointError, match="do not match the model's"):
+            other.load_checkpoint(tmp_path / "ckpt", load_optimizer=False)
+    with engine.wrap(model_with_seed(0), config=engine_config(tmp_path / "d")) as plain:
+        with pytest.raises(CheckpointError, match="load_optimizer=False"):
+            plain.load_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        eng.load_checkpoint(tmp_path)
+
+    data = tmp_path / "ckpt" / rank_file(0)
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0xFF  # one bit pattern in the last tensor's data
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="damaged"):
+        eng.load_checkpoint(tmp_path / "ckpt")
+    data.write_bytes(bytes(raw[:-8]))
+    with pytest.raises(CheckpointError, match="size differs"):
+        eng.load_checkpoint(tmp_path / "ckpt")
+    after = eng.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    eng.close()
+
+
+class _Unsaveable(nn.Module):
+    """A model whose complex128 buffer safetensors cannot name: its save fails while writing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("phase", torch.zeros(2, dtype=torch.complex128))
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
+    model = _Unsaveable()
+    with engine.wrap(model, config=engine_config(tmp_path / "a")) as eng:
+        with pytest.raises(ValueError, match="complex128"):
+            eng.save_checkpoint(tmp_path / "ckpt")
+        assert not os.path.exists(tmp_path / "ckpt")
+        model.phase = torch.zeros(2)  # now it can be saved
+        eng.save_checkpoint(tmp_path / "ckpt")
+        good = (tmp_path / "ckpt" / rank_file(0)).read_bytes()
+        model.phase = torch.zeros(2, dtype=torch.complex128)
+        with pytest.raises(ValueError, match="complex128"):
+            eng.save_checkpoint(tmp_path / "ckpt", overwrite=True)
+        assert (tmp_path / "ckpt" / rank_file(0)).read_bytes() == good
+        assert sorted(os.listdir(tmp_path)) == ["a", "ckpt"]  # no .partial or .old left behind
+        model.phase = torch.ones(2)
+        eng.save_checkpoint(tmp_path / "ckpt", overwrite=True)
+        assert safetensors.torch.load_file(str(tmp_path / "ckpt" / rank_file(0)))["buffer/phase"].sum() == 2
+
+
+def test_safetensors_streams_interoperate_with_the_library(tmp_path):
+    from engine.safetensors_stream import SafetensorsFormatError, SafetensorsReader, SafetensorsWriter, TensorSpec
+
+    tensors = {
+        "a": torch.arange(5, dtype=torch.bfloat16), "b": torch.randn(3, 4), "c": torch.tensor(7, dtype=torch.int64),
+        "d": torch.zeros(0, 2, dtype=torch.float16), "e": torch.tensor([True, False]),
+    }
+    theirs = tmp_path / "theirs.safetensors"
+    safetensors.torch.save_file(tensors, str(theirs), metadata={"k": "v"})
+    with SafetensorsReader(str(theirs)) as reader:
+        assert reader.metadata == {"k": "v"}
+        for name, value in tensors.items():
+            got = reader.read(name)
+            assert got.dtype == value.dtype and torch.equal(got, value), name
+
+    ours = tmp_path / "ours.safetensors"
+    writer = SafetensorsWriter(str(ours), [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    assert [s.name for s in writer.order] == ["c", "b", "a", "d", "e"]  # largest items first: aligned offsets
+    for spec in writer.order:
+        writer.write(spec.name, tensors[spec.name])
+    writer.close()
+    loaded = safetensors.torch.load_file(str(ours))
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+
+    ours.write_bytes(ours.read_bytes()[:-1])
+    with pytest.raises(SafetensorsFormatError, match="truncated"):
+        SafetensorsReader(str(ours))

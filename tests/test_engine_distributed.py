@@ -1,0 +1,374 @@
+"""Multi-process sharding: world size 2 on gloo, in real processes started like torchrun starts them
+(environment variables, ``init_process_group("gloo")``, ``process_group=None``).
+
+The oracle is one process running the plain model on each rank's half of the batch and averaging
+the two gradients, which is what data parallelism computes: with two ranks the sum of two values
+does not depend on the order, and halving is exact, so the results must match bit for bit. A run
+on the combined batch (one forward over both halves) agrees up to rounding, and FSDP2
+(``fully_shard`` on gloo) trains to the same losses.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import pathlib
+import socket
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import engine
+import engine.checkpoint
+from engine.layout import ShardLayout
+from engine_models import TinyGPT, engine_config, gpt_tokens
+
+WORLD = 2
+#: Odd widths so that most parameters' numel is not a multiple of the world size (padded shards).
+GPT_SIZES = dict(vocab=61, d=33, heads=3, layers=1, ctx=16)
+STEPS = 3
+
+
+# ---------------------------------------------------------------------------- process harness
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for this test's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # same kernels and reduction order as the oracle, which runs with one thread too
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., None], *args: Any, world: int = WORLD) -> None:
+    """Run ``fn(rank, *args)`` in ``world`` fresh processes joined into one gloo group (env init)."""
+    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn")
+
+
+class one_thread:
+    """Run the oracle with one intra-op thread, like the ranks."""
+
+    def __enter__(self) -> None:
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self._threads)
+
+
+def batch(step: int) -> torch.Tensor:
+    """The combined batch of ``step``: 4 sequences, ranks take 2 each."""
+    return gpt_tokens(batch=4, t=12, vocab=GPT_SIZES["vocab"], seed=step)
+
+
+def half(x: torch.Tensor, rank: int) -> torch.Tensor:
+    return x.chunk(WORLD)[rank]
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def new_model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(**GPT_SIZES)
+
+
+# ---------------------------------------------------------------------------- plain torch optimizer
+
+
+def _plain_rank(rank: int, root: str) -> dict[str, Any]:
+    """Wrap (default group), 3 steps of a plain torch AdamW, the consolidated state dict; FSDP2 on
+    the same data; wraps with explicit groups."""
+    model = new_model()
+    fsdp_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = engine_config(pathlib.Path(root) / "plain", tier="nvme", host_bytes=16 * 1024)
+    eng = engine.wrap(model, config=config, optimizer=opt)
+    outs, losses, grads = [], [], []
+    for step in range(STEPS):
+        out = model(half(batch(step), rank))
+        loss = loss_of(out)
+        loss.backward()
+        outs.append(out.detach().clone())
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    stats = eng.stats()
+    shard = eng.store.info("param/wte.weight")
+    want = ShardLayout(tuple(model.wte.weight.shape), torch.float32, (GPT_SIZES["d"], 1), rank, WORLD)
+    result = dict(
+        outs=outs, losses=losses, grads=grads, state_dict=eng.state_dict(),
+        prefetch_hits=stats.prefetch_hits, rerecords=stats.rerecords, shard_shape=shard.shape,
+        want_shard_shape=(want.shard_numel,), store_path=eng.store.config.path,
+        store_keys=sorted(eng.store.keys()),
+    )
+    eng.close()
+
+    # FSDP2 on the same data and optimizer: a second oracle for the training losses.
+    from torch.distributed.fsdp import fully_shard
+
+    for block in fsdp_model.blocks:
+        fully_shard(block)
+    fully_shard(fsdp_model)
+    fsdp_opt = torch.optim.AdamW(fsdp_model.parameters(), lr=1e-2)
+    fsdp_losses = []
+    for step in range(STEPS):
+        loss = loss_of(fsdp_model(half(batch(step), rank)))
+        loss.backward()
+        fsdp_losses.append(loss.item())
+        fsdp_opt.step()
+        fsdp_opt.zero_grad()
+    result["fsdp_losses"] = fsdp_losses
+
+    # An explicit group of both ranks shards like the default; a group of one does not shard.
+    both = dist.new_group([0, 1])
+    singles = [dist.new_group([r]) for r in range(WORLD)]
+    for name, group in (("both", both), ("single", singles[rank])):
+        m = new_model()
+        where = pathlib.Path(root) / (name if name == "both" else f"single{rank}")  # unsharded: a store per process
+        with engine.wrap(m, config=engine_config(where), process_group=group) as e:
+            result[f"{name}_out"] = m(half(batch(0), rank)).detach()
+            result[f"{name}_shard_numel"] = e.store.info("param/ln_f.weight").shape[0]
+            result[f"{name}_store_path"] = e.store.config.path
+            result[f"{name}_writebacks"] = e.stats().writebacks  # the all-gather's writes are not the user's
+
+    # A parameter of one element (rank 1's shard is all padding) and a transposed one (strides kept).
+    odd = _odd_model()
+    with engine.wrap(odd, config=engine_config(pathlib.Path(root) / "odd")):
+        out = odd(_odd_input(rank))
+        out.pow(2).mean().backward()
+        result["odd_out"] = out.detach()
+        result["odd_grads"] = {n: p.grad.clone() for n, p in odd.named_parameters()}
+
+    # Activation checkpointing: the recomputation in backward fetches (all-gathers) again, in the same order
+    # on both ranks.
+    for mode in ("reentrant", "non_reentrant"):
+        torch.manual_seed(0)
+        m = TinyGPT(**GPT_SIZES, checkpoint=mode)
+        with engine.wrap(m, config=engine_config(pathlib.Path(root) / mode)):
+            loss_of(m(half(batch(0), rank))).backward()
+            result[f"{mode}_grads"] = {n: p.grad.clone() for n, p in m.named_parameters()}
+    return result
+
+
+def _odd_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 5, bias=False), nn.Linear(5, 3), nn.Linear(3, 1))
+    model[1].weight.data = torch.randn(5, 3).t()  # shape (3, 5), strides (1, 3)
+    return model
+
+
+def _odd_input(rank: int) -> torch.Tensor:
+    return torch.randn(2 * WORLD, 1, generator=torch.Generator().manual_seed(3)).chunk(WORLD)[rank]
+
+
+def _oracle_plain() -> dict:
+    """One process: the plain model on each half, gradients averaged, the same AdamW."""
+    with one_thread():
+        model = new_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        outs, losses, grads, combined = [], [[] for _ in range(WORLD)], [], []
+        for step in range(STEPS):
+            x = batch(step)
+            per_rank = []
+            for rank in range(WORLD):
+                out = model(half(x, rank))
+                loss = loss_of(out)
+                loss.backward()
+                outs.append((step, rank, out.detach().clone()))
+                losses[rank].append(loss.item())
+                per_rank.append({n: p.grad.clone() for n, p in model.named_parameters()})
+                model.zero_grad()
+            avg = {n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in per_rank[0]}
+            grads.append(avg)
+            if step == 0:  # the same gradient from one forward over the combined batch (rounding differs)
+                loss_of(model(x)).backward()
+                combined = {n: p.grad.clone() for n, p in model.named_parameters()}
+                model.zero_grad()
+            for n, p in model.named_parameters():
+                p.grad = avg[n].clone()
+            opt.step()
+            opt.zero_grad()
+        return dict(model=model, outs=outs, losses=losses, grads=grads, combined=combined)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Any, list[dict[str, Any]]]:
+    """One run of two ranks for the tests below (each process start costs seconds)."""
+    root = tmp_path_factory.mktemp("world2")
+    run_ranks(_train_rank, str(root))
+    return root, [torch.load(root / f"train{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _train_rank(rank: int, root: str) -> None:
+    result = {"plain": _plain_rank(rank, root), "adamw": _adamw_rank(rank, root)}
+    torch.save(result, os.path.join(root, f"train{rank}.pt"))
+
+
+def test_world2_plain_optimizer_matches_data_parallel_oracle(trained):
+    tmp_path, runs = trained
+    results = [run["plain"] for run in runs]
+    want = _oracle_plain()
+    odd = _odd_model()
+    assert odd[1].weight.stride() == (1, 3)
+    odd_grads = []
+    for rank in range(WORLD):
+        odd(_odd_input(rank)).pow(2).mean().backward()
+        odd_grads.append({n: p.grad.clone() for n, p in odd.named_parameters()})
+        odd.zero_grad()
+    odd_grads = {n: (odd_grads[0][n] + odd_grads[1][n]) / 2 for n in odd_grads[0]}
+
+    for step, rank, out in want["outs"]:
+        assert torch.equal(results[rank]["outs"][step], out), (step, rank)
+    for rank, res in enumerate(results):
+        assert res["losses"] == want["losses"][rank]
+        for step in range(STEPS):  # param.grad at world 2 without the engine's optimizer: the mean (DDP's)
+            for name, grad in want["grads"][step].items():
+                assert torch.equal(res["grads"][step][name], grad), (rank, step, name)
+        for name, grad in want["combined"].items():
+            torch.testing.assert_close(res["grads"][0][name], grad, rtol=1e-5, atol=1e-7)
+        # each rank keeps its half of every padded, flattened parameter in its own store directory
+        assert res["shard_shape"] == res["want_shard_shape"]
+        assert res["store_path"] == str(tmp_path / "plain" / "store" / f"rank{rank}")
+        assert all(k.startswith("param/") for k in res["store_keys"])
+        assert res["prefetch_hits"] > 0 and res["rerecords"] == 0
+        # the consolidated state dict (gathered from both ranks) is the oracle's, and loads into a plain model
+        sd = res["state_dict"]
+        assert list(sd) == list(want["model"].state_dict())
+        for name, value in want["model"].state_dict().items():
+            assert torch.equal(sd[name], value), name
+        plain = TinyGPT(**GPT_SIZES)
+        plain.load_state_dict(sd)
+        assert torch.equal(plain.wte.weight, want["model"].wte.weight)
+        # FSDP2 trains to the same losses
+        torch.testing.assert_close(res["fsdp_losses"], res["losses"], rtol=1e-6, atol=0)
+        # explicit groups
+        assert res["both_shard_numel"] == -(-GPT_SIZES["d"] // WORLD)
+        assert res["both_store_path"] == str(tmp_path / "both" / "store" / f"rank{rank}")
+        assert res["single_shard_numel"] == GPT_SIZES["d"]
+        assert res["single_store_path"] == str(tmp_path / f"single{rank}" / "store")
+        assert torch.equal(res["single_out"], res["both_out"])
+        assert res["both_writebacks"] == 0 and res["single_writebacks"] == 0
+        assert torch.equal(res["odd_out"], odd(_odd_input(rank)))
+        for name, grad in odd_grads.items():
+            assert torch.equal(res["odd_grads"][name], grad), name
+        for mode in ("reentrant", "non_reentrant"):
+            for name, grad in want["grads"][0].items():
+                assert torch.equal(res[f"{mode}_grads"][name], grad), (mode, name)
+
+
+# ---------------------------------------------------------------------------- engine.AdamW and checkpoints
+
+LR, WD, CLIP = 1e-2, 0.01, 0.05
+
+
+def _adamw_config(root, name: str, **kw) -> engine.EngineConfig:
+    return engine_config(pathlib.Path(root) / name, tier="nvme").replace(optimizer_group_bytes=8 * 1024, **kw)
+
+
+def _adamw_rank(rank: int, root: str) -> dict[str, Any]:
+    """engine.AdamW: 3 steps, save a checkpoint, 3 more; and 3 steps with clipping."""
+    model = new_model()
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=WD), config=_adamw_config(root, "a"))
+    losses = _train(model, eng, rank, range(3))
+    eng.save_checkpoint(os.path.join(root, "ckpt"))
+    losses += _train(model, eng, rank, range(3, 6))
+    result = dict(losses=losses, state_dict=eng.state_dict(),
+                  grad_keys=[k for k in eng.store.keys() if k.startswith("grad/")])
+    eng.close()
+    clipped = new_model()
+    eng = engine.wrap(clipped, optimizer=engine.AdamW(lr=LR, weight_decay=WD),
+                      config=_adamw_config(root, "clip", max_grad_norm=CLIP))
+    result["clipped_losses"] = _train(clipped, eng, rank, range(3))
+    eng.close()
+    return result
+
+
+def _resume_rank(rank: int, root: str) -> None:
+    """A fresh model (other values on each rank) loads the checkpoint and trains the last 3 steps."""
+    torch.manual_seed(1 + rank)
+    model = TinyGPT(**GPT_SIZES)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=0.5), config=_adamw_config(root, "b"))
+    eng.load_checkpoint(os.path.join(root, "ckpt"))
+    losses = _train(model, eng, rank, range(3, 6))
+    eng.close()
+    torch.save(losses, os.path.join(root, f"resume{rank}.pt"))
+
+
+def _train(model: nn.Module, eng: engine.Engine, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = loss_of(model(half(batch(step), rank)))
+        loss.backward()
+        eng.step()
+        eng.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _oracle_adamw(steps: int, clip: float | None = None) -> tuple[list[list[float]], nn.Module]:
+    """Plain torch.optim.AdamW on the averaged gradients (clipped with clip_grad_norm_ if asked)."""
+    with one_thread():
+        model = new_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        losses: list[list[float]] = [[] for _ in range(WORLD)]
+        for step in range(steps):
+            grads = []
+            for rank in range(WORLD):
+                loss = loss_of(model(half(batch(step), rank)))
+                loss.backward()
+                losses[rank].append(loss.item())
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+                model.zero_grad()
+            for n, p in model.named_parameters():
+                p.grad = (grads[0][n] + grads[1][n]) / 2
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+        return losses, model
+
+
+def test_world2_adamw_training_matches_one_process(trained):
+    _, runs = trained
+    want, model = _oracle_adamw(6)
+    want_clipped, _ = _oracle_adamw(3, clip=CLIP)
+    for rank, run in enumerate(runs):
+        res = run["adamw"]
+        # engine.AdamW on reduce-scattered gradient shards == torch AdamW on the averaged gradients
+        assert res["losses"] == want[rank]
+        assert res["grad_keys"] == []  # zero_grad dropped the gradient shards
+        for name, value in model.state_dict().items():
+            assert torch.equal(res["state_dict"][name], value), name
+        # clipping: the global norm sums per-shard squares over ranks (rounding differs from torch's order)
+        torch.testing.assert_close(res["clipped_losses"], want_clipped[rank], rtol=1e-6, atol=0)
+    assert runs[0]["adamw"]["clipped_losses"] != runs[0]["adamw"]["losses"][:3]  # the clip was active
+
+
+def test_world2_checkpoint_resumes_in_new_processes(trained):
+    root, runs = trained
+    assert sorted(os.listdir(root / "ckpt")) == ["metadata.json", "rank0.safetensors", "rank1.safetensors"]
+    run_ranks(_resume_rank, str(root))
+    for rank, run in enumerate(runs):
+        resumed = torch.load(root / f"resume{rank}.pt", weights_only=False)
+        assert resumed == run["adamw"]["losses"][3:]  # the same curve, bit for bit
+
+    with engine.wrap(new_model(), config=engine_config(root / "one")) as eng:  # one process, two-rank checkpoint
+        with pytest.raises(engine.checkpoint.CheckpointError, match=r"saved by 2 rank\(s\) but this engine runs on 1"):
+            eng.load_checkpoint(root / "ckpt", load_optimizer=False)

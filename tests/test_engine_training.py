@@ -1,0 +1,449 @@
+"""Single-process training through the engine: engine.AdamW bound by wrap, gradient shards offloaded
+to the store in backward, eng.step() streaming the offloaded AdamW. The oracle is plain torch:
+the same model unwrapped with torch.optim.AdamW (losses and parameters compared exactly)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional
+
+import pytest
+import torch
+from torch import nn
+
+import engine
+import tiered
+from engine.demo import GPT, BigramStream, GPTConfig
+from engine.layout import grad_key, optim_keys
+from engine.step_record import StepRecord
+from engine_models import ConvNet, TinyGPT, gpt_tokens, images, store_config
+
+KiB = 1024
+LR = 1e-2
+
+
+def training_config(tmp_path, *, param_tier: str = "nvme", optimizer_tier: str = "nvme", grad_tier: str = "host",
+                    compress: bool = False, max_grad_norm: Optional[float] = None, train_dtype: Optional[str] = None,
+                    group_bytes: int = 8 * KiB, **store_kw) -> engine.EngineConfig:
+    """Small groups (several per step) and budgets tight enough to evict."""
+    return engine.EngineConfig(
+        store=store_config(tmp_path, **store_kw), param_tier=param_tier, optimizer_tier=optimizer_tier,
+        grad_tier=grad_tier, compress_optimizer=compress, max_grad_norm=max_grad_norm, train_dtype=train_dtype,
+        optimizer_group_bytes=group_bytes, prefetch_bytes=16 * KiB,
+    )
+
+
+def gpt_loss(model: nn.Module, i: int) -> torch.Tensor:
+    return model(gpt_tokens(seed=i)).float().pow(2).mean()
+
+
+def train_both(
+    model: nn.Module,
+    config: engine.EngineConfig,
+    *,
+    steps: int = 10,
+    micro: int = 1,
+    weight_decay: float = 0.01,
+    loss_fn: Callable[[nn.Module, int], torch.Tensor] = gpt_loss,
+    scheduler: Optional[Callable[[torch.optim.Optimizer], object]] = None,
+) -> tuple[list[float], list[float], engine.Engine, nn.Module]:
+    """Train ``model`` wrapped (engine.AdamW) and an unwrapped copy (torch.optim.AdamW) on the same
+    batches; returns both loss curves, the open engine and the reference model."""
+    ref = copy.deepcopy(model)
+    opt = engine.AdamW(lr=LR, weight_decay=weight_decay)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=weight_decay)
+    sched = scheduler(opt) if scheduler is not None else None  # created before wrap: the group exists already
+    ref_sched = scheduler(ref_opt) if scheduler is not None else None
+    eng = engine.wrap(model, optimizer=opt, config=config)
+    losses, ref_losses = [], []
+    try:
+        for step in range(steps):
+            total = ref_total = 0.0
+            for m in range(micro):
+                loss = loss_fn(model, step * micro + m) / micro
+                loss.backward()
+                ref_loss = loss_fn(ref, step * micro + m) / micro
+                ref_loss.backward()
+                total += loss.item()
+                ref_total += ref_loss.item()
+            if config.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), config.max_grad_norm)
+            eng.step()
+            eng.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            if sched is not None:
+                sched.step()
+                ref_sched.step()
+            losses.append(total)
+            ref_losses.append(ref_total)
+    except BaseException:
+        eng.close()
+        raise
+    return losses, ref_losses, eng, ref
+
+
+def assert_trained_equal(model: nn.Module, eng: engine.Engine, ref: nn.Module) -> None:
+    eng.unwrap()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("param_tier,optimizer_tier,grad_tier,compress", [
+    ("nvme", "nvme", "host", False),
+    ("nvme", "nvme", "nvme", True),
+    ("host", "host", "host", False),
+    ("host", "nvme", "host", True),
+    ("device", "host", "nvme", False),
+])
+def test_losses_equal_torch_adamw_over_ten_steps(tmp_path, param_tier, optimizer_tier, grad_tier, compress):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    config = training_config(tmp_path, param_tier=param_tier, optimizer_tier=optimizer_tier, grad_tier=grad_tier,
+                             compress=compress, device_bytes=64 * KiB)
+    losses, ref_losses, eng, ref = train_both(model, config, weight_decay=0.1)
+    assert losses == ref_losses and losses[-1] < losses[0]
+    stats = eng.stats()
+    assert stats.optimizer_steps == 10 and stats.optimizer_seconds > 0
+    assert eng.completed_steps == 10 and set(eng.optimizer.shard_steps.values()) == {10}
+    if compress:
+        master_key = optim_keys("blocks.0.fc.weight", 0)[0]
+        assert eng.store.info(master_key).codec == "bplane-zstd"  # 10 steps: slot 0 is live again
+    assert_trained_equal(model, eng, ref)
+
+
+def test_gradient_accumulation_over_two_micro_batches(tmp_path):
+    torch.manual_seed(1)
+    model = TinyGPT()
+    losses, ref_losses, eng, ref = train_both(model, training_config(tmp_path), steps=5, micro=2)
+    assert losses == ref_losses
+    assert_trained_equal(model, eng, ref)
+
+
+@pytest.mark.parametrize("grad_tier", ["host", "nvme"])
+def test_global_norm_clipping_equals_clip_grad_norm(tmp_path, grad_tier):
+    torch.manual_seed(2)
+    model = TinyGPT()
+    config = training_config(tmp_path, max_grad_norm=0.5, grad_tier=grad_tier)
+    losses, ref_losses, eng, ref = train_both(model, config, steps=6, micro=2)
+    last = eng._training.counters.last
+    assert last is not None and last.clip_coef is not None and last.clip_coef < 1.0  # clipping was active
+    assert losses == ref_losses
+    assert_trained_equal(model, eng, ref)
+
+
+def test_a_torch_lr_scheduler_drives_the_learning_rate(tmp_path):
+    torch.manual_seed(3)
+    model = TinyGPT()
+    losses, ref_losses, eng, ref = train_both(
+        model, training_config(tmp_path), steps=6,
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)),
+    )
+    assert eng.optimizer.param_groups[0]["lr"] == LR / 7
+    assert losses == ref_losses
+    assert_trained_equal(model, eng, ref)
+
+
+def test_demo_gpt_with_tied_head_and_a_frozen_layer(tmp_path):
+    torch.manual_seed(4)
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_embd=32, n_head=4)
+    model = GPT(cfg)
+    model.blocks[0].fc.weight.requires_grad_(False)  # frozen: no gradient, no optimizer state, never changes
+    data = BigramStream(cfg.vocab_size, cfg.seq_len, 2)
+
+    def loss_fn(m: nn.Module, i: int) -> torch.Tensor:
+        x, y = data.batch(i)
+        return m(x, y)
+
+    losses, ref_losses, eng, ref = train_both(model, training_config(tmp_path), steps=6, loss_fn=loss_fn)
+    assert losses == ref_losses
+    assert "blocks.0.fc.weight" not in eng.optimizer.shard_steps
+    assert not any(k.startswith("optim/blocks.0.fc.weight/") for k in eng.store.keys())
+    assert not any(k.startswith("optim/lm_head") for k in eng.store.keys())  # tied: one shard, named wte.weight
+    assert_trained_equal(model, eng, ref)
+
+
+def test_conv_net_with_batch_norm_buffers(tmp_path):
+    torch.manual_seed(5)
+    model = ConvNet()
+    losses, ref_losses, eng, ref = train_both(
+        model, training_config(tmp_path), steps=4, loss_fn=lambda m, i: m(images(seed=i)).pow(2).mean()
+    )
+    assert losses == ref_losses
+    assert_trained_equal(model, eng, ref)
+
+
+def test_bf16_training_with_fp32_master_weights(tmp_path):
+    """Oracle: the model cast to bf16, its gradients upcast to fp32 and stepped by torch.optim.AdamW on
+    fp32 master copies (upcast from the bf16 weights), the masters cast back to bf16 after each step."""
+    torch.manual_seed(6)
+    model = TinyGPT()
+    ref = copy.deepcopy(model).to(torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=LR, weight_decay=0.1)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1),
+                      config=training_config(tmp_path, train_dtype="bfloat16", compress=True))
+    try:
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        assert eng.store.info("param/wte.weight").dtype == torch.bfloat16
+        losses, ref_losses = [], []
+        for step in range(6):
+            loss = gpt_loss(model, step)
+            loss.backward()
+            eng.step()
+            eng.zero_grad()
+            ref_loss = gpt_loss(ref, step)
+            ref_loss.backward()
+            for master, p in zip(masters, ref.parameters()):
+                master.grad = p.grad.float()
+                p.grad = None
+            ref_opt.step()
+            ref_opt.zero_grad()
+            with torch.no_grad():
+                for master, p in zip(masters, ref.parameters()):
+                    p.copy_(master)
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+        assert losses == ref_losses and losses[-1] < losses[0]
+        live = {s.name: s for s in eng._training.live_shards()}
+        for (name, _), master in zip(ref.named_parameters(), masters):
+            assert torch.equal(eng.store.sync.get(live[name].master_key), master.detach().reshape(-1)), name
+    finally:
+        eng.close()
+
+
+def test_gradients_go_to_the_store_in_backward(tmp_path):
+    torch.manual_seed(7)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    eng = engine.wrap(model, optimizer=engine.AdamW(), config=training_config(tmp_path))
+    try:
+        for _ in range(2):  # accumulation: the stored shard is the sum
+            gpt_loss(model, 0).backward()
+            gpt_loss(ref, 0).backward()
+        assert all(p.grad is None for p in model.parameters())  # the full gradients are gone
+        eng._training.grads.flush()
+        for name, q in ref.named_parameters():
+            if name == "lm_head.weight":
+                continue  # tied to wte.weight: one shard
+            assert torch.equal(eng.store.sync.get(grad_key(name)), q.grad.reshape(-1)), name
+        numel = sum(p.numel() for p in ref.parameters())
+        assert eng.stats().grad_bytes_offloaded == 2 * 4 * numel
+        eng.zero_grad()
+        assert not any(k.startswith("grad/") for k in eng.store.keys())
+    finally:
+        eng.close()
+
+
+def test_step_stats_count_the_bytes_of_every_shard(tmp_path):
+    torch.manual_seed(8)
+    model = TinyGPT()
+    numel = sum(p.numel() for p in model.parameters())
+    _, _, eng, _ = train_both(model, training_config(tmp_path), steps=3)
+    stats = eng.stats()
+    # Each step reads gradient, master and two moments and writes master, moments and the new
+    # fp32 parameter: 16 bytes per element each way.
+    assert stats.optimizer_bytes_read == stats.optimizer_bytes_written == 3 * 16 * numel
+    assert 0 <= stats.optimizer_stall_seconds <= stats.optimizer_seconds
+    as_dict = stats.as_dict()
+    assert as_dict["optimizer_steps"] == 3 and as_dict["grad_bytes_offloaded"] == 3 * 4 * numel
+    eng.close()
+
+
+def test_zero_grad_without_set_to_none_keeps_zero_gradients(tmp_path):
+    """torch steps a parameter with a zero gradient (its moments decay, weight decay applies) but
+    skips one whose gradient is None: zero_grad(set_to_none=False) must keep that difference."""
+    torch.manual_seed(9)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1), config=training_config(tmp_path))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    for m, step, zero in ((model, eng.step, eng.zero_grad), (ref, ref_opt.step, ref_opt.zero_grad)):
+        gpt_loss(m, 0).backward()
+        step()
+        zero(set_to_none=False)
+        step()  # zero gradients: still an update
+        zero()
+        step()  # no gradients: skipped
+    assert eng.optimizer.shard_steps["wte.weight"] == 2
+    assert_trained_equal(model, eng, ref)
+
+
+def test_a_failed_step_leaves_the_last_completed_step(tmp_path):
+    torch.manual_seed(10)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=training_config(tmp_path))
+
+    def fail(event: str, group: int) -> None:
+        if event == "update" and group == 2:
+            raise OSError("injected")
+
+    try:
+        for step in range(4):
+            gpt_loss(model, step).backward()
+            gpt_loss(ref, step).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            if step == 2:
+                before = {k: v.clone() for k, v in model.state_dict().items()}
+                eng._training.on_event = fail
+                with pytest.raises(OSError, match="injected"):
+                    eng.step()
+                eng._training.on_event = None
+                after = model.state_dict()
+                assert all(torch.equal(before[k], after[k]) for k in before)  # groups 0 and 1 were rolled back
+                assert eng.completed_steps == 2
+            eng.step()  # the gradients are still in the store: the step runs again
+            eng.zero_grad()
+    except BaseException:
+        eng.close()
+        raise
+    assert_trained_equal(model, eng, ref)
+
+
+def test_step_inside_forward_is_refused(tmp_path):
+    model = TinyGPT()
+    eng = engine.wrap(model, optimizer=engine.AdamW(), config=training_config(tmp_path))
+    try:
+        handle = model.ln_f.register_forward_pre_hook(lambda *_: eng.step())
+        with pytest.raises(RuntimeError, match="while the model is running"):
+            model(gpt_tokens())
+        handle.remove()
+        gpt_loss(model, 0).backward()
+        eng.step()
+        assert eng.completed_steps == 1
+    finally:
+        eng.close()
+
+
+def test_wrap_checks_the_optimizer_and_resume(tmp_path):
+    opt = engine.AdamW()
+    eng = engine.wrap(nn.Linear(3, 3), optimizer=opt, config=training_config(tmp_path / "a"))
+    eng.close()
+    with pytest.raises(ValueError, match="already bound"):
+        engine.wrap(nn.Linear(3, 3), optimizer=opt, config=training_config(tmp_path / "b"))
+    with pytest.raises(ValueError, match="resume"):
+        engine.wrap(nn.Linear(3, 3), config=training_config(tmp_path / "c").replace(resume=True))
+    with pytest.raises(ValueError, match="no step record"):
+        engine.wrap(nn.Linear(3, 3), optimizer=engine.AdamW(),
+                    config=training_config(tmp_path / "d").replace(resume=True))
+    with pytest.raises(ValueError, match="resume must be True or False"):
+        training_config(tmp_path).replace(resume="yes")
+    with pytest.raises(RuntimeError, match="needs an optimizer"):
+        with engine.wrap(nn.Linear(3, 3), config=training_config(tmp_path / "e")) as plain:
+            plain.step()
+
+
+def test_resume_after_a_clean_close_and_a_fresh_wrap_discards_old_state(tmp_path):
+    torch.manual_seed(11)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    config = training_config(tmp_path, param_tier="host", optimizer_tier="host")  # close writes host down
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config)
+    for step in range(3):
+        gpt_loss(model, step).backward()
+        eng.step()
+        eng.zero_grad()
+    gpt_loss(model, 3).backward()  # a gradient that no step took: dropped by the resume
+    eng.close()
+
+    torch.manual_seed(99)
+    resumed = TinyGPT()  # other initial values: every value must come from the store
+    eng = engine.wrap(resumed, optimizer=engine.AdamW(lr=LR), config=config.replace(resume=True))
+    assert eng.completed_steps == 3 and set(eng.optimizer.shard_steps.values()) == {3}
+    assert not any(k.startswith("grad/") for k in eng.store.keys())
+    losses, ref_losses = [], []
+    for step in range(6):
+        ref_losses.append(gpt_loss(ref, step).item())
+        gpt_loss(ref, step).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step >= 3:
+            loss = gpt_loss(resumed, step)
+            loss.backward()
+            eng.step()
+            eng.zero_grad()
+            losses.append(loss.item())
+    assert losses == ref_losses[3:]
+    eng.close()
+
+    fresh = TinyGPT()
+    eng = engine.wrap(fresh, optimizer=engine.AdamW(lr=LR), config=config)  # no resume: start afresh
+    try:
+        assert eng.completed_steps == 0
+        assert not any(k.startswith(("optim/", "grad/")) for k in eng.store.keys())
+        assert StepRecord.read(eng.store) == StepRecord.empty([n for n, _ in fresh.named_parameters()])
+    finally:
+        eng.close()
+
+
+def test_resume_refuses_another_model(tmp_path):
+    config = training_config(tmp_path)
+    eng = engine.wrap(TinyGPT(), optimizer=engine.AdamW(), config=config)
+    gpt_loss(eng.model, 0).backward()
+    eng.step()
+    eng.close()
+    with pytest.raises(ValueError, match="no shard of parameter"):
+        engine.wrap(TinyGPT(layers=3), optimizer=engine.AdamW(), config=config.replace(resume=True))
+    with pytest.raises(ValueError, match="train_dtype"):
+        engine.wrap(TinyGPT(), optimizer=engine.AdamW(), config=config.replace(resume=True, train_dtype="bfloat16"))
+    with tiered.TieredStore.open(config.store) as store:
+        assert StepRecord.read(store).step == 1  # the refused resumes changed nothing
+
+
+
+def test_steps_after_close_are_refused(tmp_path):
+    model = nn.Linear(3, 3)
+    eng = engine.wrap(model, optimizer=engine.AdamW(), config=training_config(tmp_path))
+    model(torch.ones(1, 3)).sum().backward()
+    eng.unwrap()
+    eng.optimizer.zero_grad()  # torch's part only: nothing left in a store
+    with pytest.raises(RuntimeError, match="closed or unwrapped"):
+        eng.optimizer.step()
+
+
+def test_installing_staged_state_continues_another_engines_training(tmp_path):
+    """The checkpoint seam: state copied into staging keys and committed with commit_staged makes a
+    fresh engine continue exactly where the source engine is."""
+    torch.manual_seed(12)
+    source_model = TinyGPT()
+    target_model = copy.deepcopy(source_model)
+    source = engine.wrap(source_model, optimizer=engine.AdamW(lr=LR), config=training_config(tmp_path / "a"))
+    target = engine.wrap(target_model, optimizer=engine.AdamW(lr=LR), config=training_config(tmp_path / "b"))
+    try:
+        for step in range(2):
+            gpt_loss(source_model, step).backward()
+            source.step()
+            source.zero_grad()
+        gpt_loss(target_model, 0).backward()  # a gradient the install must drop
+        for shard in source._training.live_shards():
+            staged = target._training.staging_keys(shard.name)
+            for key, to in zip((shard.master_key, shard.exp_avg_key, shard.exp_avg_sq_key), staged):
+                target.store.sync.put(to, source.store.sync.get(key), "nvme")
+        target._training.commit_staged(source.completed_steps, source.optimizer.shard_steps)
+        assert target.completed_steps == 2 and target.optimizer.shard_steps == source.optimizer.shard_steps
+        assert not any(k.startswith("grad/") for k in target.store.keys())
+        for step in range(2, 4):
+            losses = []
+            for model, eng in ((source_model, source), (target_model, target)):
+                loss = gpt_loss(model, step)
+                loss.backward()
+                eng.step()
+                eng.zero_grad()
+                losses.append(loss.item())
+            assert losses[0] == losses[1]
+    finally:
+        source.close()
+        target.close()
+
+
+@pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
+def test_activation_checkpointing(tmp_path, checkpoint):
+    torch.manual_seed(13)
+    model = TinyGPT(checkpoint=checkpoint)
+    losses, ref_losses, eng, ref = train_both(model, training_config(tmp_path), steps=3, micro=2)
+    assert losses == ref_losses
+    assert_trained_equal(model, eng, ref)
