@@ -1,0 +1,195 @@
+"""One training step three ways, in one run: tiered (params + optimizer on nvme) vs all in memory
+with torch.optim.AdamW vs FSDP2 with CPUOffloadPolicy on gloo.
+
+Same model (engine.demo.GPT), same data, same AdamW hyperparameters; the losses of the three are
+printed side by side (they match to fp32 rounding), then median step times and the ratio
+tiered / in-memory. Step 1 of each is a warm-up (the engine records its order there) and is not
+timed.
+
+    python benchmarks/train_bench.py --dir /nvme/scratch --steps 6 --json train.json --plot train.png
+
+The target (issue 7): tiered / in-memory <= 1.3 for a compute-bound size on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Optional
+
+import torch
+
+from engine.demo import GPT, BigramStream, GPTConfig
+
+MiB = 1024 * 1024
+
+
+@dataclasses.dataclass
+class Run:
+    """Losses and step seconds of one contender."""
+
+    name: str
+    losses: list[float] = dataclasses.field(default_factory=list)
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds[1:] or self.seconds)
+
+
+def train(run: Run, steps: int, data: BigramStream, step_fn: Callable[[torch.Tensor, torch.Tensor], float]) -> None:
+    for i in range(steps):
+        x, y = data.batch(i)
+        start = time.perf_counter()
+        run.losses.append(step_fn(x, y))
+        run.seconds.append(time.perf_counter() - start)
+        print(f"  {run.name}: step {i + 1}/{steps} loss {run.losses[-1]:.4f} {run.seconds[-1]:.2f}s", file=sys.stderr)
+
+
+def in_memory(model: torch.nn.Module, args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def fsdp2(model: GPT, args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return in_memory(model, args)
+
+
+def tiered_engine(model: GPT, args: argparse.Namespace, path: str):
+    import engine
+    import tiered
+
+    store = tiered.StoreConfig(path=path, host_bytes=args.host_mib * MiB, prefault_host=False)
+    eng = engine.wrap(
+        model,
+        optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay),
+        config=engine.EngineConfig(store=store, param_tier="nvme", optimizer_tier="nvme",
+                                   prefetch_bytes=args.prefetch_mib * MiB),
+    )
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = model(x, y)
+        loss.backward()
+        eng.step()
+        eng.zero_grad()
+        return loss.item()
+
+    return eng, step
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default=".", help="scratch directory on the disk under test")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--embd", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6, help="steps per contender; the first is not timed")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--host-mib", type=int, default=64, help="the store's host budget")
+    p.add_argument("--prefetch-mib", type=int, default=128)
+    p.add_argument("--skip", default="", help="comma list of contenders to skip: memory,fsdp2")
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error(f"--steps must be >= 2 (the first is a warm-up), got {args.steps}")
+    skip = {s for s in args.skip.split(",") if s}
+
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_embd=args.embd,
+                    n_head=max(1, args.embd // 64))
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    data = BigramStream(cfg.vocab_size, cfg.seq_len, args.batch)
+    n = cfg.num_params
+    print(f"model: {n / 1e6:.1f} M params; params + grads + AdamW states {16 * n / 1e9:.2f} GB in fp32; "
+          f"{args.batch} x {args.seq} tokens per step; torch threads {torch.get_num_threads()}")
+
+    runs: list[Run] = []
+    workdir = tempfile.mkdtemp(prefix="tiered-train-", dir=args.dir)
+    try:
+        if "memory" not in skip:
+            run = Run("in memory, torch.optim.AdamW")
+            train(run, args.steps, data, in_memory(copy.deepcopy(base), args))
+            runs.append(run)
+        if "fsdp2" not in skip:
+            import torch.distributed as dist
+
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29517")
+            dist.init_process_group("gloo", rank=0, world_size=1)
+            try:
+                run = Run("FSDP2 + CPUOffloadPolicy, gloo")
+                train(run, args.steps, data, fsdp2(copy.deepcopy(base), args))
+                runs.append(run)
+            finally:
+                dist.destroy_process_group()
+        run = Run("tiered, params + optimizer on nvme")
+        eng, step = tiered_engine(copy.deepcopy(base), args, os.path.join(workdir, "store"))
+        try:
+            train(run, args.steps, data, step)
+            run.note = json.dumps({k: v for k, v in dataclasses.asdict(eng.stats()).items()
+                                   if isinstance(v, (int, float))})
+        finally:
+            eng.unwrap()
+        runs.append(run)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    reference = runs[0]
+    print("\n| contender | median step s | min | max | vs in memory | max loss diff vs first |")
+    print("|---|---|---|---|---|---|")
+    for r in runs:
+        diff = max(abs(a - b) for a, b in zip(r.losses, reference.losses))
+        timed = r.seconds[1:]
+        print(f"| {r.name} | {r.median:.3f} | {min(timed):.3f} | {max(timed):.3f} | "
+              f"{r.median / reference.median:.2f} | {diff:.2e} |")
+    result = {
+        "params": n, "tokens_per_step": args.batch * args.seq, "steps": args.steps,
+        "runs": [dataclasses.asdict(r) | {"median": r.median} for r in runs],
+        "target": "tiered / in memory <= 1.3",
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 2.8))
+        ax.barh([r.name for r in runs], [r.median for r in runs], color=["#999999", "#d08c60", "#4c72b0"][:len(runs)])
+        ax.set_xlabel("seconds per training step (median)")
+        ax.set_title(f"{n / 1e6:.0f} M-parameter GPT, {args.batch}x{args.seq} tokens")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
