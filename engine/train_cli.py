@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--host-mib", type=int, default=48, help="host memory budget of the store (MiB)")
     p.add_argument("--device-mib", type=int, default=0, help="device memory budget of the store (MiB)")
