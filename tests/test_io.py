@@ -9,27 +9,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from short_transfers import capped as chunky
 
 import tiered
 from tiered.extents import Extent, ExtentAllocator
 from tiered.io import AlignedBuffer, BlockRead, BlockWrite, IOEngine, Syscalls, open_file
 
 KiB = 1024
-
-
-def chunky(fn, limit):
-    """A pread/pwrite that moves at most ``limit`` bytes per call (as a signal or a busy disk may)."""
-
-    def call(fd, views, offset):
-        out, left = [], limit
-        for v in views:
-            if left <= 0:
-                break
-            out.append(v[:left])
-            left -= len(out[-1])
-        return fn(fd, out, offset)
-
-    return call
 
 
 async def round_trip(tmp_path, syscalls: Syscalls, nbytes: int = 200 * KiB):

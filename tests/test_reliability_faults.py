@@ -21,12 +21,12 @@ import uuid
 
 import pytest
 import torch
+from conftest import KiB, MiB, random_tensor, same_bytes
+from short_transfers import random_prefix as chunky
 
 import tiered
 from tiered import CapacityError, ChecksumError, ManifestError, Tier, TransferError
 from tiered.io import Syscalls
-
-from conftest import KiB, MiB, random_tensor, same_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -138,23 +138,6 @@ async def test_eio_on_write_or_sync_keeps_the_committed_value(tmp_path, fault):
         assert_no_leak(store)
     async with await tiered.TieredStore.open_async(cfg) as store:
         assert same_bytes(await store.get("k"), old), "a put that raised must not have replaced the value"
-
-
-def chunky(fn, rng: random.Random, align: int):
-    """A preadv/pwritev that moves a random, ``align``-multiple prefix of what it is asked."""
-
-    def call(fd, views, offset):
-        total = sum(len(v) for v in views)
-        limit = max(align, rng.randrange(0, total + 1) // align * align)
-        out, left = [], limit
-        for v in views:
-            if left <= 0:
-                break
-            out.append(v[:left])
-            left -= len(out[-1])
-        return fn(fd, out, offset)
-
-    return call
 
 
 @pytest.mark.parametrize("direct", [True, False])

@@ -12,7 +12,7 @@ from tiered import StoreConfig
 from tiered.bench.deepspeed_aio import DeepSpeedAio
 from tiered.bench.fio import Fio
 from tiered.bench.options import BenchOptions, fill, format_size
-from tiered.bench.progress import Progress
+from tiered.progress import Progress
 from tiered.bench.results import GBPS, OPS, SECONDS, BenchResult, Figure, Run
 from tiered.bench.store import LargeTensors, StoreUnderTest, prefetch_round, put_all, small_round
 from tiered.bench.system import drop_page_cache
