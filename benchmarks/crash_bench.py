@@ -12,6 +12,13 @@ check of any layout, with the evidence.
 
     python benchmarks/crash_bench.py --kills 1000
     python benchmarks/crash_bench.py --kills 200 --seed 7 --layouts striped --json crash.json
+
+``--engine`` runs tests/engine_crash_harness.py instead: training processes (engine.AdamW, state on
+nvme, two variants) SIGKILLed in forward, backward, step(), checkpoint saves, between steps and while
+resuming; each next process resumes from the store or the latest checkpoint and every loss must
+equal an uninterrupted plain-torch run's.
+
+    python benchmarks/crash_bench.py --engine --kills 200
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crash_harness  # noqa: E402  (lives in tests/, shared with the CI suite)
+import engine_crash_harness  # noqa: E402
 
 
 def summarize(layout: str, records: list[crash_harness.KillRecord], failure: str | None, seconds: float) -> dict:
@@ -76,9 +84,80 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
 
 
+def summarize_engine(variant: str, records: list[engine_crash_harness.KillRecord], failure: str | None,
+                     seconds: float) -> dict:
+    """One row of the engine table: a variant's children, kills and what was in flight."""
+    killed = [r for r in records if r.killed]
+    return {
+        "variant": variant,
+        "kills": len(killed),
+        "children": len(records),
+        "chains_finished": sum(not r.killed for r in records),
+        "from_store": sum(r.source == "store" for r in records),
+        "from_checkpoint": sum(r.source == "checkpoint" for r in records),
+        "killed_in_step": sum(r.in_flight == "step" for r in killed),
+        "killed_in_save": sum(r.in_flight == "save" for r in killed),
+        "killed_resuming": sum(r.in_flight == "resume" for r in killed),
+        "losses_checked": sum(r.losses_checked for r in records),
+        "mean_child_s": statistics.fmean(r.seconds for r in records) if records else 0.0,
+        "seconds": seconds,
+        "failure": failure,
+    }
+
+
+def print_engine_table(rows: list[dict]) -> None:
+    """A fixed-width table of the per-variant engine summaries."""
+    cols = [("variant", "variant"), ("kills", "kills"), ("children", "children"), ("finished", "chains_finished"),
+            ("from store", "from_store"), ("from ckpt", "from_checkpoint"), ("in step", "killed_in_step"),
+            ("in save", "killed_in_save"), ("resuming", "killed_resuming"), ("losses", "losses_checked"),
+            ("child s", "mean_child_s"), ("result", "failure")]
+    cells = [[h for h, _ in cols]]
+    for row in rows:
+        cells.append([("ok" if row[k] is None else "FAILED") if k == "failure" else
+                      (f"{row[k]:.2f}" if isinstance(row[k], float) else str(row[k])) for _, k in cols])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    for line in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
+
+
+def main_engine(kills: int, seed: int, workdir_parent: str | None, json_path: str | None) -> int:
+    """The --engine mode: kill training processes ``kills`` times, split over the harness's variants."""
+    ctx = engine_crash_harness.forkserver_context()
+    rows, children = [], []
+    with tempfile.TemporaryDirectory(prefix="crash-bench-engine-", dir=workdir_parent) as workdir:
+        for n, variant in enumerate(engine_crash_harness.VARIANTS):
+            share = kills // len(engine_crash_harness.VARIANTS) + (n < kills % len(engine_crash_harness.VARIANTS))
+            started = time.monotonic()
+            failure = None
+            records: list[engine_crash_harness.KillRecord] = []
+            try:
+                engine_crash_harness.run_engine_chains(workdir, share, seed * 1000 + n,
+                                                       variants=(variant,), ctx=ctx, on_kill=records.append)
+            except engine_crash_harness.EngineCrashError as exc:
+                failure = str(exc)
+            rows.append(summarize_engine(variant.name, records, failure, time.monotonic() - started))
+            children.extend(dataclasses.asdict(r) for r in records)
+    print_engine_table(rows)
+    for row in rows:
+        if row["failure"]:
+            print(f"\n{row['variant']}: FAILED after {row['kills']} verified kills: {row['failure']}")
+    result = {
+        "benchmark": "crash_bench --engine", "kills": kills, "seed": seed,
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()},
+        "variants": rows, "per_child": children,
+    }
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_child"}, indent=1))
+    return 1 if any(row["failure"] for row in rows) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kills", type=int, default=1000, help="total kills, split over the layouts")
+    parser.add_argument("--kills", type=int, default=None,
+                        help="total kills, split over the layouts (default 1000; with --engine 200, over the variants)")
+    parser.add_argument("--engine", action="store_true", help="kill engine training processes instead of store writers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layouts", default=",".join(crash_harness.LAYOUTS),
                         help=f"comma-separated, of {', '.join(crash_harness.LAYOUTS)}")
@@ -86,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed at the end)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.engine:
+        kills = 200 if args.kills is None else args.kills
+        if kills < len(engine_crash_harness.VARIANTS):
+            parser.error(f"--kills must be at least {len(engine_crash_harness.VARIANTS)} with --engine, got {kills}")
+        return main_engine(kills, args.seed, args.dir, args.json)
+    if args.kills is None:
+        args.kills = 1000
     layouts = [name for name in args.layouts.split(",") if name]
     for name in layouts:
         if name not in crash_harness.LAYOUTS:

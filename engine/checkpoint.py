@@ -133,6 +133,7 @@ def _prepare_partial(path: str, partial: str, overwrite: bool) -> None:
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"the checkpoint's parent directory {parent!r} does not exist; create it first")
+    _recover_interrupted_overwrite(path)
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(
             f"checkpoint directory {path!r} already exists; choose another path or pass overwrite=True"
@@ -202,6 +203,20 @@ def _finish_save(parts: EngineParts, path: str, partial: str, files: list[Any], 
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _recover_interrupted_overwrite(path: str) -> None:
+    """An overwrite killed between its two renames left no ``<dir>`` and the previous checkpoint,
+    complete, in ``<dir>.old`` (it only ever gets there by a rename of a published ``<dir>``): put it back."""
+    old = path + OLD_SUFFIX
+    if os.path.exists(path) or not os.path.isfile(os.path.join(old, METADATA_FILE)):
+        return
+    try:
+        os.rename(old, path)
+    except OSError:
+        if not os.path.isdir(path):  # else another rank put it back first
+            raise
+    _fsync_dir(os.path.dirname(path))
+
+
 def _metadata(parts: EngineParts, files: list[Any]) -> dict[str, Any]:
     params = []
     for handle in _unique(parts.handles):
@@ -246,6 +261,7 @@ def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_
     def check() -> None:
         nonlocal reader, metadata
         _between_steps(parts, "load a checkpoint")
+        _recover_interrupted_overwrite(path)
         metadata = _read_metadata(path)
         _check_metadata(parts, metadata, load_optimizer)
         file = os.path.join(path, rank_file(io.rank))

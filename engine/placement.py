@@ -106,7 +106,9 @@ class Placement:
             if param.device.type != "meta" and param.untyped_storage().nbytes() < _extent_bytes(param):
                 raise ValueError(
                     f"parameter {name!r} has no data (its storage is {param.untyped_storage().nbytes()} bytes): "
-                    "is the model already wrapped by an engine? Unwrap it first"
+                    "is the model already wrapped by an engine? Unwrap it first. (After eng.close() the parameters "
+                    "stay released: wrap a new model, e.g. built on the meta device, with EngineConfig(resume=True) "
+                    "or state_dict=...)"
                 )
             if param.device.type != "meta":
                 self.was_materialized.add(id(param))

@@ -43,7 +43,7 @@ from engine.optimizer_step import EventHook, init_state
 from engine.pager import Pager
 from engine.shard_io import ShardIO
 from engine.step_record import NO_STATE, STEP_RECORD_KEY, ShardState, StepRecord, StepRecordError
-from tiered import TieredStore
+from tiered import ChecksumError, TieredStore
 
 
 @dataclasses.dataclass
@@ -127,6 +127,8 @@ class Training:
         #: Tracing hook passed to every step's ``run_step`` (tests use it to stop a step half way).
         self.on_event: Optional[EventHook] = None
         self._closed = False
+        #: A failed step's rollback could not rewrite the parameters (the store kept failing): the next step does.
+        self._restore_pending = False
         #: Sums a rank's sum of squared gradients over ranks for clipping (multi-rank training).
         self.all_reduce: Optional[AllReduceSum] = _all_reduce_sum(shard_io)
         optimizer._bind(params, self._step, self._zero_grad)
@@ -139,7 +141,13 @@ class Training:
             self.record.write(self._store)
             return
         check_resumable(self._store)
-        record = StepRecord.read(self._store)
+        try:
+            record = StepRecord.read(self._store)
+        except (StepRecordError, ChecksumError) as exc:
+            raise StepRecordError(
+                f"cannot resume from the store at {self._store.config.path}: {exc}. Resume from a checkpoint instead "
+                "(wrap without resume, then eng.load_checkpoint(...)), or wrap without resume to start afresh"
+            ) from exc
         assert record is not None
         names = [p.name for p in self._params]
         missing = sorted(set(names) - set(record.shards))
@@ -231,6 +239,9 @@ class Training:
                     "backward() has returned"
                 )
             self._pager.drop_prefetched()
+        if self._restore_pending:
+            self._restore_params()
+            self._restore_pending = False
         self.grads.flush()
         with_grad = [p for p in self._params if self.grads.has_grad(p.name)]
         self._init_new_state([p for p in with_grad if self.record.shards[p.name].slot == NO_STATE])
@@ -242,8 +253,8 @@ class Training:
             stats = self._optimizer.run_step(
                 self._store, shards, config=cfg, grad_norms=norms, all_reduce=self.all_reduce, on_event=self.on_event,
             )
-        except BaseException:
-            self._rollback()
+        except BaseException as exc:
+            self._rollback(exc)
             raise
         counts = self._optimizer.shard_steps
         previous = self.record
@@ -254,9 +265,9 @@ class Training:
         })
         try:
             record.write(self._store)  # the commit point
-        except BaseException:
+        except BaseException as exc:
             self._optimizer._set_shard_steps({n: s.steps for n, s in previous.shards.items()})
-            self._rollback()
+            self._rollback(exc)
             raise
         self.record = record
         delete_keys(self._store, [k for name in updated for k in optim_keys(name, previous.shards[name].slot)])
@@ -285,6 +296,9 @@ class Training:
         if not params:
             return
         cfg = self._config
+        # Slot-0 keys of a shard without state are leftovers of an init that failed half way (init_state
+        # skips a shard whose master exists, so a master without its moments would stay so).
+        delete_keys(self._store, [k for p in params for k in optim_keys(p.name, 0)])
         init_state(self._store, [self._shard(p, 0) for p in params], state_tier=cfg.optimizer_tier,
                    compress=cfg.compress_optimizer, group_bytes=cfg.optimizer_group_bytes)
         fresh = {p.name for p in params}
@@ -294,13 +308,18 @@ class Training:
         record.write(self._store)
         self.record = record
 
-    def _rollback(self) -> None:
-        """After a failed step: parameters back to the live masters (best effort; the step's error is
-        what the caller sees)."""
+    def _rollback(self, error: BaseException) -> None:
+        """After a failed step: parameters back to the live masters (the step's error is what the caller
+        sees; if the store fails this too, the next step does it first, and ``error`` says so)."""
         try:
+            self._delete_inactive()  # the failed step's partial state writes: frees their space for the rewrite
             self._restore_params()
-        except Exception:  # noqa: BLE001 - the original error is re-raised by the caller
-            pass
+        except Exception as exc:  # noqa: BLE001 - the original error is re-raised by the caller
+            self._restore_pending = True
+            error.add_note(
+                f"eng.step() could not restore the parameters of the last completed step either ({exc}); until the "
+                "next eng.step() (which restores them first) or a resume, some parameters hold the failed step's values"
+            )
 
     def _restore_params(self) -> None:
         """Rewrite every trainable shard that has state from its live master, cast to the training

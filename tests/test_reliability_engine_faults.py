@@ -1,0 +1,259 @@
+"""Engine faults: ENOSPC and EIO inside step(), a full real filesystem under the swap files, and a
+damaged step record.
+
+What must hold: step() raises the store's typed error (CapacityError / TransferError naming the
+entry); the engine is back at the last completed step (parameters, step counts, the record); the
+gradients are kept, so the same step() succeeds once the fault is gone; and the losses from there on
+equal plain torch's. A step record that cannot be read stops a resume with advice.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+import subprocess
+import uuid
+from typing import Callable, Optional
+
+import pytest
+import torch
+from engine_models import TinyGPT, gpt_tokens, store_config
+
+import engine
+import tiered
+from engine.step_record import STEP_RECORD_KEY, StepRecord, StepRecordError
+from tiered import CapacityError, TransferError
+from tiered.io import Syscalls
+
+pytestmark = pytest.mark.timeout(120)
+
+KiB = 1024
+LR = 1e-2
+
+
+def config_at(tmp_path, **store_kw) -> engine.EngineConfig:
+    return engine.EngineConfig(store=store_config(tmp_path, host_bytes=64 * KiB).replace(**store_kw), param_tier="nvme",
+                               optimizer_tier="nvme", grad_tier="nvme", optimizer_group_bytes=8 * KiB,
+                               prefetch_bytes=16 * KiB)
+
+
+def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
+    return model(gpt_tokens(seed=step)).float().pow(2).mean()
+
+
+class Injected:
+    """``pwritev`` that passes ``ok`` calls to the real one, then fails ``failures`` calls (None: all
+    later ones) with ``err``, then passes again."""
+
+    def __init__(self, real: Callable, ok: int, err: int, failures: Optional[int]) -> None:
+        self.real, self.ok, self.err, self.failures, self.calls, self.failed = real, ok, err, failures, 0, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls > self.ok and (self.failures is None or self.failed < self.failures):
+            self.failed += 1
+            raise OSError(self.err, os.strerror(self.err))
+        return self.real(*args)
+
+
+def snapshot(eng: engine.Engine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in eng.state_dict().items()}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def train_with_a_fault(eng: engine.Engine, model: torch.nn.Module, fail_at: int, steps: int,
+                       inject: Callable[[], None], heal: Callable[[], None], error: type, match: str,
+                       rolled_back: bool = True) -> None:
+    """Train ``steps`` steps beside plain torch; step ``fail_at`` first fails (``inject``), is back at
+    the last completed step (the parameters too when the rollback could write: ``rolled_back``; else
+    the next step restores them first), and succeeds after ``heal``. Losses equal torch's throughout."""
+    ref = copy.deepcopy(eng.state_dict())
+    ref_model = TinyGPT()
+    ref_model.load_state_dict(ref)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR)
+    for step in range(steps):
+        loss, ref_loss = loss_of(model, step), loss_of(ref_model, step)
+        assert loss.item() == ref_loss.item(), step
+        loss.backward()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step == fail_at:
+            before, completed = snapshot(eng), eng.completed_steps
+            shard_steps = eng.optimizer.shard_steps
+            eng._training.grads.flush()  # the gradient puts are done: the fault hits the step's own writes
+            inject()
+            with pytest.raises(error, match=match) as failure:
+                eng.step()
+            heal()
+            assert eng.completed_steps == completed and eng.optimizer.shard_steps == shard_steps
+            assert StepRecord.read(eng.store).step == completed
+            notes = "".join(getattr(failure.value, "__notes__", []))
+            if rolled_back:
+                assert not notes
+                assert_same(snapshot(eng), before)  # back at the last completed step
+            else:
+                assert "the next eng.step() (which restores them first)" in notes
+        eng.step()  # the gradients were kept: the same step, now whole
+        eng.zero_grad()
+    assert_same(snapshot(eng), {k: v.detach() for k, v in ref_model.state_dict().items()})
+
+
+@pytest.mark.parametrize("fail_at, ok, rolled_back", [(0, 4, True), (2, 9, False)],
+                         ids=["first-step-init", "later-step"])
+@pytest.mark.parametrize("err, error, match", [
+    (errno.ENOSPC, CapacityError, "No space left on device"),
+    (errno.EIO, TransferError, "Input/output error"),
+])
+def test_a_write_fault_in_step_rolls_back_and_the_step_works_again(tmp_path, fail_at, ok, rolled_back, err, error,
+                                                                   match):
+    """Writes fail after ``ok`` succeeded, persistently until healed: some groups are written, the rest
+    fail, and so do the rollback's own writes; at the first step, a shard's new master is written but
+    its moments are not (the retry must not take that master for a whole state)."""
+    torch.manual_seed(3)
+    model = TinyGPT()
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path))
+    real = eng.store._io.syscalls
+
+    def inject() -> None:
+        eng.store._io.syscalls = Syscalls(pwritev=Injected(real.pwritev, ok, err, None), preadv=real.preadv,
+                                          fdatasync=real.fdatasync)
+
+    def heal() -> None:
+        eng.store._io.syscalls = real
+
+    try:
+        train_with_a_fault(eng, model, fail_at, 4, inject, heal, error, match, rolled_back)
+    finally:
+        eng.close()
+
+
+def test_a_transient_eio_in_step_is_rolled_back_at_once(tmp_path):
+    """Two failed writes in the middle of a step: the rollback itself succeeds, so the engine is at the
+    last completed step before anything is healed."""
+    torch.manual_seed(4)
+    model = TinyGPT()
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path))
+    real = eng.store._io.syscalls
+
+    def inject() -> None:
+        eng.store._io.syscalls = Syscalls(pwritev=Injected(real.pwritev, 12, errno.EIO, 2), preadv=real.preadv,
+                                          fdatasync=real.fdatasync)
+
+    try:
+        train_with_a_fault(eng, model, 2, 4, inject, lambda: None, TransferError, "Input/output error")
+    finally:
+        eng.close()
+
+
+# ------------------------------------------------------------------- a real full filesystem
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A freshly mounted 2 MiB tmpfs (skipped where this process may not mount)."""
+    where = str(tmp_path / f"mnt-{uuid.uuid4().hex[:8]}")
+    os.mkdir(where)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", where], check=True,
+                       capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        pytest.skip(f"cannot mount a tmpfs here: {exc} {detail.decode(errors='replace').strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", where], capture_output=True, timeout=60)
+
+
+def fill(directory: str) -> str:
+    """Fill the filesystem of ``directory`` with one file; return its path."""
+    path = os.path.join(directory, "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        chunk = b"\xa5" * 65536
+        while len(chunk):
+            try:
+                os.write(fd, chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                chunk = chunk[: len(chunk) // 2]
+    finally:
+        os.close(fd)
+    return path
+
+
+def test_a_full_disk_under_the_swap_files_fails_the_step_cleanly(tmp_path, small_tmpfs):
+    """The swap files on a real 2 MiB tmpfs, filled just before the first step (which must grow them
+    for the optimizer state): CapacityError, the last completed step, and the step works once a file
+    is deleted."""
+    torch.manual_seed(5)
+    model = TinyGPT()
+    config = config_at(tmp_path, nvme_paths=[os.path.join(small_tmpfs, "nvme")], swap_grow_bytes=256 * KiB)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config)
+    filler: list[str] = []
+    try:
+        train_with_a_fault(eng, model, 0, 3, lambda: filler.append(fill(small_tmpfs)),
+                           lambda: os.unlink(filler[0]), CapacityError, "free disk space")
+    finally:
+        eng.close()
+    with tiered.TieredStore.open(config.store) as store:  # and a reopen finds the last step, space exact
+        assert StepRecord.read(store).step == 3
+        space = store.nvme_space()
+        assert space.allocated_bytes == space.entry_bytes, space
+
+
+# ------------------------------------------------------------------- a damaged step record
+
+
+@pytest.mark.parametrize("damage", ["garbage", "wrong dtype", "bad field", "flipped bit"])
+def test_a_damaged_step_record_stops_a_resume_with_advice(tmp_path, damage):
+    config = config_at(tmp_path)
+    eng = engine.wrap(TinyGPT(), optimizer=engine.AdamW(lr=LR), config=config)
+    loss_of(eng.model, 0).backward()
+    eng.step()
+    eng.close()
+    with tiered.TieredStore.open(config.store) as store:
+        good = store.sync.get(STEP_RECORD_KEY)
+        if damage == "garbage":
+            store.sync.put(STEP_RECORD_KEY, torch.frombuffer(bytearray(b"\x00{not json"), dtype=torch.uint8), "nvme")
+        elif damage == "wrong dtype":
+            store.sync.put(STEP_RECORD_KEY, torch.ones(3), "nvme")
+        elif damage == "bad field":
+            text = bytes(good.numpy()).decode().replace('"step": 1', '"step": -4')
+            store.sync.put(STEP_RECORD_KEY, torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8), "nvme")
+    if damage == "flipped bit":
+        _flip_record_bit(config.store)
+    with pytest.raises(StepRecordError, match="load_checkpoint.*or wrap without resume"):
+        engine.wrap(TinyGPT(), optimizer=engine.AdamW(lr=LR), config=config.replace(resume=True))
+    # The advice works: a fresh wrap over the same store starts afresh.
+    with engine.wrap(TinyGPT(), optimizer=engine.AdamW(lr=LR), config=config) as fresh:
+        assert fresh.completed_steps == 0
+
+
+def _flip_record_bit(store_cfg: tiered.StoreConfig) -> None:
+    """Flip one bit of the record's bytes in its swap file (located through the manifest)."""
+    import array
+    import sqlite3
+
+    db = sqlite3.connect(os.path.join(store_cfg.path, "manifest.sqlite"))
+    try:
+        (blob,) = db.execute("SELECT extents FROM entries WHERE key = ?", (STEP_RECORD_KEY,)).fetchone()
+    finally:
+        db.close()
+    ext = array.array("q")
+    ext.frombytes(blob)
+    file_index, offset = ext[0], ext[1]
+    swaps = sorted(n for n in os.listdir(store_cfg.path) if n.startswith("swap-"))
+    with open(os.path.join(store_cfg.path, swaps[file_index]), "r+b") as f:
+        f.seek(offset + 5)
+        byte = f.read(1)
+        f.seek(offset + 5)
+        f.write(bytes([byte[0] ^ 0x10]))
