@@ -76,7 +76,7 @@ def measure(cfg: GPTConfig, args: argparse.Namespace, workdir: str) -> dict:
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=1e-3, weight_decay=0.0), config=engine.EngineConfig(
         store=tiered.StoreConfig(path=path, host_bytes=args.host_mib * MiB, prefault_host=False),
         param_tier="nvme", optimizer_tier="nvme", prefetch_bytes=args.prefetch_mib * MiB))
-    ours, moved = [], []
+    ours, moved, read = [], [], []
     try:
         for i in range(args.steps):
             x, y = data.batch(i)
@@ -88,13 +88,15 @@ def measure(cfg: GPTConfig, args: argparse.Namespace, workdir: str) -> dict:
             ours.append(time.perf_counter() - start)
             after = eng.stats().store
             moved.append((after.bytes_read - before.bytes_read) + (after.bytes_written - before.bytes_written))
+            read.append(after.bytes_read - before.bytes_read)
     finally:
         eng.unwrap()
         shutil.rmtree(path, ignore_errors=True)
     return {
         "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "params": cfg.num_params,
         "memory_step_s": statistics.median(memory[1:]), "tiered_step_s": statistics.median(ours[1:]),
-        "bytes_moved_per_step": statistics.median(moved[1:]), "tiered_steps": ours, "memory_steps": memory,
+        "bytes_moved_per_step": statistics.median(moved[1:]), "bytes_read_per_step": statistics.median(read[1:]),
+        "tiered_steps": ours, "memory_steps": memory,
     }
 
 
@@ -115,6 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.steps < 2:
         p.error(f"--steps must be >= 2, got {args.steps}")
     widths = [int(w) for w in args.embd.split(",") if w]
+    load_before = os.getloadavg()
     workdir = tempfile.mkdtemp(prefix="tiered-scaling-", dir=args.dir)
     try:
         write_bw, read_bw = disk_bandwidth(workdir, 512 * MiB)
@@ -124,7 +127,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_embd=width,
                             n_head=max(1, width // 64))
             row = measure(cfg, args, workdir)
-            row["io_floor_s"] = row["bytes_moved_per_step"] / (1e9 * (write_bw + read_bw) / 2)
+            written = row["bytes_moved_per_step"] - row["bytes_read_per_step"]
+            row["io_floor_s"] = row["bytes_read_per_step"] / (1e9 * read_bw) + written / (1e9 * write_bw)
             rows.append(row)
             print(f"  {row['params'] / 1e6:6.1f} M params: tiered {row['tiered_step_s']:.2f} s, in memory "
                   f"{row['memory_step_s']:.2f} s, moved {row['bytes_moved_per_step'] / 1e9:.2f} GB", file=sys.stderr)
@@ -137,7 +141,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"| {r['params'] / 1e6:.1f} | {r['memory_step_s']:.2f} | {r['tiered_step_s']:.2f} | "
               f"{r['tiered_step_s'] / r['memory_step_s']:.2f} | {r['bytes_moved_per_step'] / 1e9:.2f} | "
               f"{r['io_floor_s']:.2f} |")
-    result = {"disk_write_gbps": write_bw, "disk_read_gbps": read_bw, "rows": rows}
+    result = {"disk_write_gbps": write_bw, "disk_read_gbps": read_bw, "rows": rows,
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    print(f"load average {load_before[0]:.1f} -> {result['loadavg_after'][0]:.1f} (2 cores)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -151,7 +157,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         params = [r["params"] / 1e6 for r in rows]
         ax.plot(params, [r["tiered_step_s"] for r in rows], "o-", label="tiered, nvme")
         ax.plot(params, [r["memory_step_s"] for r in rows], "s-", label="in memory")
-        ax.plot(params, [r["io_floor_s"] for r in rows], "--", label="bytes moved / disk bandwidth")
+        ax.plot(params, [r["io_floor_s"] for r in rows], "--", label="bytes read / read speed + written / write speed")
+        ax.set_title(f"{args.batch} x {args.seq} tokens per step, {args.layers} layers")
         ax.set_xlabel("parameters (M)")
         ax.set_ylabel("seconds per step")
         ax.legend()

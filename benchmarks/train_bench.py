@@ -86,7 +86,8 @@ def tiered_engine(model: GPT, args: argparse.Namespace, path: str):
         model,
         optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay),
         config=engine.EngineConfig(store=store, param_tier="nvme", optimizer_tier="nvme",
-                                   prefetch_bytes=args.prefetch_mib * MiB),
+                                   prefetch_bytes=args.prefetch_mib * MiB,
+                                   optimizer_group_bytes=args.group_mib * MiB),
     )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -112,6 +113,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--host-mib", type=int, default=64, help="the store's host budget")
     p.add_argument("--prefetch-mib", type=int, default=128)
+    p.add_argument("--group-mib", type=int, default=64, help="the optimizer step's group size (optimizer_group_bytes)")
     p.add_argument("--skip", default="", help="comma list of contenders to skip: memory,fsdp2")
     p.add_argument("--json")
     p.add_argument("--plot")
@@ -130,6 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{args.batch} x {args.seq} tokens per step; torch threads {torch.get_num_threads()}")
 
     runs: list[Run] = []
+    load_before = os.getloadavg()
     workdir = tempfile.mkdtemp(prefix="tiered-train-", dir=args.dir)
     try:
         if "memory" not in skip:
@@ -172,7 +175,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "params": n, "tokens_per_step": args.batch * args.seq, "steps": args.steps,
         "runs": [dataclasses.asdict(r) | {"median": r.median} for r in runs],
         "target": "tiered / in memory <= 1.3",
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
     }
+    print(f"load average {load_before[0]:.1f} -> {result['loadavg_after'][0]:.1f} (2 cores)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

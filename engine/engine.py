@@ -134,6 +134,12 @@ class Engine:
             raise RuntimeError("eng.step() needs an optimizer: pass optimizer=engine.AdamW(...) to engine.wrap")
         self._optimizer.step()
 
+    def drop_prefetched(self) -> None:
+        """Free every parameter prefetched ahead of its next use, so the next forward starts cold
+        (forward-only loops keep the next forward's first parameters prefetched between calls)."""
+        self._check_open()
+        self._pager.drop_prefetched()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()``: with ``engine.AdamW`` the gradient shards in the store go;
         without an optimizer, the model's ``zero_grad``."""
@@ -320,6 +326,7 @@ def wrap(
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn must be callable (module) -> None, got {type(init_fn).__name__}")
     _check_optimizer(optimizer)
+    _check_optimizer_params(model, optimizer)
     if config.resume and (state_dict is not None or not _is_engine_optimizer(optimizer)):
         raise ValueError(
             "EngineConfig(resume=True) takes parameters and optimizer state from the store: pass "
@@ -396,6 +403,20 @@ def _check_optimizer(optimizer: object) -> None:
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+
+def _check_optimizer_params(model: nn.Module, optimizer: object) -> None:
+    """A torch optimizer must hold some of the model's parameters (one built on a copy of the model
+    would step the copy while the wrapped model never changes)."""
+    if optimizer is None or _is_engine_optimizer(optimizer):
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # type: ignore[attr-defined]
+    mine = {id(p) for p in model.parameters()}
+    if params and not any(id(p) in mine for p in params):
+        raise ValueError(
+            f"none of the optimizer's {len(params)} parameters is a parameter of the model being wrapped: build it "
+            "on model.parameters() (before wrap), or pass optimizer=engine.AdamW(...)"
+        )
 
 
 def _rank_and_world(process_group: Any) -> tuple[Any, int, int]:

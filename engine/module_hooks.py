@@ -66,7 +66,8 @@ class ForwardScope:
         if outermost:
             if hooks.module is self._root and not backward:
                 self._tracker.reset()
-                self._pager.begin_step(torch.is_grad_enabled())
+                grad = torch.is_grad_enabled()
+                self._pager.begin_step(grad, wrap_around=not grad)
             self._open_contexts(saved=not backward)
         for handle in (*hooks.handles, *hooks.extras):
             self._pager.acquire(handle)

@@ -38,8 +38,11 @@ class Pager:
         self._prefetch_bytes = prefetch_bytes
         self._publish_order = publish_order
         self._prefetched: dict[ParamHandle, None] = {}  # insertion-ordered set
-        self._window = 0
+        self._reserved: dict[ParamHandle, None] = {}  # held now, needed again within the scanned window
+        self._window = 0  # bytes of prefetched + reserved parameters
         self._scan = 0  # next position of the followed order the prefetcher looks at
+        self._wrap = False  # the window may run into the next step (forward-only steps)
+        self._carried = False  # something was prefetched for the next step and is still valid
 
     @property
     def window_bytes(self) -> int:
@@ -48,21 +51,38 @@ class Pager:
 
     # ------------------------------------------------------------------ steps
 
-    def begin_step(self, mode: Hashable) -> None:
-        """A new step starts (the root module's forward): follow (or record) ``mode``'s order."""
+    def begin_step(self, mode: Hashable, *, wrap_around: bool = False) -> None:
+        """A new step starts (the root module's forward): follow (or record) ``mode``'s order.
+
+        ``wrap_around`` (forward-only steps, where nothing writes parameters between steps) lets the
+        prefetch window run past the end of this step into the next one's beginning: a parameter
+        needed last in a step and first in the next (a tied embedding / head) stays materialized,
+        and the next step's first parameters load while the caller is between steps. What was
+        prefetched that way is kept only when the next step has the same mode and this one followed
+        its whole record; any write (optimizer step, ``load_state_dict``) drops it first.
+        """
         with self.lock:
-            self.drop_prefetched()
+            order_len = len(self.schedule.order)
+            carry = (self._carried and wrap_around and self._wrap and self.schedule.mode == mode
+                     and self.schedule.complete)
+            self._unreserve_all()
+            if not carry:
+                self.drop_prefetched()
             if self.schedule.begin(mode) and self.schedule.order:
                 self._publish_order([h.key for h in self.schedule.order])
             self._counters.rerecords = self.schedule.rerecords
             self._counters.steps += 1
-            self._scan = 0
+            self._scan = max(0, self._scan - order_len) if carry else 0
+            self._carried = False
+            self._wrap = wrap_around
             self._top_up()
 
     def drop_prefetched(self) -> None:
         """Free every prefetched parameter (waiting for transfers in flight): the step departed from
         its record, backward ended (an optimizer may now change the store), or the engine stops."""
         with self.lock:
+            self._carried = False
+            self._unreserve_all()
             for handle in list(self._prefetched):
                 self._unmark(handle)
                 if handle.future is not None:
@@ -160,11 +180,16 @@ class Pager:
     def _unheld(self, handle: ParamHandle) -> None:
         if handle.state is HandleState.READY and handle.version != handle.synced:
             self.write_back([handle])  # changed in place while held: the store must not lose it
-        upcoming = self.schedule.next_position(handle)
+        if handle in self._reserved:
+            del self._reserved[handle]
+            self._window -= handle.nbytes
+        upcoming = self.schedule.next_position(handle, wrap=self._wrap)
         if upcoming is not None and upcoming < self._scan:
-            # The prefetcher already passed its next need (it was held then): keep it if it fits.
+            # The prefetcher already passed its next need (it was held then): keep it if it fits
+            # (it does when the prefetcher reserved room for it).
             if self._window + handle.nbytes <= self._prefetch_bytes:
                 self._mark(handle)
+                self._carried |= upcoming >= len(self.schedule.order)
                 return
             self._scan = upcoming
         handle.free(self._meter)
@@ -174,15 +199,26 @@ class Pager:
         if not self.schedule.following or self._prefetch_bytes == 0:
             return
         order = self.schedule.order
+        length = len(order)
+        limit = 2 * length if self._wrap else length
         self._scan = max(self._scan, self.schedule.cursor)
-        while self._scan < len(order):
-            handle = order[self._scan]
+        while self._scan < limit:
+            handle = order[self._scan % length]
             if handle.state is HandleState.RELEASED:
                 if self._window + handle.nbytes > self._prefetch_bytes:
                     return
                 self._start_fetch(handle)
                 self._mark(handle)
                 self._counters.prefetch_issued += 1
+                self._carried |= self._scan >= length
+            elif self._wrap and handle not in self._reserved:
+                # Needed again here while in use or prefetched for an earlier need: keep room to keep
+                # it after that use, rather than filling the window with later parameters and reading
+                # it twice (a tied embedding / head).
+                if self._window + handle.nbytes > self._prefetch_bytes:
+                    return
+                self._reserved[handle] = None
+                self._window += handle.nbytes
             self._scan += 1
 
     def _start_fetch(self, handle: ParamHandle) -> None:
@@ -213,6 +249,11 @@ class Pager:
         handle.state = HandleState.READY
         handle.future = None
         handle.fetch_finished()
+
+    def _unreserve_all(self) -> None:
+        for handle in self._reserved:
+            self._window -= handle.nbytes
+        self._reserved.clear()
 
     def _mark(self, handle: ParamHandle) -> None:
         handle.prefetched = True

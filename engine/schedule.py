@@ -41,6 +41,16 @@ class Schedule(Generic[T]):
         """True while this step matches its recorded order (so far), i.e. prefetch may run ahead."""
         return self._order is not None and not self.departed
 
+    @property
+    def mode(self) -> Optional[Hashable]:
+        """The running step's mode (None between steps)."""
+        return self._mode
+
+    @property
+    def complete(self) -> bool:
+        """True when the running step followed its whole recorded order (every need, in order)."""
+        return self.following and self.cursor == len(self.order)
+
     def begin(self, mode: Hashable) -> bool:
         """End the running step (keeping its record if needed) and start one in ``mode``.
 
@@ -72,15 +82,19 @@ class Schedule(Generic[T]):
         self.departed = True
         return False
 
-    def next_position(self, item: T) -> Optional[int]:
-        """Index of ``item``'s next need at or after the cursor in the followed order, or None."""
+    def next_position(self, item: T, *, wrap: bool = False) -> Optional[int]:
+        """Index of ``item``'s next need at or after the cursor in the followed order, or None.
+        With ``wrap`` the order repeats once: a need in the next step (same order) is
+        ``len(order) + index``."""
         if not self.following:
             return None
         positions = self._positions.get(item)
         if not positions:
             return None
         i = bisect.bisect_left(positions, self.cursor)
-        return positions[i] if i < len(positions) else None
+        if i < len(positions):
+            return positions[i]
+        return len(self.order) + positions[0] if wrap else None
 
     def finish(self) -> None:
         """End the running step without starting another (e.g. before the engine closes)."""

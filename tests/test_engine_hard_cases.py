@@ -107,7 +107,8 @@ def test_no_grad_inference_mode_and_eval(tmp_path, context):
                 want = ref(x)
             assert not out.requires_grad
         assert torch.equal(out, want)
-        assert eng.stats().materialized_bytes == 0
+        # Forward-only steps may keep the next step's first parameters prefetched (within the window).
+        assert eng.stats().materialized_bytes <= (0 if context == "eval" else 512)
     if context == "eval":  # eval keeps autograd: gradients still match
         model(x).sum().backward(), ref(x).sum().backward()
         assert_same_grads(model, ref)

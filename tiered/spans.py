@@ -42,7 +42,22 @@ def spans_of_tensor(tensor: torch.Tensor) -> list[Span]:
         return []
     # Each torch call drops and retakes the GIL; skip the ones that would change nothing.
     flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
-    return [Span(flat if flat.dtype == torch.uint8 else flat.view(torch.uint8))]
+    data = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+    return [Span(data, _direct_view(data))]
+
+
+#: A CPU tensor at least this large whose memory starts on a page boundary is read into and written
+#: from in place with O_DIRECT (no staging copy). torch gives tensors of 2 MiB and more page-aligned
+#: memory when the environment has THP_MEM_ALLOC_ENABLE=1.
+DIRECT_TENSOR_BYTES = 1024 * 1024
+_PAGE = 4096
+
+
+def _direct_view(data: torch.Tensor) -> Optional[memoryview]:
+    """A view of exactly ``data``'s bytes (never past its end) when O_DIRECT can use them in place."""
+    if data.device.type != "cpu" or data.numel() < DIRECT_TENSOR_BYTES or data.data_ptr() % _PAGE:
+        return None
+    return memoryview((ctypes.c_char * data.numel()).from_address(data.data_ptr())).cast("B")
 
 
 def new_result(
