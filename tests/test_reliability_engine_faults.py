@@ -12,13 +12,12 @@ from __future__ import annotations
 import copy
 import errno
 import os
-import subprocess
-import uuid
 from typing import Callable, Optional
 
 import pytest
 import torch
 from engine_models import TinyGPT, gpt_tokens, store_config
+from small_filesystems import fill, mounted
 
 import engine
 import tiered
@@ -158,36 +157,7 @@ def test_a_transient_eio_in_step_is_rolled_back_at_once(tmp_path):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A freshly mounted 2 MiB tmpfs (skipped where this process may not mount)."""
-    where = str(tmp_path / f"mnt-{uuid.uuid4().hex[:8]}")
-    os.mkdir(where)
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", where], check=True,
-                       capture_output=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        pytest.skip(f"cannot mount a tmpfs here: {exc} {detail.decode(errors='replace').strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", where], capture_output=True, timeout=60)
-
-
-def fill(directory: str) -> str:
-    """Fill the filesystem of ``directory`` with one file; return its path."""
-    path = os.path.join(directory, "filler")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        chunk = b"\xa5" * 65536
-        while len(chunk):
-            try:
-                os.write(fd, chunk)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                chunk = chunk[: len(chunk) // 2]
-    finally:
-        os.close(fd)
-    return path
+    yield from mounted("tmpfs", tmp_path, mib=2)
 
 
 def test_a_full_disk_under_the_swap_files_fails_the_step_cleanly(tmp_path, small_tmpfs):

@@ -14,15 +14,13 @@ import errno
 import hashlib
 import os
 import random
-import shutil
 import sqlite3
-import subprocess
-import uuid
 
 import pytest
 import torch
 from conftest import KiB, MiB, random_tensor, same_bytes
 from short_transfers import random_prefix as chunky
+from small_filesystems import fill, mounted
 
 import tiered
 from tiered import CapacityError, ChecksumError, ManifestError, Tier, TransferError
@@ -369,53 +367,10 @@ def _digest(path: str) -> str:
 # ------------------------------------------------------------------- a real small filesystem
 
 
-def _mount(kind: str, where: str, image: str) -> None:
-    if kind == "tmpfs":
-        cmd = ["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", where]
-    else:
-        mkfs = shutil.which("mkfs.ext4") or "/sbin/mkfs.ext4"
-        with open(image, "wb") as f:
-            f.truncate(6 * MiB)
-        subprocess.run([mkfs, "-q", "-F", "-m", "0", image], check=True, capture_output=True, timeout=60)
-        cmd = ["mount", "-o", "loop", image, where]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=60)
-
-
 @pytest.fixture(params=["tmpfs", "ext4-loop"])
 def small_fs(request, tmp_path):
     """A freshly mounted filesystem of a few MiB (skipped where this process may not mount)."""
-    where = str(tmp_path / f"mnt-{uuid.uuid4().hex[:8]}")
-    os.mkdir(where)
-    try:
-        _mount(request.param, where, str(tmp_path / "fs.img"))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        pytest.skip(f"cannot mount a {request.param} here: {exc} {detail.decode(errors='replace').strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", where], capture_output=True, timeout=60)
-
-
-def fill(directory: str) -> str:
-    """Fill the filesystem of ``directory`` with one file; return its path."""
-    path = os.path.join(directory, "filler")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        chunk = b"\xa5" * 65536
-        while True:
-            try:
-                if os.write(fd, chunk) == 0:
-                    break
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                if len(chunk) == 1:
-                    break
-                chunk = chunk[: len(chunk) // 2]
-    finally:
-        os.close(fd)
-    return path
+    yield from mounted(request.param, tmp_path, mib=3 if request.param == "tmpfs" else 6)
 
 
 def test_full_swap_filesystem(tmp_path, small_fs):
