@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import os
 import shutil
 import statistics
@@ -39,6 +38,7 @@ if __name__ == "__main__":  # before torch is imported: page-aligned large tenso
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
+from bench_output import pyplot, write_json  # noqa: E402
 
 MiB = 1024 * 1024
 
@@ -110,10 +110,10 @@ def timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
 
 def run(args: argparse.Namespace) -> dict:
     import accelerate
+    from scaling_bench import disk_bandwidth
 
     import engine
     import tiered
-    from scaling_bench import disk_bandwidth
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     if args.keep_freed_memory:
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> dict:
         "engine_stats": stats,
     }
     print()
-    print(f"| contender | median s | min | max | outputs equal | note |")
+    print("| contender | median s | min | max | outputs equal | note |")
     print("|---|---|---|---|---|---|")
     for c in contenders:
         print(f"| {c.name} | {c.median:.3f} | {min(c.seconds):.3f} | {max(c.seconds):.3f} | {c.equal} | {c.note} |")
@@ -228,10 +228,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [c["name"] for c in result["contenders"]]
     med = [c["median"] for c in result["contenders"]]
@@ -268,9 +265,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.repeats < 1 or args.loop < 1:
         p.error(f"--repeats and --loop must be >= 1, got {args.repeats} and {args.loop}")
     result = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     if args.plot:
         plot(result, args.plot)
     return 0 if all(c["equal_outputs"] for c in result["contenders"]) else 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import shutil
 import statistics
@@ -23,6 +22,7 @@ import time
 from typing import Optional
 
 import torch
+from bench_output import pyplot, with_load, write_json
 
 from engine.demo import GPT, BigramStream, GPTConfig
 
@@ -141,18 +141,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"| {r['params'] / 1e6:.1f} | {r['memory_step_s']:.2f} | {r['tiered_step_s']:.2f} | "
               f"{r['tiered_step_s'] / r['memory_step_s']:.2f} | {r['bytes_moved_per_step'] / 1e9:.2f} | "
               f"{r['io_floor_s']:.2f} |")
-    result = {"disk_write_gbps": write_bw, "disk_read_gbps": read_bw, "rows": rows,
-              "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
-    print(f"load average {load_before[0]:.1f} -> {result['loadavg_after'][0]:.1f} (2 cores)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    result = with_load({"disk_write_gbps": write_bw, "disk_read_gbps": read_bw, "rows": rows}, load_before)
+    write_json(result, args.json)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
         params = [r["params"] / 1e6 for r in rows]
         ax.plot(params, [r["tiered_step_s"] for r in rows], "o-", label="tiered, nvme")

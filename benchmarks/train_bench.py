@@ -26,6 +26,7 @@ import time
 from typing import Callable, Optional
 
 import torch
+from bench_output import pyplot, with_load, write_json
 
 from engine.demo import GPT, BigramStream, GPTConfig
 
@@ -175,18 +176,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         "params": n, "tokens_per_step": args.batch * args.seq, "steps": args.steps,
         "runs": [dataclasses.asdict(r) | {"median": r.median} for r in runs],
         "target": "tiered / in memory <= 1.3",
-        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
     }
-    print(f"load average {load_before[0]:.1f} -> {result['loadavg_after'][0]:.1f} (2 cores)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    result = with_load(result, load_before)
+    write_json(result, args.json)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(7, 2.8))
         ax.barh([r.name for r in runs], [r.median for r in runs], color=["#999999", "#d08c60", "#4c72b0"][:len(runs)])
         ax.set_xlabel("seconds per training step (median)")

@@ -358,21 +358,11 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
         got = "missing" if stage is None else f"got {stage}"
         problems.append(f"{z}.stage: must be 3 (the engine is ZeRO-3), {got}")
 
-    param_device = found.get(f"{z}.offload_param.device")
-    if found.get(f"{z}.cpu_offload_param") is not None:
-        if param_device is not None:
-            problems.append(f"{z}.cpu_offload_param: deprecated and conflicts with {z}.offload_param.device")
-        elif found[f"{z}.cpu_offload_param"]:
-            param_device = "cpu"
+    param_device = _offload_device(found, problems, f"{z}.offload_param.device", f"{z}.cpu_offload_param")
     if param_device is not None:
         eng["param_tier"] = {"none": "device", "cpu": "host", "nvme": "nvme"}[param_device]
 
-    optim_device = found.get(f"{z}.offload_optimizer.device")
-    if found.get(f"{z}.cpu_offload") is not None:
-        if optim_device is not None:
-            problems.append(f"{z}.cpu_offload: deprecated and conflicts with {z}.offload_optimizer.device")
-        elif found[f"{z}.cpu_offload"]:
-            optim_device = "cpu"
+    optim_device = _offload_device(found, problems, f"{z}.offload_optimizer.device", f"{z}.cpu_offload")
     if optim_device is not None:
         eng["optimizer_tier"] = "nvme" if optim_device == "nvme" else "host"
 
@@ -410,3 +400,15 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
     if found.get("scheduler") is not None:
         problems.extend(scheduler_problems(found["scheduler"]))
     return eng, sto
+
+
+def _offload_device(found: Mapping[str, Any], problems: list[str], key: str, deprecated: str) -> Optional[str]:
+    """The offload device ``key`` names, or "cpu" when only the deprecated boolean ``deprecated`` is set
+    (both set is a conflict, added to ``problems``)."""
+    device = found.get(key)
+    if found.get(deprecated) is not None:
+        if device is not None:
+            problems.append(f"{deprecated}: deprecated and conflicts with {key}")
+        elif found[deprecated]:
+            device = "cpu"
+    return device

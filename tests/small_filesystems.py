@@ -14,28 +14,28 @@ import pytest
 MiB = 1024 * 1024
 
 
-def mount_small(kind: str, where: str, image: str, *, mib: int) -> None:
+def mount_small(kind: str, where: str, image: str, *, mib: int, read_only: bool = False) -> None:
     """Mount a ``mib``-MiB ``kind`` ("tmpfs" or "ext4-loop", backed by ``image``) at ``where``."""
     if kind == "tmpfs":
-        cmd = ["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0700", "tmpfs", where]
+        cmd = ["mount", "-t", "tmpfs", "-o", f"{'ro,' if read_only else ''}size={mib}m,mode=0700", "tmpfs", where]
     else:
         mkfs = shutil.which("mkfs.ext4") or "/sbin/mkfs.ext4"
         with open(image, "wb") as f:
             f.truncate(mib * MiB)
         subprocess.run([mkfs, "-q", "-F", "-m", "0", image], check=True, capture_output=True, timeout=60)
-        cmd = ["mount", "-o", "loop", image, where]
+        cmd = ["mount", "-o", "loop,ro" if read_only else "loop", image, where]
     subprocess.run(cmd, check=True, capture_output=True, timeout=60)
 
 
-def mounted(kind: str, tmp_path, *, mib: int) -> Iterator[str]:
+def mounted(kind: str, tmp_path, *, mib: int, read_only: bool = False) -> Iterator[str]:
     """Yield a freshly mounted filesystem's path (skip the test when this process may not mount); unmount after."""
     where = str(tmp_path / f"mnt-{uuid.uuid4().hex[:8]}")
     os.mkdir(where)
     try:
-        mount_small(kind, where, str(tmp_path / "fs.img"), mib=mib)
+        mount_small(kind, where, str(tmp_path / "fs.img"), mib=mib, read_only=read_only)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
-        pytest.skip(f"cannot mount a {kind} here: {exc} {detail.decode(errors='replace').strip()}")
+        pytest.skip(f"cannot mount a {'read-only ' if read_only else ''}{kind} here: {exc} {detail.decode(errors='replace').strip()}")
     try:
         yield where
     finally:

@@ -22,18 +22,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import subprocess
 import threading
-import uuid
 
 import numpy as np
 import pytest
 import torch
+from conftest import ALL_DTYPES, KiB, MiB, random_tensor, same_bytes
+from small_filesystems import mounted
 
 import tiered
 from tiered import CapacityError, StoreClosedError, StoreLockedError, Tier, TieredStore
-
-from conftest import ALL_DTYPES, KiB, MiB, random_tensor, same_bytes
 
 pytestmark = pytest.mark.timeout(120)
 TIERS = [Tier.DEVICE, Tier.HOST, Tier.NVME]
@@ -291,15 +289,8 @@ def test_a_path_that_cannot_be_a_directory_is_a_clear_os_error(tmp_path, field):
 
 @pytest.fixture
 def read_only_dir(tmp_path):
-    where = str(tmp_path / f"ro-{uuid.uuid4().hex[:8]}")
-    os.mkdir(where)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", where], capture_output=True)
-    if proc.returncode:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {proc.stderr.decode(errors='replace').strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", where], capture_output=True)
+    """A freshly mounted read-only tmpfs (skipped where this process may not mount)."""
+    yield from mounted("tmpfs", tmp_path, mib=1, read_only=True)
 
 
 @pytest.mark.parametrize("inside", [False, True])
