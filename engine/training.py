@@ -131,23 +131,48 @@ class Training:
         self._restore_pending = False
         #: Sums a rank's sum of squared gradients over ranks for clipping (multi-rank training).
         self.all_reduce: Optional[AllReduceSum] = _all_reduce_sum(shard_io)
+        self._comm = shard_io.collectives if shard_io.world > 1 else None
         optimizer._bind(params, self._step, self._zero_grad)
 
     # ------------------------------------------------------------------ lifecycle
+
+    def _agree_on_step(self, step: Optional[int]) -> None:
+        """With several ranks, check that every rank's store completed the same step (each rank
+        commits its own record, so a crash between two ranks' commits leaves them one step
+        apart, and resuming would silently mix two steps). Every rank calls this, even one whose
+        record could not be read (None), so none is left waiting in the collective."""
+        comm = self._comm
+        if comm is None:
+            return
+        steps = comm.run(comm.all_gather_object, step)
+        if len(set(steps)) > 1:
+            raise StepRecordError(
+                f"the ranks' stores completed different steps {dict(enumerate(steps))} (None: unreadable): a crash "
+                "came between the ranks' commits, so no step exists on every rank. Resume from a checkpoint "
+                "instead (wrap without resume, then eng.load_checkpoint(...))"
+            )
 
     def start(self, resume: bool) -> None:
         """Fresh: commit an empty record (step 0). Resume: take up the store's record (see module doc)."""
         if not resume:
             self.record.write(self._store)
             return
-        check_resumable(self._store)
+        failure: Optional[BaseException] = None
+        record: Optional[StepRecord] = None
         try:
+            check_resumable(self._store)
             record = StepRecord.read(self._store)
         except (StepRecordError, ChecksumError) as exc:
-            raise StepRecordError(
+            failure = StepRecordError(
                 f"cannot resume from the store at {self._store.config.path}: {exc}. Resume from a checkpoint instead "
                 "(wrap without resume, then eng.load_checkpoint(...)), or wrap without resume to start afresh"
-            ) from exc
+            )
+            failure.__cause__ = exc
+        except BaseException as exc:  # noqa: BLE001 - raised below, after every rank has reported
+            failure = exc
+        self._agree_on_step(None if record is None else record.step)
+        if failure is not None:
+            raise failure
         assert record is not None
         names = [p.name for p in self._params]
         missing = sorted(set(names) - set(record.shards))

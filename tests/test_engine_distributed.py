@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from engine_models import TinyGPT, engine_config, gpt_tokens
 from torch import nn
 
 import engine
 import engine.checkpoint
 from engine.layout import ShardLayout
-from engine_models import TinyGPT, engine_config, gpt_tokens
 
 WORLD = 2
 #: Odd widths so that most parameters' numel is not a multiple of the world size (padded shards).
@@ -372,3 +372,26 @@ def test_world2_checkpoint_resumes_in_new_processes(trained):
     with engine.wrap(new_model(), config=engine_config(root / "one")) as eng:  # one process, two-rank checkpoint
         with pytest.raises(engine.checkpoint.CheckpointError, match=r"saved by 2 rank\(s\) but this engine runs on 1"):
             eng.load_checkpoint(root / "ckpt", load_optimizer=False)
+
+
+def _mixed_resume_rank(rank: int, root: str) -> None:
+    """Resume from stores whose ranks completed different steps: every rank must refuse, none hang."""
+    try:
+        engine.wrap(new_model(), optimizer=engine.AdamW(lr=LR, weight_decay=WD),
+                    config=_adamw_config(root, "a" if rank == 0 else "clip", resume=True))
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        message = f"{type(exc).__name__}: {exc}"
+    else:
+        message = "resumed"
+    pathlib.Path(root, f"mixed{rank}.txt").write_text(message)
+
+
+def test_world2_resume_refuses_ranks_that_completed_different_steps(trained):
+    """Each rank commits its own step record, so a crash between two ranks' commits leaves their
+    stores a step apart; resuming them would mix two steps. Here rank 0 resumes the store of the run
+    above that finished step 6 and rank 1 that of the run that finished step 3."""
+    root, _ = trained
+    run_ranks(_mixed_resume_rank, str(root))
+    for rank in range(WORLD):
+        message = (root / f"mixed{rank}.txt").read_text()
+        assert message.startswith("StepRecordError") and "completed different steps {0: 6, 1: 3}" in message, message
