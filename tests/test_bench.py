@@ -67,8 +67,17 @@ def test_quick_run_reports_every_phase_and_round_trips(tmp_path, no_deepspeed, c
     assert ds["skipped"] and "not installed" in ds["note"]
     assert not any(f["tool"].startswith("deepspeed") for f in report["figures"])
     targets = {t["name"]: t for t in report["targets"]}
-    assert targets["store write vs deepspeed write"]["met"] is None
+    # Like for like: aligned tensors vs DeepSpeed's locked ones, plain tensors vs DeepSpeed given plain ones.
+    assert targets["store write, aligned tensors vs deepspeed write"]["met"] is None
+    assert targets["store write vs deepspeed (plain tensors) write"]["met"] is None
+    assert "store write vs deepspeed write" not in targets
+    for op in ("write, aligned tensors", "write, aligned tensors, puts in flight", "read into out=, aligned tensors"):
+        assert figures[f"{large} / store {op}"]["verified"] is not False
     assert "small 64 KiB put+get" in targets
+    # The batched row (put_many/get_many) sits beside the per-call ones and counts toward the target.
+    batched = [f for f in report["figures"] if f["phase"] == "small 64KiB" and f["op"].startswith("put_many+get_many")]
+    assert len(batched) == 1 and all(r["verified"] is True for r in batched[0]["runs"])
+    assert "per call" in targets["small 64 KiB put+get"]["note"] and "batched" in targets["small 64 KiB put+get"]["note"]
 
 
 def test_skip_and_only_select_contenders_and_phases(tmp_path, capsys):

@@ -12,6 +12,7 @@ from tiered.errors import (
     TieredError,
     TransferError,
 )
+from tiered.io.host_memory import empty_aligned
 from tiered.policy import EvictionPolicy, FutureOrderPolicy, LRUPolicy
 from tiered.stats import NvmeSpace, StoreStats, TierStats
 from tiered.store import Prefetch, SyncStore, TieredStore
@@ -40,4 +41,5 @@ __all__ = [
     "TieredError",
     "TieredStore",
     "TransferError",
+    "empty_aligned",
 ]

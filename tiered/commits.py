@@ -51,8 +51,7 @@ class CommitLog:
         """Queue a record (or a deletion when ``record`` is None); await the result."""
         done = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(key, generation, record, copy, done))
-        self._outstanding.add(done)
-        done.add_done_callback(self._outstanding.discard)
+        self._outstanding.add(done)  # removed by _run once its batch is through (no callback per request)
         self._wakeup.set()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -94,6 +93,8 @@ class CommitLog:
                         req.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
                 if isinstance(exc, asyncio.CancelledError):
                     raise
+            finally:
+                self._outstanding.difference_update(req.done for req in batch)
 
     async def _commit(self, batch: list[_Request]) -> None:
         if self._durable:

@@ -49,7 +49,10 @@ class Entry:
 
     def top(self) -> Optional[Tier]:
         """The fastest tier holding a copy."""
-        return next((t for t in TIERS_TOP_DOWN if t in self.copies), None)
+        copies = self.copies
+        if len(copies) == 1:  # the common case: skip hashing every tier
+            return next(iter(copies))
+        return next((t for t in TIERS_TOP_DOWN if t in copies), None)
 
     def info(self) -> "EntryInfo":
         """A snapshot for callers."""

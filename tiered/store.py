@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import errno
 import fcntl
 import functools
@@ -19,7 +18,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Awaitable, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
@@ -40,6 +39,7 @@ from tiered.errors import (
 )
 from tiered.io import IOEngine, ResultPool
 from tiered.io.mailbox import FutureReply, LoopReply, Mailbox
+from tiered.keylocks import KeyLocks
 from tiered.loop import LoopThread
 from tiered.manifest import Manifest, Record
 from tiered.policy import EvictionPolicy, FutureOrderPolicy
@@ -96,7 +96,7 @@ class TieredStore:
         self._inflight: dict[Tier, int] = {t: 0 for t in TIERS_TOP_DOWN}
         self._tier_locks = {t: asyncio.Lock() for t in TIERS_TOP_DOWN}
         self._space_waiters: dict[Tier, list[asyncio.Future[None]]] = {t: [] for t in TIERS_TOP_DOWN}
-        self._key_locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._key_locks = KeyLocks()  # puts and deletes of one key run one at a time
         self._tasks: set[asyncio.Task[Any]] = set()
         self._generation = itertools.count()
         self._stats = StoreStats()
@@ -316,6 +316,44 @@ class TieredStore:
         """
         return await self._call(self._get, key, device, out)
 
+    async def put_many(
+        self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,
+        compress: Optional[bool] = None,
+    ) -> None:
+        """:meth:`put` of many tensors as one operation: ``items`` maps keys to tensors, or lists (key, tensor) pairs.
+
+        To nvme, the tensors are written into one run of swap-file extents with few vectored syscalls
+        and committed by one group commit (one fdatasync round, one manifest transaction), so each
+        costs a fraction of a put; every key is durable when this returns. Each entry keeps its own
+        CRCs, generation and record, exactly as a put would write it.
+
+        Bad input (a non-string key, a non-tensor, the same key twice: ValueError) is refused before
+        anything is stored. Otherwise the call is not all-or-nothing: when some entries fail (a full
+        tier, an I/O error), the others are still stored, and the call then raises an error of the
+        first failure's type whose message names every failed key. Whatever happens, including a
+        crash, each key holds either its old or its new value, never a mix of the two: a named key is
+        left as a failed :meth:`put` of it would leave it, every other key holds its new value.
+        """
+        pairs = _batch_items(items)
+        return await self._call(self._put_many, pairs, tier, compress, [_ready_event(t) for _, t in pairs])
+
+    async def get_many(
+        self, keys: Sequence[str], device: "torch.device | str" = "cpu", *,
+        out: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    ) -> list[torch.Tensor]:
+        """:meth:`get` of many keys as one operation; the results come in the order of ``keys``.
+
+        ``out``, when given, has one entry per key: a tensor to read that key into (as ``get(out=)``)
+        or None. Entries on nvme whose extents lie back to back (as :meth:`put_many` writes them) are
+        read with one syscall per ``block_size`` of them, each entry still checked against its CRCs.
+        Missing keys raise KeyNotFoundError naming them, and repeated keys ValueError, before anything
+        is read. When reading some entries fails (corrupt bytes, an I/O error), the others are still
+        read; the call then raises an error of the first failure's type naming every failed key and
+        returns nothing (the ``out`` tensors of failed keys hold unspecified bytes).
+        """
+        keys, outs = _batch_keys(keys, out)
+        return await self._call(self._get_many, keys, device, outs)
+
     def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
         """Start bringing ``key`` into ``tier`` and return at once; the handle is awaitable.
 
@@ -442,9 +480,14 @@ class TieredStore:
         except StoreClosedError as exc:
             reply.fail(exc)
             return
-        task = asyncio.ensure_future(fn(*args))
-        self._track(task)
-        task.add_done_callback(reply.finish)
+        task = self._loop_thread.loop.create_task(fn(*args))
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._finish_detached, reply))
+
+    def _finish_detached(self, reply: "FutureReply | LoopReply", task: "asyncio.Task[Any]") -> None:
+        # One done-callback instead of two (untrack, answer): each costs the loop a scheduled handle.
+        self._tasks.discard(task)
+        reply.finish(task)
 
     async def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         if self._loop_thread.on_loop_thread():
@@ -490,59 +533,115 @@ class TieredStore:
         if ready is not None:  # kernels the caller queued that write `tensor` must finish first
             await self._in_cpu_pool(ready.synchronize)
         tier = Tier.parse(tier)
-        if compress is not None and not isinstance(compress, bool):
-            raise TypeError(f"compress must be True, False or None, got {compress!r}")
-        data = tensor.detach() if tensor.requires_grad else tensor
-        if data.is_conj() or data.is_neg():  # lazy views: their memory does not hold the values they show
-            data = await self._in_cpu_pool(lambda: data.resolve_conj().resolve_neg())
-        if not data.is_contiguous():
-            data = await self._in_cpu_pool(data.contiguous)
-        async with self._key_lock(key):
-            nbytes = data.numel() * data.element_size()
-            entry = Entry(key, data.dtype, tuple(data.shape), nbytes, next(self._generation), compress=compress)
-            src = spans_of_tensor(data)
+        _check_compress(compress)
+        data = _plain(tensor)
+        if data is None:
+            data = await self._in_cpu_pool(_dense_copy, tensor)
+        await self._key_locks.acquire(key)
+        try:
+            await self._put_locked(key, data, tier, compress)
+        finally:
+            self._key_locks.release(key)
+
+    async def _put_locked(self, key: str, data: torch.Tensor, tier: Tier, compress: Optional[bool]) -> None:
+        """The put of one key whose lock the caller holds; ``data`` is contiguous."""
+        entry = Entry(key, data.dtype, tuple(data.shape), data.numel() * data.element_size(), next(self._generation),
+                      compress=compress)
+        src = spans_of_tensor(data)
+        if tier is Tier.NVME:
             started = time.perf_counter()
-            if tier is Tier.NVME:
-                copy = await self._write_nvme(entry, src)
-                assert copy is not None, "a put holds the key lock, so nothing newer can supersede it"
-                self._stats.io_wait_seconds += time.perf_counter() - started
+            copy = await self._write_nvme(entry, src)
+            assert copy is not None, "a put holds the key lock, so nothing newer can supersede it"
+            self._stats.io_wait_seconds += time.perf_counter() - started
+        else:
+            copy = await self._admit(tier, entry.nbytes)
+            try:
+                await self._store_memory(tier, copy, src)
+            except BaseException:
+                self._discard(tier, copy)
+                raise
+        await self._finish_put(entry, tier, copy)
+
+    async def _finish_put(self, entry: Entry, tier: Tier, copy: Copy) -> None:
+        """Make a written ``entry`` the key's current version and retire the old one.
+
+        Awaits only for a memory-tier put over a persisted key (its tombstone must commit first).
+        """
+        key = entry.key
+        old = self._entries.get(key)
+        self._entries[key] = entry
+        self._settle(tier, copy)
+        self._add_copy(entry, tier, copy)
+        self._wake(tier)
+        self._stats.puts += 1
+        if tier is not Tier.NVME:  # _write_nvme counted nvme's bytes_in
+            self._stats.tiers[tier].bytes_in += entry.nbytes
+        self._policy.touch(key)
+        if old is not None:
+            entry.pinned = old.pinned
+            if old.persisted and tier is not Tier.NVME:
+                # The old version must not come back after a crash once a newer one was put.
+                await self._retire_durably(old, entry.generation)
             else:
-                copy = await self._admit(tier, entry.nbytes)
-                try:
-                    await self._store_memory(tier, copy, src)
-                except BaseException:
-                    self._discard(tier, copy)
-                    raise
-            old = self._entries.get(key)
-            self._entries[key] = entry
-            self._settle(tier, copy)
-            self._add_copy(entry, tier, copy)
-            self._wake(tier)
-            self._stats.puts += 1
-            if tier is not Tier.NVME:  # _write_nvme counted nvme's bytes_in
-                self._stats.tiers[tier].bytes_in += entry.nbytes
-            self._policy.touch(key)
-            if old is not None:
-                entry.pinned = old.pinned
-                if old.persisted and tier is not Tier.NVME:
-                    # The old version must not come back after a crash once a newer one was put.
-                    await self._retire_durably(old, entry.generation)
-                else:
-                    self._retire(old)
+                self._retire(old)
+
+    async def _put_many(
+        self, pairs: list[tuple[str, torch.Tensor]], tier: "Tier | str", compress: Optional[bool], ready: list[Any]
+    ) -> None:
+        tier = Tier.parse(tier)
+        _check_compress(compress)
+        events = [e for e in ready if e is not None]
+        if events:
+            await self._in_cpu_pool(lambda: [e.synchronize() for e in events])
+        datas = [_plain(t) for _, t in pairs]
+        odd = [i for i, d in enumerate(datas) if d is None]
+        if odd:  # one trip to the cpu pool for every tensor that needs a dense copy
+            dense = await self._in_cpu_pool(lambda: [_dense_copy(pairs[i][1]) for i in odd])
+            for i, d in zip(odd, dense):
+                datas[i] = d
+        keys = [k for k, _ in pairs]
+        failures: dict[str, BaseException] = {}
+        locked = await self._key_locks.acquire_all(keys)
+        try:
+            if tier is Tier.NVME:
+                await self._put_many_nvme(keys, datas, compress, failures)  # type: ignore[arg-type]
+            else:
+                results = await asyncio.gather(
+                    *(self._put_locked(k, d, tier, compress) for k, d in zip(keys, datas)),  # type: ignore[arg-type]
+                    return_exceptions=True,
+                )
+                for k, r in zip(keys, results):
+                    if isinstance(r, BaseException):
+                        failures[k] = r
+        finally:
+            self._key_locks.release_all(locked)
+        if failures:
+            raise _batch_error("put_many", failures, len(keys))
+
+    async def _put_many_nvme(
+        self, keys: list[str], datas: list[torch.Tensor], compress: Optional[bool], failures: dict[str, BaseException]
+    ) -> None:
+        """Write every key's tensor in one allocation run, few syscalls and one group commit, then install
+        the ones that committed. What failed is added to ``failures``; those keys keep their old value."""
+        entries = [Entry(k, d.dtype, tuple(d.shape), d.numel() * d.element_size(), next(self._generation),
+                         compress=compress) for k, d in zip(keys, datas)]
+        started = time.perf_counter()
+        written = await self._write_nvme_many(entries, [spans_of_tensor(d) for d in datas], failures)
+        self._stats.io_wait_seconds += time.perf_counter() - started
+        for entry, copy in zip(entries, written):
+            if copy is not None:
+                await self._finish_put(entry, Tier.NVME, copy)  # never waits: the new version is on nvme
 
     async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor]) -> torch.Tensor:
         _check_key(key)
-        if not isinstance(device, torch.device):
-            try:
-                device = torch.device(device)
-            except (RuntimeError, TypeError):
-                raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+        device = _parse_device(device)
         entry = self._entry(key)
-        top = entry.top()
-        faster = [task for t, task in entry.moving.items() if top is None or t.rank < top.rank]
-        if faster:
-            await asyncio.wait(faster)  # a failed prefetch only means we read the slower copy
-            entry = self._entry(key)
+        if entry.moving:
+            top = entry.top()
+            faster = [task for t, task in entry.moving.items() if top is None or t.rank < top.rank]
+            if faster:
+                await asyncio.wait(faster)  # a failed prefetch only means we read the slower copy
+                entry = self._entry(key)
         if out is None:
             result, dst = new_result(entry.shape, entry.dtype, device, self._results)
         else:
@@ -558,13 +657,83 @@ class TieredStore:
             self._end_read(tier, copy)
         if tier is Tier.NVME:
             self._stats.io_wait_seconds += time.perf_counter() - started
-        self._stats.gets += 1
-        self._stats.tiers[tier].hits += 1
-        self._stats.tiers[tier].bytes_out += entry.nbytes
-        for above in TIERS_TOP_DOWN[: tier.rank]:
-            self._stats.tiers[above].misses += 1
-        self._policy.touch(key)
+        self._count_get(entry, tier)
         return result
+
+    def _count_get(self, entry: Entry, tier: Tier) -> None:
+        stats = self._stats
+        stats.gets += 1
+        stats.tiers[tier].hits += 1
+        stats.tiers[tier].bytes_out += entry.nbytes
+        for above in TIERS_TOP_DOWN[: tier.rank]:
+            stats.tiers[above].misses += 1
+        self._policy.touch(entry.key)
+
+    async def _get_many(
+        self, keys: list[str], device: "torch.device | str", outs: Optional[list[Optional[torch.Tensor]]]
+    ) -> list[torch.Tensor]:
+        device = _parse_device(device)
+        entries = self._entries_of(keys)
+        faster = {task for e in entries if e.moving
+                  for t, task in e.moving.items() if (top := e.top()) is None or t.rank < top.rank}
+        if faster:
+            await asyncio.wait(faster)  # a failed prefetch only means we read the slower copy
+            entries = self._entries_of(keys)
+        results: list[torch.Tensor] = []
+        dsts: list[list[Span]] = []
+        for i, entry in enumerate(entries):
+            out = outs[i] if outs is not None else None
+            if out is None:
+                result, dst = new_result(entry.shape, entry.dtype, device, self._results)
+            else:
+                _check_out(out, entry)
+                result, dst = out, spans_of_tensor(out)
+            results.append(result)
+            dsts.append(dst)
+        tiers = [e.top() for e in entries]
+        copies = [self._begin_read(e, t) for e, t in zip(entries, tiers)]  # type: ignore[arg-type]
+        batch = [i for i, (e, t) in enumerate(zip(entries, tiers)) if t is Tier.NVME and e.codec == RAW]
+        batched = set(batch)
+        alone = [i for i in range(len(entries)) if i not in batched]
+        errors: list[Optional[BaseException]] = [None] * len(entries)
+        started = time.perf_counter()
+        try:
+            coros: list[Awaitable[Any]] = [self._read_copy(entries[i], tiers[i], copies[i], dsts[i]) for i in alone]
+            if batch:
+                coros.append(self._nvme.load_many([copies[i] for i in batch], [dsts[i] for i in batch]))  # type: ignore[misc]
+            outcomes = await asyncio.gather(*coros, return_exceptions=True)
+        finally:
+            for t, c in zip(tiers, copies):
+                self._end_read(t, c)  # type: ignore[arg-type]
+        elapsed = time.perf_counter() - started
+        for i, outcome in zip(alone, outcomes):
+            if isinstance(outcome, BaseException):
+                errors[i] = outcome
+        if batch:
+            loaded = outcomes[-1]
+            for j, i in enumerate(batch):
+                error = loaded if isinstance(loaded, BaseException) else loaded[j]
+                errors[i] = _read_error(error, entries[i].key) if error is not None else None
+            self._compression.observe_read(sum(copies[i].nbytes for i in batch), elapsed)
+        if any(t is Tier.NVME for t in tiers):
+            self._stats.io_wait_seconds += elapsed
+        failures = {}
+        for entry, tier, error in zip(entries, tiers, errors):
+            if error is None:
+                self._count_get(entry, tier)  # type: ignore[arg-type]
+            else:
+                failures[entry.key] = error
+        if failures:
+            raise _batch_error("get_many", failures, len(keys))
+        return results
+
+    def _entries_of(self, keys: Sequence[str]) -> list[Entry]:
+        """The current entries of ``keys``; KeyNotFoundError naming every missing key."""
+        entries = [self._entries.get(k) for k in keys]
+        missing = [k for k, e in zip(keys, entries) if e is None]
+        if missing:
+            raise KeyNotFoundError(f"{len(missing)} of {len(keys)} keys are not in the store: {missing!r}")
+        return entries  # type: ignore[return-value]
 
     async def _prefetch(self, key: str, tier: "Tier | str") -> None:
         tier = Tier.parse(tier)
@@ -595,7 +764,8 @@ class TieredStore:
 
     async def _delete(self, key: str) -> None:
         _check_key(key)
-        async with self._key_lock(key):
+        await self._key_locks.acquire(key)
+        try:
             entry = self._entry(key)
             del self._entries[key]
             self._policy.forget(key)
@@ -604,6 +774,8 @@ class TieredStore:
                 await self._retire_durably(entry, next(self._generation))
             else:
                 self._retire(entry)
+        finally:
+            self._key_locks.release(key)
 
     async def _pin(self, key: str, tier: "Tier | str | None") -> None:
         entry = self._entry(key)
@@ -694,36 +866,22 @@ class TieredStore:
         Returns the copy, or None when a newer version of the key committed first.
         """
         entry.persisted = True  # from now on a delete or put of this key must write a tombstone
-        payload, codec, meta, encoded = src, RAW, b"", None
-        if entry.nbytes and self._compression.wants(entry.compress):
-            host = await self._host_bytes(src, entry.nbytes)
-            started = time.perf_counter()
-            encoded = await self._codec.encode(host, entry.dtype)
-            if encoded is not None:
-                payload, codec, meta = encoded.spans(), encoded.codec, encoded.meta
-            elapsed = time.perf_counter() - started if encoded is not None else 0.0
-            self._compression.observe_encode(entry.nbytes, encoded.nbytes if encoded else entry.nbytes, elapsed)
-        stored = encoded.nbytes if encoded is not None else entry.nbytes
+        payload = await self._encode(entry, src)
         try:
-            copy = await self._admit(Tier.NVME, stored)
+            copy = await self._admit(Tier.NVME, payload.nbytes)
             try:
                 started = time.perf_counter()
-                await self._nvme.store(copy, payload)
-                self._compression.observe_write(stored, time.perf_counter() - started)
+                await self._nvme.store(copy, payload.spans)
+                self._compression.observe_write(payload.nbytes, time.perf_counter() - started)
             except BaseException as exc:
                 self._discard(Tier.NVME, copy)
                 if isinstance(exc, OSError):
                     raise _naming_key(exc, "writing", entry.key) from exc
                 raise
         finally:
-            if encoded is not None:
-                encoded.close()
-        record = Record(
-            entry.key, entry.dtype, entry.shape, entry.nbytes, stored, codec, meta, copy.chunk,
-            tuple(copy.extents), tuple(copy.crcs) if copy.crcs is not None else None, entry.generation,
-        )
+            payload.close()
         try:
-            applied = await self._commits.submit(entry.key, entry.generation, record, copy)
+            applied = await self._commits.submit(entry.key, entry.generation, payload.record(entry, copy), copy)
         except BaseException as exc:
             self._discard(Tier.NVME, copy)
             if isinstance(exc, (OSError, TieredError)):
@@ -732,11 +890,85 @@ class TieredStore:
         if not applied:
             self._discard(Tier.NVME, copy)
             return None
-        entry.codec, entry.codec_meta, entry.stored_nbytes = codec, meta, stored
-        self._stats.bytes_before_codec += entry.nbytes
-        self._stats.bytes_after_codec += stored
-        self._stats.tiers[Tier.NVME].bytes_in += entry.nbytes
+        self._written(entry, payload)
         return copy
+
+    async def _write_nvme_many(
+        self, entries: list[Entry], srcs: list[list[Span]], failures: dict[str, BaseException]
+    ) -> list[Optional[NvmeCopy]]:
+        """:meth:`_write_nvme` for new versions of distinct keys whose locks the caller holds: one
+        allocation run, coalesced writes, one group commit. Returns each entry's committed copy, or
+        None with its error in ``failures``."""
+        for entry in entries:
+            entry.persisted = True
+        payloads = await asyncio.gather(*(self._encode(e, s) for e, s in zip(entries, srcs)), return_exceptions=True)
+        todo = []
+        for entry, payload in zip(entries, payloads):
+            if isinstance(payload, BaseException):
+                failures[entry.key] = payload
+            else:
+                todo.append((entry, payload))
+        copies: list[Optional[NvmeCopy]] = [None] * len(todo)
+        try:
+            try:
+                allocated = await self._nvme.allocate_many([p.nbytes for _, p in todo])
+            except BaseException as exc:
+                for entry, _ in todo:
+                    failures[entry.key] = exc
+                return [None] * len(entries)
+            for i, copy in enumerate(allocated):
+                self._inflight[Tier.NVME] += copy.footprint
+                copies[i] = copy
+            started = time.perf_counter()
+            errors = await self._nvme.store_many(allocated, [p.spans for _, p in todo])
+            self._compression.observe_write(sum(p.nbytes for _, p in todo), time.perf_counter() - started)
+        finally:
+            for _, payload in todo:
+                payload.close()
+        requests = []
+        for i, ((entry, payload), copy, error) in enumerate(zip(todo, allocated, errors)):
+            if error is not None:
+                self._discard(Tier.NVME, copy)
+                copies[i] = None
+                failures[entry.key] = _naming_key(error, "writing", entry.key) if isinstance(error, OSError) else error
+            else:
+                record = payload.record(entry, copy)
+                requests.append((i, self._commits.submit(entry.key, entry.generation, record, copy)))
+        results = await asyncio.gather(*(r for _, r in requests), return_exceptions=True)
+        for (i, _), applied in zip(requests, results):
+            entry, payload = todo[i]
+            copy = copies[i]
+            assert copy is not None
+            if isinstance(applied, BaseException):
+                self._discard(Tier.NVME, copy)
+                copies[i] = None
+                failures[entry.key] = (_naming_key(applied, "committing", entry.key)
+                                       if isinstance(applied, (OSError, TieredError)) else applied)
+            else:
+                assert applied, "put_many holds the key locks, so nothing newer can supersede it"
+                self._written(entry, payload)
+        by_entry = {id(e): c for (e, _), c in zip(todo, copies)}
+        return [by_entry.get(id(e)) for e in entries]
+
+    async def _encode(self, entry: Entry, src: Sequence[Span]) -> "_Payload":
+        """What goes to disk for ``entry``: its bytes, or their compressed form when that is wanted and pays."""
+        if not (entry.nbytes and self._compression.wants(entry.compress)):
+            return _Payload(src, entry.nbytes)
+        host = await self._host_bytes(src, entry.nbytes)
+        started = time.perf_counter()
+        encoded = await self._codec.encode(host, entry.dtype)
+        elapsed = time.perf_counter() - started if encoded is not None else 0.0
+        self._compression.observe_encode(entry.nbytes, encoded.nbytes if encoded else entry.nbytes, elapsed)
+        if encoded is None:
+            return _Payload(src, entry.nbytes)
+        return _Payload(encoded.spans(), encoded.nbytes, encoded.codec, encoded.meta, encoded)
+
+    def _written(self, entry: Entry, payload: "_Payload") -> None:
+        """Bookkeeping once an entry's nvme record committed."""
+        entry.codec, entry.codec_meta, entry.stored_nbytes = payload.codec, payload.meta, payload.nbytes
+        self._stats.bytes_before_codec += entry.nbytes
+        self._stats.bytes_after_codec += payload.nbytes
+        self._stats.tiers[Tier.NVME].bytes_in += entry.nbytes
 
     async def _read_copy(self, entry: Entry, tier: Tier, copy: Copy, dst: Sequence[Span]) -> None:
         """Fill ``dst`` with the entry's bytes from its copy in ``tier``."""
@@ -758,10 +990,8 @@ class TieredStore:
                 self._compression.observe_decode(entry.nbytes, time.perf_counter() - loaded)
             finally:
                 self._codec.release(buf)
-        except ChecksumError as exc:
-            raise ChecksumError(f"entry {entry.key!r} is corrupt on disk: {exc}") from exc
-        except TransferError as exc:
-            raise TransferError(f"reading entry {entry.key!r} failed: {exc}") from exc
+        except (ChecksumError, TransferError) as exc:
+            raise _read_error(exc, entry.key) from exc
 
     async def _store_memory(self, tier: Tier, copy: Copy, src: Sequence[Span]) -> None:
         await self._device.copy(self._backends[tier].spans(copy), src)  # type: ignore[arg-type]
@@ -788,11 +1018,11 @@ class TieredStore:
         CapacityError when even evicting everything evictable could not make room.
         """
         backend = self._backends[tier]
-        backend.check_fits_budget(nbytes)
-        if tier is Tier.NVME:
+        if tier is Tier.NVME:  # no eviction below nvme; allocate() checks the budget itself
             copy = await backend.allocate(nbytes)
             self._inflight[tier] += copy.footprint
             return copy
+        backend.check_fits_budget(nbytes)
         async with self._tier_locks[tier]:
             while not backend.has_room(nbytes):
                 victim = self._pick_victim(tier)
@@ -939,22 +1169,6 @@ class TieredStore:
             raise KeyNotFoundError(f"key {key!r} is not in the store")
         return entry
 
-    @contextlib.asynccontextmanager
-    async def _key_lock(self, key: str) -> "Iterator[None]":  # type: ignore[misc]
-        lock, users = self._key_locks.get(key, (None, 0))
-        if lock is None:
-            lock = asyncio.Lock()
-        self._key_locks[key] = (lock, users + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            lock, users = self._key_locks[key]
-            if users == 1:
-                del self._key_locks[key]
-            else:
-                self._key_locks[key] = (lock, users - 1)
-
     async def _in_cpu_pool(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu_pool, fn, *args)
 
@@ -975,6 +1189,22 @@ class SyncStore:
     def get(self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Blocking :meth:`TieredStore.get`."""
         return self._store._call_sync(self._store._get, key, device, out)
+
+    def put_many(
+        self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,
+        compress: Optional[bool] = None,
+    ) -> None:
+        """Blocking :meth:`TieredStore.put_many`."""
+        pairs = _batch_items(items)
+        self._store._call_sync(self._store._put_many, pairs, tier, compress, [_ready_event(t) for _, t in pairs])
+
+    def get_many(
+        self, keys: Sequence[str], device: "torch.device | str" = "cpu", *,
+        out: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    ) -> list[torch.Tensor]:
+        """Blocking :meth:`TieredStore.get_many`."""
+        keys, outs = _batch_keys(keys, out)
+        return self._store._call_sync(self._store._get_many, keys, device, outs)
 
     def get_future(
         self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None
@@ -1104,6 +1334,128 @@ def _check_tensor(tensor: object) -> None:
             f"put does not take quantized tensors ({tensor.dtype}); store t.int_repr() and the quantizer's "
             "scale and zero point instead"
         )
+
+
+def _check_compress(compress: object) -> None:
+    if compress is not None and not isinstance(compress, bool):
+        raise TypeError(f"compress must be True, False or None, got {compress!r}")
+
+
+def _parse_device(device: "torch.device | str") -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+
+
+def _plain(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """``tensor`` without autograd, when its memory already holds its values in order; else None."""
+    data = tensor.detach() if tensor.requires_grad else tensor
+    if data.is_conj() or data.is_neg() or not data.is_contiguous():
+        return None
+    return data
+
+
+def _dense_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor holding ``tensor``'s values (lazy conjugate/negative views resolved)."""
+    return tensor.detach().resolve_conj().resolve_neg().contiguous()
+
+
+def _check_distinct(keys: Sequence[str], what: str) -> None:
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        repeated = sorted({k for k in keys if k in seen or seen.add(k)})  # type: ignore[func-returns-value]
+        raise ValueError(f"{what} got the same key more than once: {repeated!r}; pass each key once")
+
+
+def _batch_items(items: object) -> list[tuple[str, torch.Tensor]]:
+    """Validate put_many's items (a mapping or an iterable of (key, tensor) pairs) on the caller's thread."""
+    if isinstance(items, Mapping):
+        pairs = list(items.items())
+    elif isinstance(items, (str, bytes, torch.Tensor)) or not isinstance(items, Iterable):
+        raise TypeError(
+            f"put_many takes a mapping of keys to tensors or (key, tensor) pairs, got {type(items).__name__}"
+        )
+    else:
+        pairs = []
+        for item in items:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise TypeError(f"put_many takes (key, tensor) pairs, got the item {item!r}")
+            pairs.append((item[0], item[1]))
+    for key, tensor in pairs:
+        _check_key(key)
+        _check_tensor(tensor)
+    _check_distinct([k for k, _ in pairs], "put_many")
+    return pairs
+
+
+def _batch_keys(
+    keys: object, out: Optional[Sequence[Optional[torch.Tensor]]]
+) -> tuple[list[str], Optional[list[Optional[torch.Tensor]]]]:
+    """Validate get_many's keys and ``out`` on the caller's thread."""
+    if isinstance(keys, (str, bytes, torch.Tensor)) or not isinstance(keys, Iterable):
+        raise TypeError(f"get_many takes a sequence of keys, got {type(keys).__name__}: {keys!r}")
+    keys = list(keys)
+    for key in keys:
+        _check_key(key)
+    _check_distinct(keys, "get_many")
+    if out is None:
+        return keys, None
+    outs = list(out)
+    if len(outs) != len(keys):
+        raise ValueError(f"out must hold one tensor (or None) per key: {len(keys)} keys, {len(outs)} in out")
+    return keys, outs
+
+
+def _batch_error(doing: str, failures: dict[str, BaseException], total: int) -> BaseException:
+    """One error for the failed entries of a batched call: the first failure's type, naming every failed key."""
+    first = next(iter(failures.values()))
+    keys = list(failures)
+    message = f"{doing}: {len(keys)} of {total} entries failed, keys {keys!r}; the first error: {first}"
+    try:
+        error = type(first)(message) if isinstance(first, TieredError) else TransferError(message)
+    except TypeError:  # an error type that takes other arguments
+        error = TransferError(message)
+    error.__cause__ = first
+    return error
+
+
+def _read_error(exc: BaseException, key: str) -> BaseException:
+    """A failed read of one entry, naming its key."""
+    if isinstance(exc, ChecksumError):
+        return ChecksumError(f"entry {key!r} is corrupt on disk: {exc}")
+    if isinstance(exc, TransferError):
+        return TransferError(f"reading entry {key!r} failed: {exc}")
+    return exc
+
+
+class _Payload:
+    """What an nvme write stores for one entry: its own bytes, or a codec's output (closed after the write)."""
+
+    __slots__ = ("spans", "nbytes", "codec", "meta", "_encoded")
+
+    def __init__(self, spans: Sequence[Span], nbytes: int, codec: str = RAW, meta: bytes = b"",
+                 encoded: Any = None) -> None:
+        self.spans = spans
+        self.nbytes = nbytes
+        self.codec = codec
+        self.meta = meta
+        self._encoded = encoded
+
+    def record(self, entry: Entry, copy: NvmeCopy) -> Record:
+        """The manifest record of ``entry`` written to ``copy``."""
+        return Record(
+            entry.key, entry.dtype, entry.shape, entry.nbytes, self.nbytes, self.codec, self.meta, copy.chunk,
+            tuple(copy.extents), tuple(copy.crcs) if copy.crcs is not None else None, entry.generation,
+        )
+
+    def close(self) -> None:
+        """Free the codec's buffers, if any."""
+        if self._encoded is not None:
+            self._encoded.close()
+            self._encoded = None
 
 
 def _check_out(out: torch.Tensor, entry: Entry) -> None:

@@ -10,6 +10,7 @@ import os
 import warnings
 from typing import Iterator, Optional, Sequence
 
+from tiered.backends import nvme_batch
 from tiered.backends.base import Copy, TierBackend
 from tiered.config import ALIGNMENT
 from tiered.errors import CapacityError
@@ -131,6 +132,48 @@ class NvmeBackend(TierBackend):
             self.used += need
         return NvmeCopy(nbytes=nbytes, footprint=need, extents=extents, chunk=self._io.block_size)
 
+    async def allocate_many(self, sizes: Sequence[int]) -> list[NvmeCopy]:
+        """Space for several copies at once, all or none (CapacityError when together they do not fit).
+
+        Copies of at most ``block_size`` bytes share one run of one directory, in order and back to
+        back when a free range is large enough, so :meth:`store_many` and :meth:`load_many` move
+        them with few syscalls; larger copies are striped as :meth:`allocate` does.
+        """
+        for n in sizes:
+            self.check_fits_budget(n)
+        needs = [self.footprint(n) for n in sizes]
+        total = sum(needs)
+        block = self._io.block_size
+        async with self._alloc_lock:
+            if self.budget is not None and self.used + total > self.budget:
+                raise CapacityError(
+                    f"nvme tier: {len(sizes)} tensors needing {total} bytes together do not fit ({self.used} of "
+                    f"{self.budget} bytes in use); raise nvme_bytes, delete entries or put fewer at once"
+                )
+            placed: list[list[FileExtent]] = [[] for _ in sizes]
+            taken: list[FileExtent] = []
+            try:
+                packed = [i for i, need in enumerate(needs) if 0 < need <= block]
+                if packed:
+                    d = self._next_dir
+                    self._next_dir = (d + 1) % len(self.dirs)
+                    run = await self._allocate_in_dir(d, sum(needs[i] for i in packed))
+                    taken.extend(run)
+                    for i, extents in zip(packed, nvme_batch.carve(run, [needs[i] for i in packed])):
+                        placed[i] = extents
+                for i, need in enumerate(needs):
+                    if need > block:
+                        for d, piece in self._stripes(need):
+                            got = await self._allocate_in_dir(d, piece)
+                            taken.extend(got)
+                            placed[i].extend(got)
+            except BaseException:
+                self._free_extents(taken)
+                raise
+            self.used += total
+        return [NvmeCopy(nbytes=n, footprint=need, extents=extents, chunk=block)
+                for n, need, extents in zip(sizes, needs, placed)]
+
     def _stripes(self, need: int) -> Iterator[tuple[int, int]]:
         """Split ``need`` bytes into one aligned piece per directory, rotating the first directory."""
         n = len(self.dirs)
@@ -199,6 +242,9 @@ class NvmeBackend(TierBackend):
         ``index`` is the chunk's place in the entry (its CRC's index). The list is interleaved
         across extents, so the blocks in flight at once spread over every striped directory.
         """
+        if len(copy.extents) == 1 and 0 < copy.nbytes <= copy.chunk:  # one small extent: one chunk
+            ext = copy.extents[0]
+            return [(0, self.files[ext.file], ext.offset, 0, copy.nbytes)]
         per_extent: list[list[tuple[int, SwapFile, int, int, int]]] = []
         pos = 0
         index = 0
@@ -249,6 +295,31 @@ class NvmeBackend(TierBackend):
                 drain = functools.partial(copy_in, dst, pos)
                 blocks.append(BlockRead(f.handle, offset, n, drain=drain, expected_crc=expected))
         await self._io.read(blocks)
+
+    async def store_many(
+        self, copies: Sequence[NvmeCopy], srcs: Sequence[Sequence[Span]]
+    ) -> list[Optional[BaseException]]:
+        """:meth:`store` for several copies, coalescing chunks that lie back to back into one syscall.
+
+        Sets each written copy's ``crcs``; returns each copy's error (None when it was written).
+        """
+        plans = [self._chunks(c) for c in copies]
+        crcs, errors = await nvme_batch.store_many(self._io, self.direct, plans, srcs)
+        for copy, c, error in zip(copies, crcs, errors):
+            if error is None:
+                copy.crcs = c
+        return errors
+
+    async def load_many(
+        self, copies: Sequence[NvmeCopy], dsts: Sequence[Sequence[Span]]
+    ) -> list[Optional[BaseException]]:
+        """:meth:`load` for several copies, coalescing chunks that lie back to back into one syscall.
+
+        Returns each copy's error (None when its bytes arrived intact).
+        """
+        plans = [self._chunks(c) for c in copies]
+        expected = [c.crcs if c.crcs is not None and self._io.checksum else None for c in copies]
+        return await nvme_batch.load_many(self._io, self.direct, plans, dsts, expected)
 
     async def sync(self, copies: Sequence[NvmeCopy]) -> None:
         """Make the copies' bytes durable (fdatasync each file they touch once)."""

@@ -46,7 +46,7 @@ class Fio:
         io = "O_DIRECT" if self.direct else "buffered (O_DIRECT refused here)"
         return (f"libaio, {io}, bs={self.block_size // MiB}MiB, iodepth={self.queue_depth}, "
                 f"one {self.nbytes // MiB} MiB "
-                "file; writes with end_fsync=1 and overwrite=1")
+                "file; writes with end_fsync=1 and overwrite=1, reads with zero_buffers=1")
 
     def write(self) -> Run:
         """One sequential write of the whole file, fsync'ed at the end (durable, like a put)."""
@@ -84,6 +84,11 @@ class Fio:
             f"--bs={self.block_size}", f"--iodepth={self.queue_depth}", "--ioengine=libaio",
             f"--direct={int(self.direct)}", f"--rw={rw}", "--numjobs=1", "--output-format=json",
         ]
+        if rw == "read":
+            # zero_buffers=1: fio writes its buffers before the clock starts, so a read does not land
+            # in never-touched malloc'd pages whose first-touch faults would count against the disk;
+            # the store's get(out=) and DeepSpeed read into memory that is already touched too.
+            cmd += ["--zero_buffers=1"]
         if rw == "write":
             # overwrite=1: fio lays the file out fully before the first timed write, so every run
             # overwrites allocated blocks (its fastest case; the store's median run reuses extents too)

@@ -14,11 +14,13 @@ from tiered.bench.fio import Fio
 from tiered.bench.options import BenchOptions, fill, format_size
 from tiered.progress import Progress
 from tiered.bench.results import GBPS, OPS, SECONDS, BenchResult, Figure, Run
-from tiered.bench.store import LargeTensors, StoreUnderTest, prefetch_round, put_all, small_round
+from tiered.bench.store import LargeTensors, StoreUnderTest, prefetch_round, put_all, small_batched_round, small_round
 from tiered.bench.system import drop_page_cache
+from tiered.bench.targets import ALIGNED, BATCHED_OP
 from tiered.bench.tensors import TensorFactory
 from tiered.bench.torchsave import TorchSave
 from tiered.config import MiB
+from tiered.io.host_memory import empty_aligned
 
 
 @dataclasses.dataclass
@@ -98,6 +100,13 @@ def large_phase(ctx: Context) -> None:
         writers["store:write, puts in flight"] = ("store", store.write_concurrently)
         readers["store:read"] = ("store", store.read)
         readers["store:read into out="] = ("store", lambda: store.read(into=outs))
+        # The same tensors in page-aligned memory (empty_aligned), which the store writes from and reads
+        # into in place, as DeepSpeed's locked tensors: equal input for the comparison with its fast path.
+        aligned = _aligned_copies(tensors)
+        store_aligned = LargeTensors(sut, aligned)
+        writers[f"store:write, {ALIGNED}"] = ("store", store_aligned.write)
+        writers[f"store:write, {ALIGNED}, puts in flight"] = ("store", store_aligned.write_concurrently)
+        readers[f"store:read into out=, {ALIGNED}"] = ("store", lambda: _read_into_zeroed(store, aligned))
         if not sut.direct:
             ctx.note("the store fell back to buffered I/O here (no O_DIRECT), so its reads may come from the page "
                      "cache" + ("" if opts.drop_caches else "; use --drop-caches for cold reads"))
@@ -138,7 +147,11 @@ def large_phase(ctx: Context) -> None:
                 f.note = {"write": "sequential puts to nvme, each durable on return",
                           "write, puts in flight": "all puts awaited together (asyncio.gather)",
                           "read": f"sequential cold gets, new tensors; {cold}",
-                          "read into out=": f"sequential cold gets into caller tensors; {cold}"}.get(f.op, "")
+                          "read into out=": f"sequential cold gets into caller tensors; {cold}",
+                          f"write, {ALIGNED}": "sequential puts of empty_aligned tensors (no staging copy)",
+                          f"write, {ALIGNED}, puts in flight": "puts of empty_aligned tensors awaited together",
+                          f"read into out=, {ALIGNED}": f"sequential cold gets into empty_aligned tensors (in place); "
+                                                        f"{cold}"}.get(f.op, "")
     finally:
         for close in reversed(closers):
             close()
@@ -165,26 +178,33 @@ def compress_phase(ctx: Context) -> None:
 
 
 def small_phase(ctx: Context) -> None:
-    """Many small tensors: put+get ops/s at 64 KiB and for a 4 KiB-1 MiB mix, sequential and concurrent."""
+    """Many small tensors: put+get ops/s at 64 KiB and for a 4 KiB-1 MiB mix, sequential, concurrent and batched."""
     opts = ctx.options
     sets = [("small 64KiB", [64 * 1024] * opts.small_count, False),
             (f"small mix {format_size(min(opts.small_sizes))}-{format_size(max(opts.small_sizes))}",
              opts.small_mix(), False)]
     if opts.compress:
         sets.append((sets[1][0] + ", zstd", opts.small_mix(), True))
-    modes = [("sequential", 1), (f"{opts.small_concurrency} in flight", opts.small_concurrency)]
+    n = opts.small_concurrency
+    # (op, calls in flight, batch): one put/get per call, or put_many/get_many of ``batch`` keys per call.
+    modes = [("put+get, sequential", 1, 0), (f"put+get, {n} in flight", n, 0),
+             (f"{BATCHED_OP}, batches of {n}", 1, n)]
     sut = StoreUnderTest(ctx.store_config("store-small"))
     try:
         with ctx.progress("small tensors", len(sets) * len(modes) * opts.repeats) as bar:
             for phase, sizes, compress in sets:
                 tensors = ctx.factory.make_all(sizes)
-                for mode, concurrency in modes:
-                    if compress and concurrency == 1:
+                for op, concurrency, batch in modes:
+                    if compress and concurrency == 1 and not batch:
                         continue
-                    fig = ctx.result.add(Figure(phase, "store", f"put+get, {mode}", OPS))
+                    fig = ctx.result.add(Figure(phase, "store", op, OPS))
                     for _ in range(opts.repeats):
                         ctx.cold()
-                        fig.runs.append(small_round(sut, tensors, concurrency=concurrency, compress=compress))
+                        if batch:
+                            run = small_batched_round(sut, tensors, batch=batch, compress=compress)
+                        else:
+                            run = small_round(sut, tensors, concurrency=concurrency, compress=compress)
+                        fig.runs.append(run)
                         bar.advance()
                     d = sorted(fig.runs, key=lambda r: r.value)[len(fig.runs) // 2].detail
                     fig.note = (f"put {d['put_ops_per_s']:.0f} ops/s {d['put_gbps']:.2f} GB/s, "
@@ -220,6 +240,24 @@ def prefetch_phase(ctx: Context) -> None:
     plain.note = f"get into a reused tensor, then {opts.compute_seconds * 1000:.0f} ms of compute; I/O alone {io:.2f} s"
     ahead.note = (f"{plain.median / ahead.median:.2f}x faster than no prefetch; full overlap would take "
                   f"max(I/O, compute) = {ideal:.2f} s")
+
+
+def _aligned_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` in page-aligned memory (untimed setup)."""
+    out = []
+    for t in tensors:
+        a = empty_aligned(t.shape, t.dtype, pin=False)
+        a.copy_(t)
+        out.append(a)
+    return out
+
+
+def _read_into_zeroed(store: LargeTensors, aligned: list[torch.Tensor]) -> Run:
+    """Zero the aligned tensors (untimed, so a read that moves nothing fails verification), then get every
+    key into them; ``store`` checks them against the original tensors."""
+    for a in aligned:
+        a.zero_()
+    return store.read(into=aligned)
 
 
 def _set_fio_ratios(result: BenchResult, phase: str) -> None:

@@ -1,5 +1,5 @@
 """The store under test, driven only through its public API (StoreConfig, TieredStore and its
-put/get/prefetch/evict/delete/info)."""
+put/get/put_many/get_many/prefetch/evict/delete/info)."""
 
 from __future__ import annotations
 
@@ -162,6 +162,39 @@ def small_round(
         "put_seconds": put_s, "get_seconds": get_s, "put_ops_per_s": n / put_s, "get_ops_per_s": n / get_s,
         "put_gbps": nbytes / put_s / 1e9, "get_gbps": nbytes / get_s / 1e9, "put_get_gbps": 2 * nbytes / seconds / 1e9,
         "concurrency": concurrency, "tensors": n})
+
+
+def small_batched_round(
+    sut: StoreUnderTest, tensors: Sequence[torch.Tensor], *, batch: int, compress: bool = False
+) -> Run:
+    """put every small tensor to nvme with put_many, ``batch`` per call, then get them back with get_many.
+
+    One call at a time; each put_many is durable when it returns. Figures as :func:`small_round`.
+    """
+    store = sut.store
+    keys = [f"small/{i:06d}" for i in range(len(tensors))]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    sut.clear()
+    groups = [range(i, min(i + batch, len(keys))) for i in range(0, len(keys), batch)]
+
+    async def go() -> tuple[float, float, list[torch.Tensor]]:
+        start = time.perf_counter()
+        for g in groups:
+            await store.put_many([(keys[i], tensors[i]) for i in g], tier=Tier.NVME, compress=compress)
+        mid = time.perf_counter()
+        got: list[torch.Tensor] = []
+        for g in groups:
+            got.extend(await store.get_many([keys[i] for i in g]))
+        return mid - start, time.perf_counter() - mid, got
+
+    put_s, get_s, got = sut.run(go())
+    ok = len(got) == len(tensors) and all(same(a, b) for a, b in zip(got, tensors))
+    n = len(tensors)
+    seconds = put_s + get_s
+    return Run(2 * n / seconds, seconds, 2 * nbytes, 2 * n, verified=ok, detail={
+        "put_seconds": put_s, "get_seconds": get_s, "put_ops_per_s": n / put_s, "get_ops_per_s": n / get_s,
+        "put_gbps": nbytes / put_s / 1e9, "get_gbps": nbytes / get_s / 1e9, "put_get_gbps": 2 * nbytes / seconds / 1e9,
+        "batch": batch, "tensors": n})
 
 
 def prefetch_round(

@@ -4,6 +4,9 @@ Each store figure is held against the peers' figure of the same direction. Like 
 single stream and DeepSpeed's ``async_pwrite`` x N then ``wait()`` keep the disk busy across
 tensors, as puts awaited together do; DeepSpeed reads into buffers it already has, as
 ``get(out=)`` does. The plain sequential put and the get into a new tensor are checked too.
+Input is equal: the store's rows on page-aligned tensors (``empty_aligned``) are held against
+DeepSpeed's page-locked tensors (``new_cpu_locked_tensor``, its fast path), and its rows on plain
+``torch.empty`` tensors against DeepSpeed given the same plain tensors. fio is held against all.
 """
 
 from __future__ import annotations
@@ -14,17 +17,30 @@ from tiered.bench.results import BenchResult, Figure, Target
 
 FIO_FRACTION = 0.95
 SMALL_OPS = 5000.0
+#: How the small phase names its batched figures (put_many/get_many), which count toward SMALL_OPS too.
+BATCHED_OP = "put_many+get_many"
 
 _STORE_WRITES = ("write", "write, puts in flight")
 _STORE_READS = ("read", "read into out=")
+#: How the large phase names the store's rows on page-aligned tensors (tiered.empty_aligned).
+ALIGNED = "aligned tensors"
+_ALIGNED_WRITES = (f"write, {ALIGNED}", f"write, {ALIGNED}, puts in flight")
+_ALIGNED_READS = (f"read into out=, {ALIGNED}",)
+#: (peer tool, fraction wanted, store writes, store reads held against it).
+_PEERS = (
+    ("fio", FIO_FRACTION, _STORE_WRITES + _ALIGNED_WRITES, _STORE_READS + _ALIGNED_READS),
+    ("deepspeed", 1.0, _ALIGNED_WRITES, _ALIGNED_READS),
+    ("deepspeed (plain tensors)", 1.0, _STORE_WRITES, _STORE_READS),
+)
 
 
 def check_targets(result: BenchResult) -> list[Target]:
-    """Store vs fio (>= 0.95), store vs DeepSpeed aio (>= 1.0), small 64 KiB put+get (>= 5,000 ops/s)."""
+    """Store vs fio (>= 0.95), store vs DeepSpeed aio (>= 1.0), small 64 KiB put+get (>= 5,000 ops/s, one call
+    per tensor or batched)."""
     large = next((f.phase for f in result.figures if f.phase.startswith("large (")), None)
     out: list[Target] = []
-    for peer, fraction in (("fio", FIO_FRACTION), ("deepspeed", 1.0)):
-        for peer_op, ops in (("write", _STORE_WRITES), ("read", _STORE_READS)):
+    for peer, fraction, writes, reads in _PEERS:
+        for peer_op, ops in (("write", writes), ("read", reads)):
             ref = _fig(result, large, peer, peer_op)
             for op in ops:
                 store = _fig(result, large, "store", op)
@@ -34,11 +50,23 @@ def check_targets(result: BenchResult) -> list[Target]:
                 out.append(Target(f"store {op} vs {peer} {peer_op}", f">= {fraction} x {peer}", ratio,
                                   None if ratio is None else ratio >= fraction,
                                   "" if ref else f"{peer} not measured"))
-    small = [f for f in result.figures if f.phase == "small 64KiB" and f.runs]
-    best = max(small, key=lambda f: f.median, default=None)
-    out.append(Target("small 64 KiB put+get", f">= {SMALL_OPS:,.0f} ops/s", best.median if best else None,
-                      None if best is None else best.median >= SMALL_OPS, best.op if best else "not measured"))
+    out.append(_small_target(result))
     return out
+
+
+def _small_target(result: BenchResult) -> Target:
+    """The best 64 KiB put+get figure, one call per tensor or batched; met when either reaches SMALL_OPS."""
+    small = [f for f in result.figures if f.phase == "small 64KiB" and f.runs]
+    per_call = max((f for f in small if not f.op.startswith(BATCHED_OP)), key=lambda f: f.median, default=None)
+    batched = max((f for f in small if f.op.startswith(BATCHED_OP)), key=lambda f: f.median, default=None)
+    found = [(kind, f) for kind, f in (("per call", per_call), ("batched", batched)) if f is not None]
+    if not found:
+        return Target("small 64 KiB put+get", f">= {SMALL_OPS:,.0f} ops/s", None, None, "not measured")
+    best = max(found, key=lambda kf: kf[1].median)[1]
+    met_by = [kind for kind, f in found if f.median >= SMALL_OPS]
+    note = "; ".join(f"{kind} {f.median:,.0f} ({f.op})" for kind, f in found)
+    note += f"; met by {' and '.join(met_by)}" if met_by else "; met by neither"
+    return Target("small 64 KiB put+get", f">= {SMALL_OPS:,.0f} ops/s", best.median, bool(met_by), note)
 
 
 def _fig(result: BenchResult, phase: Optional[str], tool: str, op: str) -> Optional[Figure]:

@@ -3,6 +3,7 @@
 from tiered.io.aligned import AlignedBuffer, round_up
 from tiered.io.blocks import BlockRead, BlockWrite, IOEngine
 from tiered.io.files import FileHandle, Syscalls, open_file
+from tiered.io.host_memory import empty_aligned, is_page_aligned
 from tiered.io.results import ResultPool
 
 __all__ = [
@@ -13,6 +14,8 @@ __all__ = [
     "IOEngine",
     "ResultPool",
     "Syscalls",
+    "empty_aligned",
+    "is_page_aligned",
     "open_file",
     "round_up",
 ]

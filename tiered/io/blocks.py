@@ -33,6 +33,8 @@ class BlockWrite:
     length: int
     source: Optional[list[memoryview]] = None
     fill: Optional[Callable[[memoryview], None]] = None
+    #: False: ``fill`` checksums the bytes itself (a batched block, one CRC per entry); the block returns None.
+    checksum: bool = True
 
 
 @dataclasses.dataclass
@@ -50,6 +52,8 @@ class BlockRead:
     dest: Optional[list[memoryview]] = None
     drain: Optional[Callable[[memoryview], None]] = None
     expected_crc: Optional[int] = None
+    #: False: ``drain`` verifies the bytes itself (a batched block, one CRC per entry); no CRC is computed here.
+    checksum: bool = True
 
 
 @dataclasses.dataclass
@@ -62,6 +66,9 @@ class IOCounters:
     write_requests: int = 0
     syncs: int = 0
     io_seconds: float = 0.0
+    #: Blocks that moved through a staging buffer (a copy) rather than straight from/to their memory.
+    staged_writes: int = 0
+    staged_reads: int = 0
 
 
 class IOEngine:
@@ -210,12 +217,13 @@ class IOEngine:
             if n_io > block.length:
                 view[block.length : n_io] = _ZEROS[: n_io - block.length]
             views = [view]
-        crc = crc32(views, block.length) if self.checksum else None
+        crc = crc32(views, block.length) if self.checksum and block.checksum else None
         start = time.perf_counter()
         pwrite_full(self.syscalls, block.handle, views, block.offset)
         with self._lock:
             self.counters.bytes_written += n_io
             self.counters.write_requests += 1
+            self.counters.staged_writes += block.source is None
             self.counters.io_seconds += time.perf_counter() - start
         return crc
 
@@ -232,8 +240,10 @@ class IOEngine:
         with self._lock:
             self.counters.bytes_read += n_io
             self.counters.read_requests += 1
+            self.counters.staged_reads += block.dest is None
             self.counters.io_seconds += time.perf_counter() - start
-        crc = crc32(views, block.length) if self.checksum or block.expected_crc is not None else None
+        verify = self.checksum or block.expected_crc is not None
+        crc = crc32(views, block.length) if verify and block.checksum else None
         if block.expected_crc is not None and crc != block.expected_crc:
             raise ChecksumError(
                 f"checksum mismatch in {block.handle.path} at offset {block.offset} "
