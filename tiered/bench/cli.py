@@ -47,9 +47,9 @@ def build_parser(prog: str = "tiered bench") -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".", help="directory on the disk to measure (a scratch folder is made and "
                    "removed in it; default: the current directory)")
     p.add_argument("--size", type=_size, default=None, help="bytes of large tensors per run (default 2GiB; "
-                   "--quick: 1GiB)")
+                   "--quick: 256MiB)")
     p.add_argument("--tensor-sizes", type=_sizes, default=None, help="large tensor sizes, comma-separated, "
-                   "used in turn (default 256MiB)")
+                   "used in turn (default 256MiB; --quick: 128MiB)")
     p.add_argument("--small-sizes", type=_sizes, default=None, help="small tensor sizes mixed in the "
                    "small-tensor phase (default 4KiB,16KiB,64KiB,256KiB,1MiB)")
     p.add_argument("--small-count", type=int, default=None, help="small tensors per run (default 2000)")
@@ -76,7 +76,8 @@ def build_parser(prog: str = "tiered bench") -> argparse.ArgumentParser:
                    "1MiB,4MiB,8MiB,16MiB)")
     p.add_argument("--sweep-queue-depths", type=_ints, default=None, help="queue depths to sweep (default 4,8,16,32)")
     p.add_argument("--sweep-io-threads", type=_ints, default=None, help="io thread counts to sweep (default 2,4,8)")
-    p.add_argument("--quick", action="store_true", help="a short run (under a minute): 1 GiB, fewer small tensors")
+    p.add_argument("--quick", action="store_true", help="a short run (under a minute): 256 MiB, 128 small "
+                   "tensors, every phase and contender; quote figures from a full run")
     p.add_argument("--skip", default="", help=f"contenders to leave out, comma-separated: {', '.join(TOOLS)}")
     p.add_argument("--only", default="", help=f"phases to run, comma-separated: {', '.join(PHASES)}, sweep "
                    "(default: all but sweep)")

@@ -1,0 +1,141 @@
+"""Validation and normalisation of what callers hand the store (keys, tensors, devices, batches).
+
+Runs on the caller's thread where it can, so bad input is refused before any work is queued.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from tiered.entry import Entry
+
+QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
+def check_key(key: object) -> None:
+    """Refuse a key that is not a string or not valid Unicode (TypeError/ValueError)."""
+    if not isinstance(key, str):
+        raise TypeError(f"keys are strings, got {type(key).__name__}: {key!r}")
+    if not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates: the manifest stores keys as UTF-8 text
+            raise ValueError(f"key {key!r} is not valid Unicode ({exc.reason} at {exc.start}); use a valid string") \
+                from None
+
+
+def check_tensor(tensor: object) -> None:
+    """Refuse what put cannot store: non-tensors, nested, sparse, meta and quantized tensors."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"put takes a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_nested:
+        raise TypeError("put does not take nested tensors; store each component with t.unbind() instead")
+    if tensor.layout is not torch.strided:
+        raise TypeError(f"put takes dense (strided) tensors, got layout {tensor.layout}; convert with .to_dense()")
+    if tensor.device.type == "meta":
+        raise TypeError("put takes a tensor with data, got one on the meta device")
+    if tensor.dtype in QUANTIZED or tensor.is_quantized:
+        raise TypeError(
+            f"put does not take quantized tensors ({tensor.dtype}); store t.int_repr() and the quantizer's "
+            "scale and zero point instead"
+        )
+
+
+def check_compress(compress: object) -> None:
+    """Refuse a ``compress`` argument that is not True, False or None."""
+    if compress is not None and not isinstance(compress, bool):
+        raise TypeError(f"compress must be True, False or None, got {compress!r}")
+
+
+def parse_device(device: "torch.device | str") -> torch.device:
+    """``device`` as a torch.device; ValueError naming it when it is not one."""
+    if isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+
+
+def plain(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """``tensor`` without autograd, when its memory already holds its values in order; else None."""
+    data = tensor.detach() if tensor.requires_grad else tensor
+    if data.is_conj() or data.is_neg() or not data.is_contiguous():
+        return None
+    return data
+
+
+def dense_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor holding ``tensor``'s values (lazy conjugate/negative views resolved)."""
+    return tensor.detach().resolve_conj().resolve_neg().contiguous()
+
+
+def check_distinct(keys: Sequence[str], what: str) -> None:
+    """Refuse a batch that names a key more than once (ValueError listing the repeated keys)."""
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        repeated = sorted({k for k in keys if k in seen or seen.add(k)})  # type: ignore[func-returns-value]
+        raise ValueError(f"{what} got the same key more than once: {repeated!r}; pass each key once")
+
+
+def batch_items(items: object) -> list[tuple[str, torch.Tensor]]:
+    """Validate put_many's items (a mapping or an iterable of (key, tensor) pairs) on the caller's thread."""
+    if isinstance(items, Mapping):
+        pairs = list(items.items())
+    elif isinstance(items, (str, bytes, torch.Tensor)) or not isinstance(items, Iterable):
+        raise TypeError(
+            f"put_many takes a mapping of keys to tensors or (key, tensor) pairs, got {type(items).__name__}"
+        )
+    else:
+        pairs = []
+        for item in items:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise TypeError(f"put_many takes (key, tensor) pairs, got the item {item!r}")
+            pairs.append((item[0], item[1]))
+    for key, tensor in pairs:
+        check_key(key)
+        check_tensor(tensor)
+    check_distinct([k for k, _ in pairs], "put_many")
+    return pairs
+
+
+def batch_keys(
+    keys: object, out: Optional[Sequence[Optional[torch.Tensor]]]
+) -> tuple[list[str], Optional[list[Optional[torch.Tensor]]]]:
+    """Validate get_many's keys and ``out`` on the caller's thread."""
+    if isinstance(keys, (str, bytes, torch.Tensor)) or not isinstance(keys, Iterable):
+        raise TypeError(f"get_many takes a sequence of keys, got {type(keys).__name__}: {keys!r}")
+    keys = list(keys)
+    for key in keys:
+        check_key(key)
+    check_distinct(keys, "get_many")
+    if out is None:
+        return keys, None
+    outs = list(out)
+    if len(outs) != len(keys):
+        raise ValueError(f"out must hold one tensor (or None) per key: {len(keys)} keys, {len(outs)} in out")
+    return keys, outs
+
+
+
+
+def check_out(out: torch.Tensor, entry: Entry) -> None:
+    """Refuse an ``out`` tensor that cannot take ``entry``'s bytes as they are."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != entry.dtype or tuple(out.shape) != entry.shape or not out.is_contiguous():
+        raise ValueError(
+            f"out must be contiguous with dtype {entry.dtype} and shape {entry.shape}, got dtype {out.dtype}, "
+            f"shape {tuple(out.shape)}, contiguous={out.is_contiguous()}"
+        )
+
+
+def ready_event(tensor: object) -> Any:
+    """A CUDA event on the caller's current stream (captured on the caller's thread), or None."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensor.device))
+        return event
+    return None

@@ -1,0 +1,114 @@
+"""SyncStore: the blocking facade of a TieredStore (``store.sync``)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from tiered.store_input import batch_items, batch_keys, ready_event
+from tiered.store_prefetch import Prefetch
+from tiered.tier import Tier
+
+if TYPE_CHECKING:
+    from tiered.store import TieredStore
+
+
+class SyncStore:
+    """Blocking versions of the store's coroutines, for code without an event loop (module hooks).
+
+    Works from any thread except the store's own loop thread.
+    """
+
+    def __init__(self, store: TieredStore) -> None:
+        self._store = store
+
+    def put(
+        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None
+    ) -> None:
+        """Blocking :meth:`TieredStore.put`."""
+        self._store._call_sync(self._store._put, key, tensor, tier, compress, ready_event(tensor))
+
+    def get(
+        self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Blocking :meth:`TieredStore.get`."""
+        return self._store._call_sync(self._store._get, key, device, out)
+
+    def put_many(
+        self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,
+        compress: Optional[bool] = None,
+    ) -> None:
+        """Blocking :meth:`TieredStore.put_many`."""
+        pairs = batch_items(items)
+        self._store._call_sync(self._store._put_many, pairs, tier, compress, [ready_event(t) for _, t in pairs])
+
+    def get_many(
+        self, keys: Sequence[str], device: "torch.device | str" = "cpu", *,
+        out: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    ) -> list[torch.Tensor]:
+        """Blocking :meth:`TieredStore.get_many`."""
+        keys, outs = batch_keys(keys, out)
+        return self._store._call_sync(self._store._get_many, keys, device, outs)
+
+    def get_future(
+        self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None
+    ) -> "concurrent.futures.Future[torch.Tensor]":
+        """Start :meth:`TieredStore.get` and return at once; the future holds the result (``out`` when given).
+
+        ``out`` must not be read or written until the future is done. A CUDA ``out`` is written only after
+        the work queued so far on the caller's current stream has finished (memory the caching allocator
+        handed back may still be read by queued kernels).
+        """
+        return self._store._submit(self._get_when_ready, key, device, out, ready_event(out))
+
+    def put_future(
+        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None
+    ) -> "concurrent.futures.Future[None]":
+        """Start :meth:`TieredStore.put` and return at once; ``tensor`` must stay unchanged until the future is done."""
+        return self._store._submit(self._store._put, key, tensor, tier, compress, ready_event(tensor))
+
+    async def _get_when_ready(
+        self, key: str, device: "torch.device | str", out: Optional[torch.Tensor], ready: Any
+    ) -> torch.Tensor:
+        if ready is not None:
+            await self._store._in_cpu_pool(ready.synchronize)
+        return await self._store._get(key, device, out)
+
+    def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
+        """Same as :meth:`TieredStore.prefetch` (it never blocks)."""
+        return self._store.prefetch(key, tier)
+
+    def evict(self, key: str, tier: "Tier | str" = Tier.NVME) -> None:
+        """Blocking :meth:`TieredStore.evict`."""
+        self._store._call_sync(self._store._evict, key, tier)
+
+    def delete(self, key: str) -> None:
+        """Blocking :meth:`TieredStore.delete`."""
+        self._store._call_sync(self._store._delete, key)
+
+    def pin(self, key: str, tier: "Tier | str | None" = None) -> None:
+        """Blocking :meth:`TieredStore.pin`."""
+        self._store._call_sync(self._store._pin, key, tier)
+
+    def unpin(self, key: str) -> None:
+        """Blocking :meth:`TieredStore.unpin`."""
+        self._store._call_sync(self._store._unpin, key)
+
+    def flush(self) -> None:
+        """Blocking :meth:`TieredStore.flush`."""
+        self._store._call_sync(self._store._flush)
+
+    def close(self) -> None:
+        """Blocking :meth:`TieredStore.close`."""
+        store = self._store
+        if store._closed:
+            return
+        if store._loop_thread.on_loop_thread():
+            raise RuntimeError("TieredStore.close() cannot run on the store's own loop thread")
+        try:
+            store._loop_thread.submit(store._close()).result()
+        finally:
+            store._closed = True
+            store._loop_thread.stop()

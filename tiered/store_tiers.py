@@ -1,0 +1,173 @@
+"""Tier budgets, eviction and the bookkeeping of copies between tiers.
+
+A mixin of TieredStore: every method runs on the store's loop and uses its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+from tiered.backends import Copy
+from tiered.entry import Entry
+from tiered.errors import CapacityError, TieredError
+from tiered.store_errors import naming_key
+from tiered.tier import Tier
+
+
+class TierBookkeeping:
+    """Admission into tiers, victims, and attaching/detaching copies (mixed into TieredStore)."""
+
+    # ------------------------------------------------------------------ budgets and eviction
+
+    async def _admit(self, tier: Tier, nbytes: int) -> Copy:
+        """Allocate ``nbytes`` in ``tier``, evicting victims (writing dirty ones down) as needed.
+
+        Waits while the only bytes that could be freed belong to transfers in flight; raises
+        CapacityError when even evicting everything evictable could not make room.
+        """
+        backend = self._backends[tier]
+        if tier is Tier.NVME:  # no eviction below nvme; allocate() checks the budget itself
+            copy = await backend.allocate(nbytes)
+            self._inflight[tier] += copy.footprint
+            return copy
+        backend.check_fits_budget(nbytes)
+        async with self._tier_locks[tier]:
+            while not backend.has_room(nbytes):
+                victim = self._pick_victim(tier)
+                if victim is not None:
+                    await self._make_room(victim, tier)
+                    continue
+                pinned = self._pinned_bytes(tier)
+                if backend.used > pinned:
+                    waiter = asyncio.get_running_loop().create_future()
+                    self._space_waiters[tier].append(waiter)
+                    await waiter
+                    continue
+                raise CapacityError(
+                    f"{tier.value} tier: {nbytes} bytes do not fit; {backend.used} of {backend.budget} bytes are "
+                    f"in use and {pinned} of them are pinned; unpin entries or raise the budget"
+                )
+            copy = await backend.allocate(nbytes)
+            self._inflight[tier] += copy.footprint
+            return copy
+
+    def _pick_victim(self, tier: Tier) -> Optional[Entry]:
+        resident = self._resident[tier]
+        for key in self._policy.victims(resident):
+            entry = self._entries.get(key)
+            if entry is None or tier not in entry.copies:
+                continue
+            if entry.pinned or tier in entry.leaving or entry.copies[tier].readers:
+                continue
+            return entry
+        return None
+
+    def _pinned_bytes(self, tier: Tier) -> int:
+        return sum(
+            e.copies[tier].footprint for k in self._resident[tier] if (e := self._entries[k]).pinned
+        )
+
+    async def _make_room(self, entry: Entry, tier: Tier) -> None:
+        """Remove ``entry``'s copy from ``tier``: a plain drop when a slower copy exists, else a write down."""
+        self._stats.tiers[tier].evictions += 1
+        if any(t.rank > tier.rank for t in entry.copies):
+            self._drop_copy(entry, tier)
+            return
+        entry.leaving.add(tier)
+        try:
+            dest = tier.below()
+            assert dest is not None
+            host = self._backends[Tier.HOST]
+            if dest is Tier.HOST and host.budget is not None and host.footprint(entry.nbytes) > host.budget:
+                dest = Tier.NVME
+            task = self._materialize(entry, dest)
+            if task is not None:
+                await asyncio.shield(task)
+        finally:
+            entry.leaving.discard(tier)
+        if self._entries.get(entry.key) is entry and tier in entry.copies:
+            self._drop_copy(entry, tier)
+
+    def _wake(self, tier: Tier) -> None:
+        waiters, self._space_waiters[tier] = self._space_waiters[tier], []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    # ------------------------------------------------------------------ copy bookkeeping
+
+    def _begin_read(self, entry: Entry, tier: Tier) -> Copy:
+        copy = entry.copies[tier]
+        copy.readers += 1
+        return copy
+
+    def _end_read(self, tier: Tier, copy: Copy) -> None:
+        self._backends[tier].end_read(copy)
+        self._wake(tier)
+
+    def _add_copy(self, entry: Entry, tier: Tier, copy: Copy) -> None:
+        entry.copies[tier] = copy
+        self._resident[tier].add(entry.key)
+
+    def _drop_copy(self, entry: Entry, tier: Tier) -> None:
+        copy = entry.copies.pop(tier)
+        if self._entries.get(entry.key) is entry or entry.key not in self._entries:
+            self._resident[tier].discard(entry.key)
+        self._backends[tier].release(copy)
+        self._wake(tier)
+
+    def _settle(self, tier: Tier, copy: Copy) -> None:
+        """A copy allocated by _admit stops counting as in flight."""
+        self._inflight[tier] -= copy.footprint
+
+    def _install(self, entry: Entry, tier: Tier, copy: Copy) -> None:
+        """Attach a finished copy to its entry, or free it if the entry was replaced meanwhile."""
+        self._settle(tier, copy)
+        if self._entries.get(entry.key) is entry and tier not in entry.copies:
+            self._add_copy(entry, tier, copy)
+            self._wake(tier)
+        else:
+            self._backends[tier].release(copy)
+            self._wake(tier)
+
+    def _discard(self, tier: Tier, copy: Copy) -> None:
+        self._settle(tier, copy)
+        self._backends[tier].release(copy)
+        self._wake(tier)
+
+    def _retire(self, entry: Entry) -> None:
+        """Release every copy of a replaced or deleted entry (freed once their readers finish)."""
+        current = self._entries.get(entry.key)
+        for tier in list(entry.copies):
+            copy = entry.copies.pop(tier)
+            if current is None or tier not in current.copies:
+                self._resident[tier].discard(entry.key)
+            self._backends[tier].release(copy)
+            self._wake(tier)
+
+    async def _retire_durably(self, entry: Entry, generation: int) -> None:
+        """Retire an entry whose record may be committed: remove the record first, and only then
+        free its extents, so committed extents are never reused while a record points at them."""
+        nvme = entry.copies.pop(Tier.NVME, None)
+        current = self._entries.get(entry.key)
+        if nvme is not None and (current is None or Tier.NVME not in current.copies):
+            self._resident[Tier.NVME].discard(entry.key)
+        self._retire(entry)
+        try:
+            await self._commits.submit(entry.key, generation, None, None)
+        except BaseException as exc:
+            # The old record may still be committed, pointing at these extents: keep them allocated
+            # (until the next open) so no later put overwrites them. A delete that failed leaves the
+            # key as committed; after a put, the new version's put or delete must try again.
+            if current is not None:
+                current.persisted = True
+            elif nvme is not None and entry.key not in self._entries:
+                self._entries[entry.key] = entry
+                self._add_copy(entry, Tier.NVME, nvme)
+                self._policy.touch(entry.key)
+            if isinstance(exc, (OSError, TieredError)):
+                raise naming_key(exc, "removing the committed record of", entry.key) from exc
+            raise
+        if nvme is not None:
+            self._backends[Tier.NVME].release(nvme)
