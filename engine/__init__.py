@@ -11,9 +11,13 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineClosedError, wrap
 from engine.layout import ShardLayout, param_key
+from engine.released import ReleasedParameterError
 from engine.stats import EngineStats
 
-__all__ = ["AdamW", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "ShardLayout", "param_key", "wrap"]
+__all__ = [
+    "AdamW", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "ReleasedParameterError", "ShardLayout",
+    "param_key", "wrap",
+]
 
 
 def __getattr__(name: str) -> Any:

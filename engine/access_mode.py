@@ -5,12 +5,13 @@ the wrapped model's forward runs).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from engine.handle import ParamHandle
+if TYPE_CHECKING:  # engine.handle imports this module (through engine.released)
+    from engine.handle import ParamHandle
 
 #: Tensor methods and functions that read only metadata: a released parameter answers them.
 _METADATA_FUNCTIONS = frozenset(
@@ -39,7 +40,7 @@ class ParamAccessMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         after: list[Callable[[], None]] = []
-        if _reads_data(func):
+        if reads_data(func):
             for value in (*args, *kwargs.values()):
                 if isinstance(value, (list, tuple)):
                     for item in value:
@@ -61,7 +62,9 @@ class ParamAccessMode(TorchFunctionMode):
                     after.append(undo)
 
 
-def _reads_data(func: Any) -> bool:
+def reads_data(func: Any) -> bool:
+    """True when the torch function or tensor method ``func`` reads a tensor's values (False for
+    metadata: sizes, dtype, device, hooks, every property except the view ones like ``.data``)."""
     name = getattr(func, "__name__", None)
     if name == "__get__":
         return getattr(getattr(func, "__self__", None), "__name__", None) in _VIEW_PROPERTIES

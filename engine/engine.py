@@ -7,6 +7,7 @@ hooks; from then on the model is called as usual and the hooks fetch and release
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -17,6 +18,8 @@ from engine import checkpoint
 from engine.backward import BackwardTracker, SavedParamHooks, register_grad_final_hooks
 from engine.collectives import Collectives, group_rank_and_world
 from engine.config import EngineConfig
+from engine.gathered import ParamsArg, check_modifier_rank, select_handles
+from engine.gathered import gathered as gathered_block
 from engine.handle import HandleState, ParamHandle
 from engine.layout import rank_store_config
 from engine.module_hooks import ForwardScope, ModuleHooks
@@ -73,7 +76,7 @@ class Engine:
             ModuleHooks(module, placement.by_module.get(module, []), scope) for module in model.modules()
         ]
         self._grad_hooks = register_grad_final_hooks(self._handles, self._on_grad_final)
-        self._state_dict_hooks = StateDictHooks(placement.by_module, self._pager, shard_io)
+        self._state_dict_hooks = StateDictHooks(placement.by_module, self._pager, shard_io, self._refresh_masters)
         self._optimizer = optimizer
         self._training: Optional[Training] = None
         self._optimizer_hooks: Optional[TorchOptimizerHooks] = None
@@ -133,6 +136,43 @@ class Engine:
         if self._optimizer is None:
             raise RuntimeError("eng.step() needs an optimizer: pass optimizer=engine.AdamW(...) to engine.wrap")
         self._optimizer.step()
+
+    def gathered(
+        self, params: ParamsArg = None, *, writeback: bool = False, modifier_rank: Optional[int] = None
+    ) -> "contextlib.AbstractContextManager[list[nn.Parameter]]":
+        """Hold full parameters in memory for a ``with`` block (DeepSpeed's ``zero.GatheredParameters``,
+        FSDP's ``summon_full_params``): ``params`` is None (all), a parameter, a module or an iterable
+        of parameters; the block gets the list of parameters, readable and writable as plain tensors.
+        On exit they are released. ``writeback=True`` writes them back to the store (each rank its shard
+        of its own copy: every rank must make the same change); ``modifier_rank=r`` broadcasts rank r's
+        values first and writes them back (only rank r needs to change them). Otherwise changes are
+        discarded. With ``engine.AdamW`` written parameters also reset their fp32 master weights.
+        At world size > 1 every rank must enter it with the same parameters (it all-gathers).
+        Use it between steps (not inside the wrapped forward)."""
+        self._check_open()
+        if not isinstance(writeback, bool):
+            raise TypeError(f"writeback must be a bool, got {type(writeback).__name__}")
+        check_modifier_rank(modifier_rank, self._io.world)
+        handles = select_handles(params, self._by_id, self._handles)
+        return gathered_block(
+            handles, self._pager, self._io, writeback=writeback, modifier_rank=modifier_rank,
+            after_write=self._refresh_masters,
+        )
+
+    def _refresh_masters(self, handles: list[ParamHandle]) -> None:
+        """Parameters were written from outside a step: their fp32 master weights (``engine.AdamW``)
+        start from the new values (Adam moments are kept), so the next step does not undo them."""
+        if self._training is None:
+            return
+        written = {h.name for h in handles}
+        store = self._store
+        for shard in self._training.live_shards():
+            if shard.name in written and shard.master_key in store:
+                master = store.sync.get(shard.param_key).reshape(-1).to(torch.float32)
+                store.sync.put(
+                    shard.master_key, master, self._config.optimizer_tier,
+                    compress=True if self._config.compress_optimizer else None,
+                )
 
     def drop_prefetched(self) -> None:
         """Free every parameter prefetched ahead of its next use, so the next forward starts cold
@@ -225,13 +265,18 @@ class Engine:
         return self._model
 
     def close(self) -> None:
-        """Remove every hook and close the store, leaving parameters released (the model is unusable
-        until wrapped again with the store's contents as its ``state_dict``). Idempotent."""
+        """Remove every hook and close the store; the parameters become meta tensors (shapes and dtypes,
+        no values: like a model built under ``torch.device("meta")``), their values stay in the store
+        directory. Wrap the model again to use it (``EngineConfig(resume=True)`` or ``state_dict=``), or
+        call :meth:`unwrap` instead to keep the values in the model. Idempotent."""
         if self._closed:
             return
         with self._pager.lock:
             self._settle()
         self._shutdown()
+        for handle in self._handles:
+            if handle.state is HandleState.RELEASED:
+                handle.detach_released()
 
     def __enter__(self) -> "Engine":
         return self
@@ -275,6 +320,7 @@ class Engine:
         if self._training is not None:
             self._training.close()
         self._remove_hooks()
+        self._pager.close()
         self._last_store_stats = self._store.stats()
         self._io.close()
         self._store.sync.close()

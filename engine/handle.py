@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from engine.layout import ShardLayout
+from engine.released import mark_closed, released_class
 from engine.stats import MemoryMeter
 
 
@@ -29,7 +30,9 @@ class ParamHandle:
     """One managed parameter (tied weights share one handle, named by their first name).
 
     The ``nn.Parameter`` object is never replaced: release resizes its storage to 0 bytes, which
-    keeps every view of it (views autograd saved included) valid for the next refill. A handle is
+    keeps every view of it (views autograd saved included) valid for the next refill, and gives the
+    parameter its released class (``engine.released``: metadata reads work, value reads raise
+    ``ReleasedParameterError`` instead of reading 0 bytes); allocation gives its own class back. A handle is
     *held* while a running module uses it (``users``) or backward still needs it (``bwd_hold``);
     an unheld handle is either RELEASED or ``prefetched`` (materialized ahead of its next need).
 
@@ -58,6 +61,8 @@ class ParamHandle:
         self.synced = self.version
         # A flat alias of the parameter's storage in memory order: valid across resizes (same StorageImpl).
         self.flat = layout.flat_view(param.detach())
+        self._own_class = type(param)
+        self._released_class = released_class(self._own_class, names[0])
 
     @property
     def name(self) -> str:
@@ -91,7 +96,8 @@ class ParamHandle:
     def allocate(self, meter: MemoryMeter) -> None:
         """Give the parameter its storage back (contents undefined until filled)."""
         assert self.state is HandleState.RELEASED, (self.name, self.state)
-        self.param.untyped_storage().resize_(self.nbytes)
+        self.flat.untyped_storage().resize_(self.nbytes)
+        self.unmark_released()
         meter.add(self.nbytes)
 
     def free(self, meter: MemoryMeter, *, force: bool = False) -> None:
@@ -103,9 +109,43 @@ class ParamHandle:
         self.future = None
         if self.state is HandleState.RELEASED:
             return
-        self.param.untyped_storage().resize_(0)
+        self.flat.untyped_storage().resize_(0)
         self.state = HandleState.RELEASED
+        self.mark_released()
         meter.sub(self.nbytes)
+
+    def mark_released(self) -> None:
+        """Give the (released) parameter its released class: value reads raise instead of crashing."""
+        assert self.state is HandleState.RELEASED, self
+        self.param.__class__ = self._released_class
+
+    def unmark_released(self) -> None:
+        """Give the parameter its own class back (before its storage is refilled, or while torch's own
+        ``state_dict`` code takes its 0-byte ``detach()`` that the engine's hook then replaces)."""
+        if type(self.param) is self._released_class:
+            self.param.__class__ = self._own_class
+
+    def detach_released(self) -> None:
+        """The engine closes with this parameter released: make it a meta tensor of the same shape and
+        dtype (as a model built under ``torch.device("meta")``, which ``engine.wrap`` takes again), keeping
+        the object, its class and attributes (``param.grad`` goes: it cannot live on a meta parameter).
+        Where torch refuses the swap (an autograd graph still holds the parameter), it stays released
+        and its errors say the engine was closed."""
+        assert self.state is HandleState.RELEASED, self
+        param = self.param
+        self.unmark_released()
+        placeholder = torch.nn.Parameter(
+            torch.empty_strided(self.layout.shape, self.layout.stride, dtype=self.layout.dtype, device="meta"),
+            requires_grad=param.requires_grad,
+        )
+        placeholder.__dict__.update(param.__dict__)  # swap_tensors swaps __dict__ too
+        try:
+            torch.utils.swap_tensors(param, placeholder)
+        except RuntimeError:
+            self.mark_released()
+            mark_closed(type(param))
+            return
+        param.__class__ = self._own_class  # swap_tensors swapped the classes as well
 
     def __repr__(self) -> str:
         return (

@@ -14,6 +14,7 @@ import time
 from typing import Callable, Hashable, Iterable, Sequence
 
 from engine.handle import HandleState, ParamHandle
+from engine.param_buffers import ParamBuffers
 from engine.schedule import Schedule
 from engine.shard_io import ShardIO, wait_all
 from engine.stats import EngineCounters, MemoryMeter
@@ -43,6 +44,9 @@ class Pager:
         self._scan = 0  # next position of the followed order the prefetcher looks at
         self._wrap = False  # the window may run into the next step (forward-only steps)
         self._carried = False  # something was prefetched for the next step and is still valid
+        self.buffers = ParamBuffers()  # reused, page-aligned storage for large CPU parameters
+        self._kept_for: dict[ParamHandle, int] = {}  # kept at release for a later need in the step -> its position
+        self._ahead: dict[ParamHandle, None] = {}  # prefetched for the next step (insertion-ordered set)
 
     @property
     def window_bytes(self) -> int:
@@ -73,9 +77,15 @@ class Pager:
             self._counters.rerecords = self.schedule.rerecords
             self._counters.steps += 1
             self._scan = max(0, self._scan - order_len) if carry else 0
+            self._ahead.clear()  # what was prefetched for this step is now this step's
             self._carried = False
             self._wrap = wrap_around
             self._top_up()
+
+    def close(self) -> None:
+        """Unmap the parameter buffers waiting for reuse (the engine stops paging)."""
+        with self.lock:
+            self.buffers.clear()
 
     def drop_prefetched(self) -> None:
         """Free every prefetched parameter (waiting for transfers in flight): the step departed from
@@ -91,7 +101,7 @@ class Pager:
                         handle.fetch_finished()
                     except Exception:  # noqa: BLE001 - the bytes are dropped anyway; a later need refetches
                         pass
-                handle.free(self._meter)
+                self._free(handle)
                 self._counters.prefetch_wasted += 1
 
     # ------------------------------------------------------------------ holds
@@ -147,7 +157,7 @@ class Pager:
                 if handle.prefetched:
                     self._unmark(handle)
                 if handle.state is HandleState.RELEASED:
-                    self._start_fetch(handle)
+                    self._start_fetch(handle, pooled=False)  # unwrap hands these to the user: torch's memory
                 handle.users += 1
             error = None
             for handle in handles:
@@ -175,6 +185,14 @@ class Pager:
         if handle.state is HandleState.RELEASED:
             self._start_fetch(handle)
         self._wait(handle)
+        if self._wrap and self.schedule.following and handle not in self._reserved:
+            # Needed again later in this forward-only step (a tied embedding / LM head): keep its room
+            # in the window while it is in use, so that it can stay materialized until that need
+            # (``_unheld``) instead of being read twice in one step.
+            again = self.schedule.next_position(handle)
+            if again is not None and self._window + handle.nbytes <= self._prefetch_bytes:
+                self._reserved[handle] = None
+                self._window += handle.nbytes
         self._top_up()
 
     def _unheld(self, handle: ParamHandle) -> None:
@@ -192,7 +210,14 @@ class Pager:
                 self._carried |= upcoming >= len(self.schedule.order)
                 return
             self._scan = upcoming
-        handle.free(self._meter)
+        elif (self._wrap and upcoming is not None and upcoming < len(self.schedule.order)
+              and self._window + handle.nbytes <= self._prefetch_bytes):
+            # Needed again later in this forward-only step, ahead of the prefetcher: keep it (its room
+            # was reserved at its need), prefetched for that position.
+            self._mark(handle)
+            self._kept_for[handle] = upcoming
+            return
+        self._free(handle)
         self._top_up()
 
     def _top_up(self) -> None:
@@ -207,31 +232,50 @@ class Pager:
             if handle.state is HandleState.RELEASED:
                 if self._window + handle.nbytes > self._prefetch_bytes:
                     return
+                if self._scan >= length and self._step_reads_in_flight():
+                    return  # the next step's reads wait for this step's: sharing the disk would slow them
                 self._start_fetch(handle)
                 self._mark(handle)
                 self._counters.prefetch_issued += 1
-                self._carried |= self._scan >= length
-            elif self._wrap and handle not in self._reserved:
+                if self._scan >= length:
+                    self._carried = True
+                    self._ahead[handle] = None
+            elif self._wrap and handle not in self._reserved and self._kept_for.get(handle) != self._scan:
                 # Needed again here while in use or prefetched for an earlier need: keep room to keep
                 # it after that use, rather than filling the window with later parameters and reading
-                # it twice (a tied embedding / head).
+                # it twice (a tied embedding / head). One kept for exactly this need has its room.
                 if self._window + handle.nbytes > self._prefetch_bytes:
                     return
                 self._reserved[handle] = None
                 self._window += handle.nbytes
             self._scan += 1
 
-    def _start_fetch(self, handle: ParamHandle) -> None:
+    def _start_fetch(self, handle: ParamHandle, *, pooled: bool = True) -> None:
         handle.allocate(self._meter)
-        handle.state = HandleState.FETCHING
-        handle.fetch_started()
+        storage = handle.flat.untyped_storage()
         try:
+            if pooled and self.buffers.wants(storage, handle.nbytes):
+                self.buffers.lend(storage, handle.nbytes)
+            handle.state = HandleState.FETCHING
+            handle.fetch_started()
             handle.future = self._io.fetch(handle)
         except BaseException:
             handle.state = HandleState.READY  # so free() releases the storage just allocated
-            handle.free(self._meter, force=True)
+            self._free(handle, force=True)
             raise
         self._counters.fetches += 1
+
+    def _free(self, handle: ParamHandle, *, force: bool = False) -> None:
+        """Free ``handle``'s storage, taking back the pooled buffer it holds, if any."""
+        storage = handle.flat.untyped_storage()
+        if handle.state is not HandleState.RELEASED and self.buffers.holds(storage):
+            assert (force or not handle.held) and (handle.future is None or handle.future.done()), handle
+            self.buffers.give_back(storage)
+        handle.free(self._meter, force=force)
+
+    def _step_reads_in_flight(self) -> bool:
+        """Whether a prefetch for this step (not the next) is still being read."""
+        return any(h.future is not None and not h.future.done() for h in self._prefetched if h not in self._ahead)
 
     def _wait(self, handle: ParamHandle) -> None:
         if handle.state is not HandleState.FETCHING:
@@ -242,7 +286,7 @@ class Pager:
             handle.future.result()
         except BaseException:
             handle.state = HandleState.READY
-            handle.free(self._meter, force=True)
+            self._free(handle, force=True)
             raise
         finally:
             self._counters.stall_seconds += time.perf_counter() - started
@@ -261,6 +305,8 @@ class Pager:
         self._window += handle.nbytes
 
     def _unmark(self, handle: ParamHandle) -> None:
+        self._kept_for.pop(handle, None)
+        self._ahead.pop(handle, None)
         handle.prefetched = False
         del self._prefetched[handle]
         self._window -= handle.nbytes

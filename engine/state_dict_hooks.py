@@ -10,11 +10,11 @@ before the module loads and writes them back to the store right after, one modul
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable, Optional
 
 from torch import nn
 
-from engine.handle import ParamHandle
+from engine.handle import HandleState, ParamHandle
 from engine.pager import Pager
 from engine.shard_io import ShardIO
 
@@ -27,9 +27,11 @@ class StateDictHooks:
         by_module: dict[nn.Module, list[ParamHandle]],
         pager: Pager,
         shard_io: ShardIO,
+        after_write: Optional[Callable[[list[ParamHandle]], None]] = None,
     ) -> None:
         self._pager = pager
         self._io = shard_io
+        self._after_write = after_write  # engine.AdamW's master weights follow loaded values
         self._direct: dict[nn.Module, list[tuple[str, ParamHandle]]] = {}
         self._loading: dict[nn.Module, list[ParamHandle]] = {}
         self._removers = []
@@ -41,6 +43,7 @@ class StateDictHooks:
             self._direct[module] = direct
             # torch marks hooks with an attribute, which bound methods cannot take: hand it partials.
             self._removers += [
+                module.register_state_dict_pre_hook(functools.partial(self._before_state_dict)),
                 module.register_state_dict_post_hook(functools.partial(self._after_state_dict)),
                 module.register_load_state_dict_pre_hook(functools.partial(self._before_load)),
                 module.register_load_state_dict_post_hook(functools.partial(self._after_load)),
@@ -52,7 +55,18 @@ class StateDictHooks:
             remover.remove()
         self._removers = []
 
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        # torch's own code takes param.detach() of every parameter; a released one answers that only
+        # with its own class (a 0-byte alias, replaced below before anyone reads it).
+        with self._pager.lock:
+            for _, handle in self._direct[module]:
+                handle.unmark_released()
+
     def _after_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        with self._pager.lock:
+            for _, handle in self._direct[module]:
+                if handle.state is HandleState.RELEASED:
+                    handle.mark_released()
         for name, handle in self._direct[module]:
             key = prefix + name
             if key in state_dict and state_dict[key] is not handle.param:
@@ -72,6 +86,8 @@ class StateDictHooks:
         handles = self._loading.pop(module, [])
         try:
             self._pager.write_back(handles)
+            if self._after_write is not None:
+                self._after_write(handles)
         finally:
             for handle in handles:
                 self._pager.release(handle)

@@ -42,6 +42,10 @@ class WeightSource:
                 f"got {type(state_dict).__name__}"
             )
         path = os.fspath(state_dict)
+        if os.path.isdir(path) or path.endswith(".index.json"):  # a Hugging Face save_pretrained directory
+            from engine.hf_weights import open_hf_weights
+
+            return open_hf_weights(path)
         if not os.path.isfile(path):
             raise ValueError(f"state_dict file {path!r} does not exist")
         if path.endswith(".safetensors"):

@@ -1,5 +1,5 @@
 """Forward-only loops: the prefetch window runs into the next forward (the tied embedding / head is
-read once per forward, the next forward's first parameters load between calls), and any write
+not read twice per forward, the next forward's first parameters load between calls), and any write
 between forwards (an optimizer step) drops what was prefetched, so no forward sees stale values."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def test_forward_only_loop_reads_each_parameter_once_per_forward(tmp_path):
             after = eng.stats()
             assert torch.equal(out, ref(x))
             if seed >= 2:  # recorded in forward 1, wrapping around from forward 2 on
-                assert after.fetches - before.fetches == unique
+                # The tied weight, needed first and last, stays in the window: never read again.
+                assert after.fetches - before.fetches == unique - 1
                 assert after.prefetch_misses == before.prefetch_misses
     assert 0 < eng.stats().materialized_bytes <= WINDOW  # the next forward's first parameters
     eng.drop_prefetched()

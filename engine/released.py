@@ -1,0 +1,145 @@
+"""Released parameters: safe to touch between uses, with a clear error instead of a crash.
+
+A released parameter keeps its identity, shape, dtype and device, but its storage is 0 bytes (the
+values are in the store). Torch's kernels do not check storage bounds, so reading it (``p + 1``,
+``print(p)``, ``p.to(...)``) would read a null pointer. While released, the parameter's class is
+therefore a subclass of its own class (made by :func:`released_class`) whose ``__torch_function__``
+lets metadata through (``shape``, ``dtype``, ``device``, ``grad``, ``requires_grad``, ``numel``,
+hooks, ...) and raises :class:`ReleasedParameterError` for every op that would read or write the
+values. ``repr`` says what the parameter is and how to read it. The object, its ``__dict__``, its
+autograd state (``grad``, hooks) and its C++ tensor are untouched: only ``__class__`` changes, so
+nothing autograd or the optimizer holds is affected. Fetching the parameter restores its class.
+
+Inside the wrapped forward the engine's access mode sees a read first and fetches the parameter
+(docs/engine.md), so this class only ever answers reads from outside the engine's hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from engine.access_mode import reads_data
+
+#: Conversions that return the tensor itself when nothing changes (``model.float()`` on a float model).
+_DTYPE_CONVERSIONS = {
+    "float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16,
+}
+#: Functions torch's own module code calls on every parameter that only read metadata.
+_ALSO_METADATA = frozenset({"_has_compatible_shallow_copy_type", "is_leaf", "__set_grad__"})
+#: Attributes of the released class (set per parameter by :func:`released_class`).
+_NAME_ATTR = "_tiered_name"
+_CLOSED_ATTR = "_tiered_closed"
+
+
+class ReleasedParameterError(RuntimeError):
+    """A parameter the engine released (its values are in the store) was read or written outside the
+    wrapped model's forward. Read it inside ``with eng.gathered():``, or before wrap / after
+    ``eng.unwrap()``."""
+
+
+def released_class(base: type, name: str) -> type:
+    """The class a parameter of class ``base`` (``nn.Parameter`` or a subclass) called ``name`` has
+    while it is released."""
+    assert issubclass(base, nn.Parameter) and not is_released_class(base), base
+    return type(
+        f"Released{base.__name__}",
+        (base,),
+        {
+            "__torch_function__": classmethod(_torch_function),
+            "__repr__": _repr,
+            "__module__": __name__,
+            _NAME_ATTR: name,
+            _CLOSED_ATTR: False,
+        },
+    )
+
+
+def is_released_class(cls: type) -> bool:
+    """True for a class made by :func:`released_class`."""
+    return _NAME_ATTR in cls.__dict__
+
+
+def mark_closed(cls: type) -> None:
+    """The engine that released parameters of class ``cls`` was closed: errors say so."""
+    assert is_released_class(cls), cls
+    setattr(cls, _CLOSED_ATTR, True)
+
+
+def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", None)
+    if name in ("__repr__", "__format__", "__str__"):
+        return _repr(args[0]) if name != "__format__" else format(_repr(args[0]), *args[1:])
+    descriptor = getattr(getattr(func, "__self__", None), "__name__", None)
+    if name == "__set__" and descriptor == "data" and len(args) >= 2 and args[1] is args[0]:
+        return None  # `param.data = param`: what nn.Module._apply does after a conversion that changed nothing
+    if _is_unchanged_conversion(name, args, kwargs):
+        return args[0]
+    if name in ("__set__", "__delete__") and descriptor != "data":
+        return _run(func, args, kwargs)  # p.grad = None, p.requires_grad = False, ...
+    if name in _ALSO_METADATA or not reads_data(func):
+        return _run(func, args, kwargs)
+    raise ReleasedParameterError(_message(cls, f"{name if descriptor is None else descriptor}"))
+
+
+def _run(func: Any, args: tuple, kwargs: dict) -> Any:
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _is_unchanged_conversion(name: Optional[str], args: tuple, kwargs: dict) -> bool:
+    """``p.to(p.device)``, ``p.float()`` on a float parameter, ``p.cpu()`` on a CPU one: torch returns
+    the tensor itself, so ``model.to(same device)`` and ``model.float()`` keep working."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return False
+    param = args[0]
+    if name in _DTYPE_CONVERSIONS:
+        return not kwargs and len(args) == 1 and param.dtype == _DTYPE_CONVERSIONS[name]
+    if name == "cpu":
+        return not kwargs and len(args) == 1 and param.device.type == "cpu"
+    if name != "to" or kwargs.get("copy"):
+        return False
+    try:
+        device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(
+            *args[1:], **{k: v for k, v in kwargs.items() if k != "copy"}
+        )
+    except (TypeError, RuntimeError):
+        return False
+    same_device = device is None or _same_device(torch.device(device), param.device)
+    return same_device and dtype in (None, param.dtype) and memory_format in (None, torch.preserve_format)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    return a.index is None or b.index is None or a.index == b.index
+
+
+def _repr(param: Any) -> str:
+    cls = type(param)
+    with torch._C.DisableTorchFunctionSubclass():
+        shape, dtype, device = tuple(param.shape), param.dtype, param.device
+    state = "closed engine" if getattr(cls, _CLOSED_ATTR, False) else "engine"
+    return (
+        f"Parameter {getattr(cls, _NAME_ATTR, '?')!r} (released by the tiered {state}: shape={shape}, dtype={dtype}, "
+        f"device={device}; read it inside `with eng.gathered():`)"
+    )
+
+
+def _message(cls: type, what: str) -> str:
+    name = getattr(cls, _NAME_ATTR, "?")
+    if getattr(cls, _CLOSED_ATTR, False):
+        return (
+            f"parameter {name!r} has no values in memory: the engine that managed it was closed ({what} needs them). "
+            "Its values stay in the store directory: use eng.unwrap() instead of eng.close() to keep them in the "
+            "model, or wrap the model again (engine.wrap(..., config=EngineConfig(resume=True)) or state_dict=...)"
+        )
+    return (
+        f"parameter {name!r} is released by the tiered engine: its values are in the store, not in memory, so "
+        f"{what} cannot run on it here. Read or change it inside `with eng.gathered([param]):` (add writeback=True "
+        "to keep changes), use model.state_dict() / eng.state_dict(), or eng.unwrap() for a plain model again. "
+        "Conversions (model.to(...), model.half()) go before engine.wrap (or EngineConfig(train_dtype=...))."
+    )
