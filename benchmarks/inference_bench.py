@@ -10,12 +10,13 @@ printed.
 
     python benchmarks/inference_bench.py --dir /nvme/scratch --repeats 5 --json inf.json --plot inf.png
 
-The engine is timed two ways: one forward with nothing prefetched (``eng.drop_prefetched()``
-first), and per forward over ``--loop`` forwards back to back (a forward-only loop prefetches the
-next forward's first weights while the current one ends, and a weight needed first and last, the tied
-``wte``/``lm_head``, stays in the prefetch window; the bytes read per forward are printed). Everything runs with the defaults a user gets: no allocator settings, no environment
-variables (the engine reads large parameters into its own page-aligned, pre-faulted buffers, reused
-from forward to forward: ``engine/param_buffers.py``). The steady-state figures at the end include
+The engine is timed two ways: one forward with nothing prefetched (``eng.drop_prefetched()`` first),
+and per forward over ``--loop`` forwards back to back (a forward-only loop prefetches the next
+forward's first weights while the current one ends, and a weight needed first and last, the tied
+``wte``/``lm_head``, stays in the prefetch window; the bytes read per forward are printed).
+Everything runs with the defaults a user gets: no allocator settings, no environment variables (the
+engine reads large parameters into its own page-aligned, pre-faulted buffers, reused from forward to
+forward: ``engine/param_buffers.py``). The steady-state figures at the end include
 the engine's minor page faults and CPU seconds per forward.
 
 Needs ``transformers`` and ``accelerate`` (``pip install -e ".[bench]"``).

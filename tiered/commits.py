@@ -47,7 +47,9 @@ class CommitLog:
         self._task: Optional[asyncio.Task[None]] = None
         self.commits = 0
 
-    def submit(self, key: str, generation: int, record: Optional[Record], copy: Optional[NvmeCopy]) -> "asyncio.Future[bool]":
+    def submit(
+        self, key: str, generation: int, record: Optional[Record], copy: Optional[NvmeCopy]
+    ) -> "asyncio.Future[bool]":
         """Queue a record (or a deletion when ``record`` is None); await the result."""
         done = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(key, generation, record, copy, done))

@@ -65,6 +65,29 @@ def carve(run: Sequence, needs: Sequence[int]) -> list[list]:
     return out
 
 
+def _split(
+    plans: Sequence[Sequence[Chunk]], bufs: Sequence[Sequence[Span]], direct: bool
+) -> tuple[list[tuple[_Piece, list]], list[_Piece]]:
+    """Every copy's chunks as pieces: those whose memory O_DIRECT can use in place (with its views),
+    each a block of its own, and the rest, to be coalesced into staged runs."""
+    solo: list[tuple[_Piece, list]] = []
+    pieces: list[_Piece] = []
+    for c, plan in enumerate(plans):
+        for index, f, offset, pos, n in plan:
+            p = _Piece(c, index, f, offset, pos, n)
+            views = aligned_views(bufs[c], pos, pos + n, ALIGNMENT) if direct else None
+            if views is not None:
+                solo.append((p, views))
+            else:
+                pieces.append(p)
+    return solo, pieces
+
+
+def _expected(expected: Sequence[Optional[Sequence[int]]], p: _Piece) -> Optional[int]:
+    want = expected[p.copy]
+    return None if want is None else want[p.index]
+
+
 def _runs(pieces: list[_Piece], block_size: int) -> list[list[_Piece]]:
     """Group pieces lying back to back in one file into runs of at most ``block_size`` bytes."""
     runs: list[list[_Piece]] = []
@@ -90,17 +113,10 @@ async def store_many(
     """
     crcs: list[list[int]] = [[0] * len(plan) for plan in plans]
     errors: list[Optional[BaseException]] = [None] * len(plans)
-    solo: list[tuple[_Piece, BlockWrite]] = []
-    pieces: list[_Piece] = []
-    for c, plan in enumerate(plans):
-        for index, f, offset, pos, n in plan:
-            p = _Piece(c, index, f, offset, pos, n)
-            views = aligned_views(srcs[c], pos, pos + n, ALIGNMENT) if direct else None
-            if views is not None:
-                solo.append((p, BlockWrite(f.handle, offset, n, source=views)))
-            else:
-                pieces.append(p)
-    blocks: list[tuple[list[_Piece], BlockWrite]] = [([p], b) for p, b in solo]
+    solo, pieces = _split(plans, srcs, direct)
+    blocks: list[tuple[list[_Piece], BlockWrite]] = [
+        ([p], BlockWrite(p.file.handle, p.offset, p.length, source=views)) for p, views in solo
+    ]
     for run in _runs(pieces, min(io.block_size, RUN_BYTES)):
         length = run[-1].offset + run[-1].length - run[0].offset
         fill = functools.partial(_fill, run, srcs, crcs, io.checksum)
@@ -143,18 +159,11 @@ async def load_many(
     its own copy: the other chunks of its block are still delivered.
     """
     errors: list[Optional[BaseException]] = [None] * len(plans)
-    solo: list[tuple[_Piece, BlockRead]] = []
-    pieces: list[_Piece] = []
-    for c, plan in enumerate(plans):
-        for index, f, offset, pos, n in plan:
-            p = _Piece(c, index, f, offset, pos, n)
-            want = expected[c][index] if expected[c] is not None else None  # type: ignore[index]
-            views = aligned_views(dsts[c], pos, pos + n, ALIGNMENT) if direct else None
-            if views is not None:
-                solo.append((p, BlockRead(f.handle, offset, n, dest=views, expected_crc=want)))
-            else:
-                pieces.append(p)
-    blocks: list[tuple[list[_Piece], BlockRead]] = [([p], b) for p, b in solo]
+    solo, pieces = _split(plans, dsts, direct)
+    blocks: list[tuple[list[_Piece], BlockRead]] = [
+        ([p], BlockRead(p.file.handle, p.offset, p.length, dest=views, expected_crc=_expected(expected, p)))
+        for p, views in solo
+    ]
     for run in _runs(pieces, min(io.block_size, RUN_BYTES)):
         length = run[-1].offset + run[-1].length - run[0].offset
         drain = functools.partial(_drain, run, dsts, expected, errors)

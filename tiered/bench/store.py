@@ -155,13 +155,7 @@ def small_round(
         return mid - start, time.perf_counter() - mid, got
 
     put_s, get_s, got = sut.run(go())
-    ok = all(same(a, b) for a, b in zip(got, tensors))
-    n = len(tensors)
-    seconds = put_s + get_s
-    return Run(2 * n / seconds, seconds, 2 * nbytes, 2 * n, verified=ok, detail={
-        "put_seconds": put_s, "get_seconds": get_s, "put_ops_per_s": n / put_s, "get_ops_per_s": n / get_s,
-        "put_gbps": nbytes / put_s / 1e9, "get_gbps": nbytes / get_s / 1e9, "put_get_gbps": 2 * nbytes / seconds / 1e9,
-        "concurrency": concurrency, "tensors": n})
+    return _put_get_run(tensors, got, nbytes, put_s, get_s, concurrency=concurrency)
 
 
 def small_batched_round(
@@ -188,13 +182,21 @@ def small_batched_round(
         return mid - start, time.perf_counter() - mid, got
 
     put_s, get_s, got = sut.run(go())
+    return _put_get_run(tensors, got, nbytes, put_s, get_s, batch=batch)
+
+
+def _put_get_run(
+    tensors: Sequence[torch.Tensor], got: Sequence[torch.Tensor], nbytes: int, put_s: float, get_s: float,
+    **setting: int,
+) -> Run:
+    """A small-tensor round's figure: put+get ops/s, with every tensor checked bit for bit."""
     ok = len(got) == len(tensors) and all(same(a, b) for a, b in zip(got, tensors))
     n = len(tensors)
     seconds = put_s + get_s
     return Run(2 * n / seconds, seconds, 2 * nbytes, 2 * n, verified=ok, detail={
         "put_seconds": put_s, "get_seconds": get_s, "put_ops_per_s": n / put_s, "get_ops_per_s": n / get_s,
         "put_gbps": nbytes / put_s / 1e9, "get_gbps": nbytes / get_s / 1e9, "put_get_gbps": 2 * nbytes / seconds / 1e9,
-        "batch": batch, "tensors": n})
+        "tensors": n, **setting})
 
 
 def prefetch_round(
