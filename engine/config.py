@@ -43,6 +43,9 @@ class EngineConfig:
     #: fp32 shard bytes the optimizer step streams through AdamW per group (read i+1 while updating
     #: i and writing i-1, so about three groups of master + moments + gradient are in memory).
     optimizer_group_bytes: int = 64 * MiB
+    #: Groups of the step whose master + moments are read while backward runs (12 bytes per element
+    #: each, held until the step; docs/training.md); 0 reads all state in the step.
+    optimizer_prefetch_groups: int = 1
     #: Where parameters are materialized for compute; None uses the device the model is on.
     compute_device: Optional[str] = None
     #: Dtype floating parameters are trained in ("float32", "bfloat16", "float16"), for wrap to cast
@@ -62,6 +65,7 @@ class EngineConfig:
         _check_choice("grad_tier", self.grad_tier, STATE_TIERS)
         _check_int("prefetch_bytes", self.prefetch_bytes, minimum=0)
         _check_int("optimizer_group_bytes", self.optimizer_group_bytes, minimum=1)
+        _check_int("optimizer_prefetch_groups", self.optimizer_prefetch_groups, minimum=0)
         if not isinstance(self.compress_optimizer, bool):
             raise ValueError(f"EngineConfig.compress_optimizer must be True or False, got {self.compress_optimizer!r}")
         if self.max_grad_norm is not None:

@@ -10,6 +10,9 @@ get + add + put, in fp32, ``old + new`` as torch's ``param.grad += new`` does. P
 bounded by ``inflight_bytes`` (at least one shard): past that the oldest is waited for, so the
 gradients held in memory by unfinished puts never exceed the bound plus one shard.
 
+``on_offload`` is called at every offload, before the gradient is handed on (the training
+engine starts reading the step's first optimizer state groups there, ``engine/optim_prefetch.py``).
+
 With clipping configured, each shard's 2-norm is taken here while the shard is in memory, so the
 step needs no extra pass over the gradients to find the global norm.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -34,8 +37,10 @@ from tiered import TieredStore
 class GradOffload:
     """Gradient shards of one rank between backward and the optimizer step."""
 
-    def __init__(self, shard_io: ShardIO, tier: str, *, inflight_bytes: int, keep_norms: bool) -> None:
+    def __init__(self, shard_io: ShardIO, tier: str, *, inflight_bytes: int, keep_norms: bool,
+                 on_offload: Optional[Callable[[], None]] = None) -> None:
         self._io = shard_io
+        self._on_offload = on_offload
         self._store: TieredStore = shard_io.store
         self._tier = tier
         self._inflight_limit = inflight_bytes
@@ -58,6 +63,8 @@ class GradOffload:
         grad = handle.param.grad
         if grad is None:
             return
+        if self._on_offload is not None:
+            self._on_offload()
         shard = self._io.grad_shard(handle, grad)
         handle.param.grad = None
         del grad

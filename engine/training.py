@@ -6,8 +6,9 @@ and routes its ``step()`` here (so LR schedulers and step hooks see every step):
 1. wait for the gradient puts still in flight (``GradOffload``);
 2. give optimizer state to shards that got a gradient and have none yet: fp32 master upcast from
    the training-dtype shard, zero moments, in slot 0 (``optimizer_step.init_state``), and commit;
-3. stream every shard through ``AdamW.run_step``: read the live slot's master and moments, write
-   the new ones to the other slot and the new training-dtype shard to ``param/<name>``;
+3. stream every shard through ``AdamW.run_step``: read the live slot's master and moments (those of
+   the first groups were read during backward, ``engine/optim_prefetch.py``), write the new ones to
+   the other slot and the new training-dtype shard to ``param/<name>``;
 4. commit: put the step record (``engine/step``, durable on nvme) naming the new slots and step
    counts, then delete the superseded slot's keys.
 
@@ -38,6 +39,7 @@ from engine.handle import ParamHandle
 from engine.layout import GRAD_KEY_PREFIX, OPTIM_KEY_PREFIX, grad_key, optim_keys
 from engine.optim_clip import AllReduceSum
 from engine.optim_io import gather_all, plan_groups, run_sync
+from engine.optim_prefetch import StatePrefetch
 from engine.optim_types import OptimShard, OptimStepStats
 from engine.optimizer_step import EventHook, init_state
 from engine.pager import Pager
@@ -118,9 +120,10 @@ class Training:
             for h in (by_id[id(p)] for p in params)
             if h.trainable
         ]
+        self._prefetch = StatePrefetch(self._store, config.optimizer_prefetch_groups, config.optimizer_group_bytes)
         self.grads = GradOffload(
             shard_io, config.grad_tier, inflight_bytes=config.optimizer_group_bytes,
-            keep_norms=config.max_grad_norm is not None,
+            keep_norms=config.max_grad_norm is not None, on_offload=self._start_prefetch,
         )
         self.record = StepRecord.empty([p.name for p in self._params])
         self.counters = TrainCounters()
@@ -206,6 +209,8 @@ class Training:
             self.grads.flush()
         except RuntimeError:
             pass
+        finally:
+            self._prefetch.discard()
 
     # ------------------------------------------------------------------ queries
 
@@ -228,6 +233,7 @@ class Training:
         takes ``shard_steps[name]``; the others have no state (and must have 0 steps). Commits the
         record at ``step``, rewrites the trainable parameters from their masters, drops the old state
         and every gradient shard."""
+        self._prefetch.discard()  # it read the state this replaces
         self.grads.discard_stored()
         shards = {}
         for p in self._params:
@@ -274,13 +280,16 @@ class Training:
         cfg = self._config
         # Norms taken on the compute device (CUDA) join the step's CPU math as CPU scalars.
         norms = {n: t.cpu() for n, t in self.grads.norms.items()} if cfg.max_grad_norm is not None else None
+        store = self._prefetch.take(self._store)
         try:
             stats = self._optimizer.run_step(
-                self._store, shards, config=cfg, grad_norms=norms, all_reduce=self.all_reduce, on_event=self.on_event,
+                store, shards, config=cfg, grad_norms=norms, all_reduce=self.all_reduce, on_event=self.on_event,
             )
         except BaseException as exc:
+            store.close()
             self._rollback(exc)
             raise
+        store.close()
         counts = self._optimizer.shard_steps
         previous = self.record
         updated = {p.name for p in with_grad}
@@ -332,6 +341,14 @@ class Training:
         })
         record.write(self._store)
         self.record = record
+
+    def _start_prefetch(self) -> None:
+        """A gradient is final (called from backward): start reading the step's first groups of
+        optimizer state, unless already started since the last step (engine/optim_prefetch.py)."""
+        if self._closed or self._prefetch.started or self._restore_pending:
+            return
+        shards = self.live_shards()
+        self._prefetch.start(shards, [self.record.shards[p.name].slot != NO_STATE for p in self._params])
 
     def _rollback(self, error: BaseException) -> None:
         """After a failed step: parameters back to the live masters (the step's error is what the caller
