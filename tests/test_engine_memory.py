@@ -83,7 +83,7 @@ def fixed_overhead(*, block_size: int, staging_buffers: int, group_bytes: int, l
     staging = block_size * staging_buffers
     step_groups = 3 * 4 * max(group_bytes, largest_shard)  # gradient, master, two moments; three groups
     grads_in_flight = group_bytes + 2 * largest_shard  # bounded puts + the gradient being offloaded
-    materialized = largest_module + prefetch_bytes
+    materialized = largest_module + prefetch_bytes + largest_shard  # + the idle parameter buffers' slack
     runtime = 16 * MiB  # manifest cache, autograd graph and activations of a tiny batch, thread stacks
     return staging + step_groups + grads_in_flight + materialized + runtime
 
