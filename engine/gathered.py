@@ -105,9 +105,11 @@ def _restore_storage(handles: list[ParamHandle]) -> None:
         if param.untyped_storage()._cdata == handle.storage_id and param.stride() == handle.layout.stride:
             continue
         if tuple(param.shape) != handle.layout.shape or param.dtype != handle.layout.dtype:
+            replaced_by = (tuple(param.shape), param.dtype)
+            param.data = handle.layout.unflatten(handle.flat)  # the engine's storage again, values unchanged
             raise ValueError(
                 f"parameter {handle.name!r} was replaced inside eng.gathered() by a tensor of shape "
-                f"{tuple(param.shape)} and dtype {param.dtype}; the engine keeps shape {handle.layout.shape} and "
+                f"{replaced_by[0]} and dtype {replaced_by[1]}; the engine keeps shape {handle.layout.shape} and "
                 f"dtype {handle.layout.dtype}: change values in place (param.copy_(new)) instead"
             )
         own = handle.layout.unflatten(handle.flat)

@@ -96,11 +96,17 @@ def test_gathered_rejects_bad_arguments(tmp_path):
         eng.gathered([nn.Parameter(torch.zeros(2))])
     with pytest.raises(TypeError, match="params must be"):
         eng.gathered("blocks")
-    with pytest.raises(ValueError, match="replaced inside eng.gathered"):
+    first = next(model.parameters())
+    shape = first.shape
+    with eng.gathered([first]):
+        before = first.detach().clone()
+    with pytest.raises(ValueError, match=r"replaced inside eng.gathered\(\) by a tensor of shape \(3,\)"):
         with eng.gathered(writeback=True):
-            first = next(model.parameters())
             first.data = torch.zeros(3)
     assert eng.stats().materialized_bytes == 0  # released despite the error
+    assert first.shape == shape  # back on the engine's storage, with the stored values
+    with eng.gathered([first]):
+        assert torch.equal(first, before)
     eng.close()
     with pytest.raises(engine.EngineClosedError):
         eng.gathered()
