@@ -143,10 +143,13 @@ class AdamW(torch.optim.Optimizer):
         grad_norms: Optional[Mapping[str, torch.Tensor]] = None,
         all_reduce: Optional[AllReduceSum] = None,
         on_event: Optional[optimizer_step.EventHook] = None,
+        grad_scale: float = 1.0,
+        grad_norm: Optional[torch.Tensor] = None,
     ) -> OptimStepStats:
         """One offloaded AdamW step over ``shards`` with this optimizer's hyperparameters and step
         counts and ``config``'s tiers, compression, group size and clipping (the engine's
-        ``step_fn`` calls this). Blocks; counts are updated only when the step succeeds."""
+        ``step_fn`` calls this); ``grad_scale``/``grad_norm`` as for ``optimizer_step.step_async``.
+        Blocks; counts are updated only when the step succeeds."""
         stats = optimizer_step.step(
             store,
             shards,
@@ -160,6 +163,8 @@ class AdamW(torch.optim.Optimizer):
             grad_norms=grad_norms,
             all_reduce=all_reduce,
             on_event=on_event,
+            grad_scale=grad_scale,
+            grad_norm=grad_norm,
         )
         self._shard_steps.update(stats.step_counts)
         return stats

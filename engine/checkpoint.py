@@ -238,6 +238,7 @@ def _metadata(parts: EngineParts, files: list[Any]) -> dict[str, Any]:
             "shard_steps": dict(sd.get("shard_steps", {})),
             "param_groups": _jsonable(sd["param_groups"], "optimizer param_groups"),
             "with_state": sorted(_live_state_keys(parts)),
+            "loss_scale": parts.training.scaler.state_dict() if parts.training.scaler is not None else None,
         }
     return {
         "format": FORMAT, "version": VERSION, "world_size": parts.io.world,
@@ -423,9 +424,21 @@ def _load_rank_file(parts: EngineParts, metadata: dict[str, Any], reader: Option
     if parts.training is not None:
         if optimizer is not None:
             _restore_hyperparameters(parts.optimizer, optimizer)
+            _restore_loss_scale(parts.training, optimizer.get("loss_scale"), reader.path)
             parts.training.commit_staged(optimizer["step"], optimizer["shard_steps"])
         else:  # weights only: the optimizer starts afresh from them
             parts.training.commit_staged(parts.training.completed_steps, {})
+
+
+def _restore_loss_scale(training: Any, saved: Any, path: Any) -> None:
+    """The saved loss scaler state, when both the checkpoint and this engine scale the loss (either
+    side without scaling: the engine keeps its own, initial, state)."""
+    if training.scaler is None or saved is None:
+        return
+    try:
+        training.scaler.load_state_dict(saved)
+    except ValueError as exc:
+        raise CheckpointError(f"{path!r}: loss scale: {exc}") from exc
 
 
 def _restore_hyperparameters(optimizer: Any, saved: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional, Union
 
+from engine.loss_scaling import LossScaling
 from tiered import StoreConfig
 
 MiB = 1024 * 1024
@@ -52,6 +53,10 @@ class EngineConfig:
     #: them to before they go to the store (fp32 master weights are kept either way); None keeps the
     #: model's own dtypes. DeepSpeed's ``bf16.enabled`` maps here.
     train_dtype: Optional[str] = None
+    #: Scale the loss against fp16 gradient underflow and skip steps whose gradients overflow
+    #: (``engine.LossScaling()``: dynamic, DeepSpeed's defaults). Needs ``eng.backward(loss)``
+    #: in place of ``loss.backward()``. DeepSpeed's ``fp16`` section maps here.
+    loss_scaling: Optional[LossScaling] = None
     #: Resume from the store's own state at ``store.path`` (after a crash, or a clean close):
     #: parameters, fp32 master weights, Adam moments and step counts of the last completed
     #: ``engine.AdamW`` step. False starts afresh, discarding any training state the store holds.
@@ -77,6 +82,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.compute_device must be a device string, got {self.compute_device!r}")
         if self.train_dtype is not None:
             _check_choice("train_dtype", self.train_dtype, TRAIN_DTYPES)
+        if self.loss_scaling is not None and not isinstance(self.loss_scaling, LossScaling):
+            raise TypeError(
+                "EngineConfig.loss_scaling must be an engine.LossScaling or None, "
+                f"got {type(self.loss_scaling).__name__}"
+            )
         if not isinstance(self.resume, bool):
             raise ValueError(f"EngineConfig.resume must be True or False, got {self.resume!r}")
 

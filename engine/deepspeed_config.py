@@ -212,12 +212,16 @@ AIO: Schema = {
     "use_gds": Key(_bool, DEFAULT_ONLY, "GPUDirect Storage is not supported yet (docs/architecture.md)", False),
 }
 
-_NOT_ENABLED = "used only when fp16 is enabled, which is not supported"
 FP16: Schema = {
-    "enabled": Key(_bool, DEFAULT_ONLY, "fp16 with loss scaling is not supported; use bf16 or fp32", False),
-    **{k: Key(_any, ACCEPT, _NOT_ENABLED) for k in (
-        "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-        "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")},
+    "enabled": Key(_bool, MAP, "train_dtype: true -> float16, with loss_scaling (fp32 master weights kept)"),
+    "loss_scale": Key(_number(), MAP, "loss_scaling: 0 -> dynamic, > 0 -> LossScaling.static(value)"),
+    "initial_scale_power": Key(_int(0), MAP, "LossScaling.initial_scale = 2 ** value"),
+    "loss_scale_window": Key(_int(1), MAP, "LossScaling.growth_interval"),
+    "hysteresis": Key(_int(1), MAP, "LossScaling.hysteresis"),
+    "consecutive_hysteresis": Key(_bool, MAP, "LossScaling.consecutive_hysteresis"),
+    "min_loss_scale": Key(_number(), MAP, "LossScaling.min_scale"),
+    "auto_cast": Key(_bool, DEFAULT_ONLY, "inputs are not cast: wrap casts the parameters to float16", False),
+    "fp16_master_weights_and_grads": Key(_bool, DEFAULT_ONLY, "master weights and gradients are fp32", False),
 }
 
 BF16: Schema = {
@@ -375,7 +379,13 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
         problems.append("bfloat16.enabled: conflicts with bf16.enabled (two names of one DeepSpeed setting)")
     if bf16 and bf16[0]:
         eng["train_dtype"] = "bfloat16"
-    element_bytes = 2 if eng.get("train_dtype") == "bfloat16" else 4
+    if found.get("fp16.enabled"):
+        if "train_dtype" in eng:
+            problems.append("fp16.enabled: conflicts with bf16.enabled (one training dtype)")
+        else:
+            eng["train_dtype"] = "float16"
+            _map_loss_scaling(found, eng, problems)
+    element_bytes = 2 if eng.get("train_dtype") in ("bfloat16", "float16") else 4
     if f"{z}.stage3_prefetch_bucket_size" in found:
         eng["prefetch_bytes"] = found[f"{z}.stage3_prefetch_bucket_size"] * element_bytes
     if f"{z}.sub_group_size" in found:
@@ -400,6 +410,24 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
     if found.get("scheduler") is not None:
         problems.extend(scheduler_problems(found["scheduler"]))
     return eng, sto
+
+
+def _map_loss_scaling(found: Mapping[str, Any], eng: dict[str, Any], problems: list[str]) -> None:
+    """``fp16``'s scaling keys as an engine.LossScaling (DeepSpeed's defaults for keys left out)."""
+    from engine.loss_scaling import LossScaling
+
+    static = found.get("fp16.loss_scale", 0.0)
+    fields: dict[str, Any] = {}
+    for key, field in (("loss_scale_window", "growth_interval"), ("hysteresis", "hysteresis"),
+                       ("consecutive_hysteresis", "consecutive_hysteresis"), ("min_loss_scale", "min_scale")):
+        if f"fp16.{key}" in found:
+            fields[field] = found[f"fp16.{key}"]
+    if "fp16.initial_scale_power" in found:
+        fields["initial_scale"] = 2.0 ** found["fp16.initial_scale_power"]
+    try:
+        eng["loss_scaling"] = LossScaling.static(static) if static else LossScaling(**fields)
+    except ValueError as exc:
+        problems.append(f"fp16: {exc}")
 
 
 def _offload_device(found: Mapping[str, Any], problems: list[str], key: str, deprecated: str) -> Optional[str]:

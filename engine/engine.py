@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -126,6 +127,30 @@ class Engine:
         """Optimizer steps of ``engine.AdamW`` completed on this store, including those of the run a
         resumed engine continues (0 without an engine optimizer)."""
         return self._training.completed_steps if self._training is not None else 0
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The current loss scale with ``EngineConfig.loss_scaling`` (None without)."""
+        scaler = self._training.scaler if self._training is not None else None
+        return scaler.scale if scaler is not None else None
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)``, with the loss multiplied by :attr:`loss_scale` when
+        ``EngineConfig.loss_scaling`` is set (then this, not ``loss.backward()``, must be called;
+        the step divides the gradients by the same scale). DeepSpeed's ``model_engine.backward``."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"eng.backward takes the loss tensor, got {type(loss).__name__}")
+        training = self._training
+        if training is None or training.scaler is None:
+            loss.backward(**kwargs)
+            return
+        scaled = loss * training.scaler.scale
+        training.scaled_backward = True
+        try:
+            scaled.backward(**kwargs)
+        finally:
+            training.scaled_backward = False
 
     def step(self) -> None:
         """One optimizer step: ``optimizer.step()``, so LR schedulers and step hooks see it. With
@@ -251,6 +276,8 @@ class Engine:
             optimizer_bytes_written=t.bytes_written,
             optimizer_stall_seconds=t.stall_seconds,
             grad_bytes_offloaded=self._training.grads.bytes_offloaded,
+            skipped_steps=self._training.scaler.skipped_steps if self._training.scaler is not None else 0,
+            loss_scale=self.loss_scale,
         )
 
     def unwrap(self) -> nn.Module:
@@ -373,6 +400,7 @@ def wrap(
         raise TypeError(f"init_fn must be callable (module) -> None, got {type(init_fn).__name__}")
     _check_optimizer(optimizer)
     _check_optimizer_params(model, optimizer)
+    _check_loss_scaling(config, optimizer)
     if config.resume and (state_dict is not None or not _is_engine_optimizer(optimizer)):
         raise ValueError(
             "EngineConfig(resume=True) takes parameters and optimizer state from the store: pass "
@@ -434,6 +462,20 @@ def _is_engine_optimizer(optimizer: object) -> bool:
     from engine.adamw import AdamW
 
     return isinstance(optimizer, AdamW)
+
+
+def _check_loss_scaling(config: EngineConfig, optimizer: object) -> None:
+    if config.loss_scaling is not None and not _is_engine_optimizer(optimizer):
+        raise ValueError(
+            "EngineConfig.loss_scaling is applied by engine.AdamW's step: pass optimizer=engine.AdamW(...) "
+            f"(got {type(optimizer).__name__ if optimizer is not None else 'no optimizer'})"
+        )
+    if config.train_dtype == "float16" and config.loss_scaling is None and _is_engine_optimizer(optimizer):
+        warnings.warn(
+            "EngineConfig(train_dtype='float16') without loss_scaling: small fp16 gradients underflow to zero. "
+            "Pass loss_scaling=engine.LossScaling() and call eng.backward(loss), or train in bfloat16",
+            UserWarning, stacklevel=3,
+        )
 
 
 def _train_dtype(config: EngineConfig) -> Optional[torch.dtype]:

@@ -66,7 +66,7 @@ ADAM_PARAMS = {
 OPTIMIZER = {
     "type": Key(_choice("adam", "adamw"), MAP, "engine.AdamW (the only optimizer the engine offloads)"),
     "params": ADAM_PARAMS,
-    "legacy_fusion": Key(_bool, ACCEPT, "fp16 fused-optimizer detail; fp16 is not supported"),
+    "legacy_fusion": Key(_bool, ACCEPT, "DeepSpeed fp16 fused-optimizer detail; the engine steps its own AdamW"),
 }
 
 _WARMUP = {

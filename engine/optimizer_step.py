@@ -68,6 +68,8 @@ async def step_async(
     grad_norms: Optional[Mapping[str, torch.Tensor]] = None,
     all_reduce: Optional[AllReduceSum] = None,
     on_event: Optional[EventHook] = None,
+    grad_scale: float = 1.0,
+    grad_norm: Optional[torch.Tensor] = None,
 ) -> OptimStepStats:
     """One AdamW step over ``shards`` in the store; returns what it did and cost.
 
@@ -79,6 +81,10 @@ async def step_async(
     extra pipelined pass over the gradient shards, summed across ranks by ``all_reduce``. Pass
     shards in the model's parameter order for bit-exact parity of the norm. Gradient shards are
     left in the store (zeroing them is the caller's business).
+
+    ``grad_scale`` multiplies every gradient before clipping and the update: the inverse of a loss
+    scale (``engine/loss_scaling.py``), as ``GradScaler.unscale_`` does. ``grad_norm`` is the global
+    norm of the gradients as stored (before ``grad_scale``), when the caller has it already.
     """
     started = time.perf_counter()
     hyper_list = [hypers] if isinstance(hypers, AdamHyper) else list(hypers)
@@ -93,11 +99,16 @@ async def step_async(
 
     norm: Optional[torch.Tensor] = None
     coef: Optional[torch.Tensor] = None
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not grad_scale > 0:
+        raise ValueError(f"grad_scale must be a number > 0, got {grad_scale!r}")
     if max_grad_norm is not None:
-        norms = grad_norms if grad_norms is not None else await grad_norms_async(
-            store, shards, group_bytes=group_bytes, io=io
-        )
-        norm = global_grad_norm(norms, shards, all_reduce)
+        if grad_norm is None:
+            norms = grad_norms if grad_norms is not None else await grad_norms_async(
+                store, shards, group_bytes=group_bytes, io=io
+            )
+            grad_norm = global_grad_norm(norms, shards, all_reduce)
+        # A power-of-two scale scales the norm exactly: this is the norm of the unscaled gradients.
+        norm = grad_norm * grad_scale if grad_scale != 1.0 else grad_norm
         coef = clip_coefficient(norm, max_grad_norm)
 
     loop = asyncio.get_running_loop()
@@ -120,7 +131,7 @@ async def step_async(
             reading = start_read(i + 1) if i + 1 < len(groups) else None
             loaded = await io.wait(current)
             t0 = time.perf_counter()
-            await loop.run_in_executor(None, _update, loaded, hyper_list, coef, on_event, i)
+            await loop.run_in_executor(None, _update, loaded, hyper_list, grad_scale, coef, on_event, i)
             update_seconds += time.perf_counter() - t0
             if writing is not None:
                 await io.wait(writing)
@@ -168,12 +179,14 @@ def step(
     grad_norms: Optional[Mapping[str, torch.Tensor]] = None,
     all_reduce: Optional[AllReduceSum] = None,
     on_event: Optional[EventHook] = None,
+    grad_scale: float = 1.0,
+    grad_norm: Optional[torch.Tensor] = None,
 ) -> OptimStepStats:
     """Blocking :func:`step_async` (same arguments), for ``eng.step()``: runs on a private event loop."""
     return run_sync(step_async(
         store, shards, hypers, steps, state_tier=state_tier, param_tier=param_tier, compress=compress,
         group_bytes=group_bytes, max_grad_norm=max_grad_norm, grad_norms=grad_norms, all_reduce=all_reduce,
-        on_event=on_event,
+        on_event=on_event, grad_scale=grad_scale, grad_norm=grad_norm,
     ))
 
 
@@ -247,7 +260,7 @@ async def _read_group(
     return await gather_all(load(s) for s in group if s.grad_key in store)
 
 
-def _update(loaded: list[_Loaded], hypers: list[AdamHyper], coef: Optional[torch.Tensor],
+def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, coef: Optional[torch.Tensor],
             on_event: Optional[EventHook], index: int) -> None:
     """The AdamW math of one group, in place (runs on a worker thread)."""
     if on_event is not None:
@@ -259,6 +272,8 @@ def _update(loaded: list[_Loaded], hypers: list[AdamHyper], coef: Optional[torch
                 item.master = item.param.to(torch.float32)
                 item.exp_avg = torch.zeros_like(item.master)
                 item.exp_avg_sq = torch.zeros_like(item.master)
+        if grad_scale != 1.0 and loaded:
+            torch._foreach_mul_([item.grad for item in loaded], grad_scale)
         if coef is not None:
             apply_clip([item.grad for item in loaded], coef)
         for g, hyper in enumerate(hypers):

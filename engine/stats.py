@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, Optional
 
 from tiered import StoreStats, Tier
 
@@ -66,7 +66,9 @@ class EngineStats:
     ``optimizer_seconds`` (commit included), ``optimizer_bytes_read``/``optimizer_bytes_written``
     (logical tensor bytes the steps moved through the store, before compression),
     ``optimizer_stall_seconds`` (time the steps waited on store I/O that the pipeline did not hide),
-    ``grad_bytes_offloaded`` (fp32 gradient shard bytes put to the store by backward).
+    ``grad_bytes_offloaded`` (fp32 gradient shard bytes put to the store by backward). With
+    ``EngineConfig.loss_scaling``: ``skipped_steps`` (steps dropped for an overflowing gradient, over
+    the whole run, a resumed one included) and the current ``loss_scale`` (None without scaling).
     """
 
     steps: int
@@ -90,6 +92,8 @@ class EngineStats:
     optimizer_bytes_written: int = 0
     optimizer_stall_seconds: float = 0.0
     grad_bytes_offloaded: int = 0
+    skipped_steps: int = 0
+    loss_scale: Optional[float] = None
 
     @property
     def prefetch_hit_rate(self) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import types
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -48,10 +48,12 @@ class ShardState:
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """Completed optimizer steps (``step``) and every trainable shard's :class:`ShardState`, by name."""
+    """Completed optimizer steps (``step``) and every trainable shard's :class:`ShardState`, by name;
+    with loss scaling, the scaler's state after that step (``LossScaler.state_dict()``)."""
 
     step: int
     shards: Mapping[str, ShardState]
+    loss_scale: Optional[Mapping[str, Any]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
@@ -63,6 +65,10 @@ class StepRecord:
         """No step taken, no state for any of ``names``."""
         return cls(0, {name: ShardState(0, NO_STATE) for name in names})
 
+    def replace(self, **changes: Any) -> "StepRecord":
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
     def encode(self) -> torch.Tensor:
         """The record as a uint8 tensor of UTF-8 JSON."""
         doc = {
@@ -70,6 +76,8 @@ class StepRecord:
             "step": self.step,
             "shards": {name: [s.steps, s.slot] for name, s in self.shards.items()},
         }
+        if self.loss_scale is not None:
+            doc["loss_scale"] = dict(self.loss_scale)
         return torch.frombuffer(bytearray(json.dumps(doc).encode()), dtype=torch.uint8)
 
     @classmethod
@@ -82,7 +90,10 @@ class StepRecord:
             if doc.get("format") != RECORD_FORMAT:
                 raise StepRecordError(f"{STEP_RECORD_KEY!r} has format {doc.get('format')!r}, expected {RECORD_FORMAT}")
             shards = {str(name): ShardState(int(v[0]), int(v[1])) for name, v in doc["shards"].items()}
-            return cls(int(doc["step"]), shards)
+            loss_scale = doc.get("loss_scale")
+            if loss_scale is not None and not isinstance(loss_scale, dict):
+                raise StepRecordError(f"{STEP_RECORD_KEY!r} has a loss_scale that is not an object: {loss_scale!r}")
+            return cls(int(doc["step"]), shards, loss_scale)
         except StepRecordError:
             raise
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:

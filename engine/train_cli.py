@@ -133,7 +133,7 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
         for step in range(1, args.steps + 1):
             x, y = data.batch(step - 1)
             loss = model(x, y)
-            loss.backward()
+            eng.backward(loss)
             eng.step()
             eng.zero_grad()
             losses.append(loss.item())

@@ -12,6 +12,12 @@ and routes its ``step()`` here (so LR schedulers and step hooks see every step):
 4. commit: put the step record (``engine/step``, durable on nvme) naming the new slots and step
    counts, then delete the superseded slot's keys.
 
+With ``EngineConfig.loss_scaling`` (``engine/loss_scaling.py``), ``eng.backward(loss)`` scales the
+loss; the step first takes the global norm of the stored (scaled) gradients, from the per-shard
+norms taken at offload. Not finite: the step is skipped (gradients and prefetched state dropped,
+the scale lowered, the record rewritten with the scaler's new state). Finite: step 3 multiplies
+every gradient by 1/scale before clipping and AdamW, and the record carries the scaler's state.
+
 A crash anywhere leaves a record whose slots are whole. ``param/<name>`` of a trainable shard is
 overwritten in place during the step, so resuming (``EngineConfig(resume=True)``) rewrites it from
 the live master (cast to the training dtype: exactly what the step wrote). A step that raises does
@@ -37,7 +43,8 @@ from engine.config import EngineConfig
 from engine.grad_offload import GradOffload, delete_keys
 from engine.handle import ParamHandle
 from engine.layout import GRAD_KEY_PREFIX, OPTIM_KEY_PREFIX, grad_key, optim_keys
-from engine.optim_clip import AllReduceSum
+from engine.loss_scaling import LossScaler
+from engine.optim_clip import AllReduceSum, total_norm
 from engine.optim_io import gather_all, plan_groups, run_sync
 from engine.optim_prefetch import StatePrefetch
 from engine.optim_types import OptimShard, OptimStepStats
@@ -121,11 +128,17 @@ class Training:
             if h.trainable
         ]
         self._prefetch = StatePrefetch(self._store, config.optimizer_prefetch_groups, config.optimizer_group_bytes)
+        #: The running loss scale (None without ``EngineConfig.loss_scaling``).
+        self.scaler: Optional[LossScaler] = (
+            LossScaler(config.loss_scaling) if config.loss_scaling is not None else None
+        )
+        #: True while ``eng.backward`` runs a scaled backward (gradients of any other backward are refused).
+        self.scaled_backward = False
         self.grads = GradOffload(
             shard_io, config.grad_tier, inflight_bytes=config.optimizer_group_bytes,
-            keep_norms=config.max_grad_norm is not None, on_offload=self._start_prefetch,
+            keep_norms=config.max_grad_norm is not None or self.scaler is not None, on_offload=self._on_offload,
         )
-        self.record = StepRecord.empty([p.name for p in self._params])
+        self.record = StepRecord.empty([p.name for p in self._params]).replace(loss_scale=self._scaler_state())
         self.counters = TrainCounters()
         #: Tracing hook passed to every step's ``run_step`` (tests use it to stop a step half way).
         self.on_event: Optional[EventHook] = None
@@ -195,7 +208,12 @@ class Training:
                         f"({absent[0]!r}): it was in the host tier (optimizer_tier='host'), which does not survive "
                         "a crash; crash resume needs optimizer_tier='nvme'"
                     )
-        self.record = StepRecord(record.step, {n: record.shards[n] for n in names})
+        if self.scaler is not None and record.loss_scale is not None:
+            try:
+                self.scaler.load_state_dict(record.loss_scale)
+            except ValueError as exc:
+                raise StepRecordError(f"cannot resume the loss scale from the store's step record: {exc}") from exc
+        self.record = StepRecord(record.step, {n: record.shards[n] for n in names}, self._scaler_state())
         self._optimizer._set_shard_steps({n: s.steps for n, s in self.record.shards.items()})
         self._restore_params()
         self.grads.discard_stored()
@@ -246,7 +264,7 @@ class Training:
                 raise StepRecordError(f"{p.name!r} has taken {count} steps but no state was staged at {staged}")
             else:
                 shards[p.name] = ShardState(0, NO_STATE)
-        record = StepRecord(step, shards)
+        record = StepRecord(step, shards, self._scaler_state())
         record.write(self._store)
         self.record = record
         self._optimizer._set_shard_steps({n: s.steps for n, s in self.record.shards.items()})
@@ -274,16 +292,27 @@ class Training:
             self._restore_params()
             self._restore_pending = False
         self.grads.flush()
+        cfg = self._config
+        # Norms taken on the compute device (CUDA) join the step's CPU math as CPU scalars.
+        norms = {n: t.cpu() for n, t in self.grads.norms.items()} if self.grads.norms else {}
+        grad_norm: Optional[torch.Tensor] = None
+        grad_scale = 1.0
+        scaler_before = self._scaler_state()
+        if self.scaler is not None:
+            # Every rank takes part in the sum, so all of them agree on skipping.
+            grad_norm = total_norm([norms[p.name] for p in self._params if p.name in norms], self.all_reduce)
+            if not bool(torch.isfinite(grad_norm)):
+                self._skip_step()
+                return
+            grad_scale = 1.0 / self.scaler.scale
         with_grad = [p for p in self._params if self.grads.has_grad(p.name)]
         self._init_new_state([p for p in with_grad if self.record.shards[p.name].slot == NO_STATE])
         shards = [self._shard(p, max(self.record.shards[p.name].slot, 0), write_other=True) for p in self._params]
-        cfg = self._config
-        # Norms taken on the compute device (CUDA) join the step's CPU math as CPU scalars.
-        norms = {n: t.cpu() for n, t in self.grads.norms.items()} if cfg.max_grad_norm is not None else None
         store = self._prefetch.take(self._store)
         try:
             stats = self._optimizer.run_step(
-                store, shards, config=cfg, grad_norms=norms, all_reduce=self.all_reduce, on_event=self.on_event,
+                store, shards, config=cfg, grad_norms=norms if cfg.max_grad_norm is not None else None,
+                all_reduce=self.all_reduce, on_event=self.on_event, grad_scale=grad_scale, grad_norm=grad_norm,
             )
         except BaseException as exc:
             store.close()
@@ -293,14 +322,17 @@ class Training:
         counts = self._optimizer.shard_steps
         previous = self.record
         updated = {p.name for p in with_grad}
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
         record = StepRecord(previous.step + 1, {
             name: ShardState(counts.get(name, 0), self._other(s.slot) if name in updated else s.slot)
             for name, s in previous.shards.items()
-        })
+        }, self._scaler_state())
         try:
             record.write(self._store)  # the commit point
         except BaseException as exc:
             self._optimizer._set_shard_steps({n: s.steps for n, s in previous.shards.items()})
+            self._restore_scaler(scaler_before)
             self._rollback(exc)
             raise
         self.record = record
@@ -310,6 +342,39 @@ class Training:
     def _zero_grad(self, set_to_none: bool) -> None:
         if not self._closed:
             self.grads.zero(set_to_none)
+
+    def _skip_step(self) -> None:
+        """An inf or NaN gradient: no update. The gradients go (as DeepSpeed drops them: kept, they
+        would overflow every later step too), the scale is lowered and the record commits it."""
+        assert self.scaler is not None
+        before = self.scaler.state_dict()
+        self._prefetch.discard()
+        self.grads.zero(set_to_none=True)
+        self.scaler.update(overflow=True)
+        record = self.record.replace(loss_scale=self._scaler_state())
+        try:
+            record.write(self._store)
+        except BaseException:
+            self._restore_scaler(before)
+            raise
+        self.record = record
+
+    def _scaler_state(self) -> Optional[dict]:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def _restore_scaler(self, state: Optional[dict]) -> None:
+        if self.scaler is not None and state is not None:
+            self.scaler.load_state_dict(state)
+
+    def _on_offload(self) -> None:
+        """A gradient is final (called from backward, before it is stored)."""
+        if self.scaler is not None and not self.scaled_backward:
+            raise RuntimeError(
+                "EngineConfig.loss_scaling is set, so the loss must be scaled before backward: call "
+                "eng.backward(loss) instead of loss.backward() (unscaled fp16 gradients underflow, and the "
+                "step would divide them by the scale)"
+            )
+        self._start_prefetch()
 
     # ------------------------------------------------------------------ internals
 
@@ -336,7 +401,7 @@ class Training:
         init_state(self._store, [self._shard(p, 0) for p in params], state_tier=cfg.optimizer_tier,
                    compress=cfg.compress_optimizer, group_bytes=cfg.optimizer_group_bytes)
         fresh = {p.name for p in params}
-        record = StepRecord(self.record.step, {
+        record = self.record.replace(shards={
             name: ShardState(s.steps, 0) if name in fresh else s for name, s in self.record.shards.items()
         })
         record.write(self._store)

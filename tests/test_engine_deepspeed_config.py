@@ -159,7 +159,9 @@ def test_every_unknown_key_is_named_with_its_path(store):
 
 
 @pytest.mark.parametrize("fragment,path,expected", [
-    ({"fp16": {"enabled": True}}, "fp16.enabled", "only false is accepted"),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast", "only false is accepted"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled", "conflicts with bf16"),
+    ({"fp16": {"enabled": True, "min_loss_scale": 3}}, "fp16", "power of two"),
     ({"zero": {"offload_optimizer": {"ratio": 0.5}}}, "zero_optimization.offload_optimizer.ratio", "partial"),
     ({"zero": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients", "not supported"),
     ({"zero": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size", "only 1"),
@@ -195,10 +197,10 @@ def test_stage_must_be_3(store, config, expected):
 
 def test_problems_in_several_sections_are_reported_together(store):
     config = ds(zero={"stage": 1, "foo": 1}, optimizer={"type": "Lamb"}, scheduler={"type": "OneCycle"},
-                fp16={"enabled": True})
+                fp16={"enabled": True, "fp16_master_weights_and_grads": True})
     message = problems_of(config, store)
     for path in ("zero_optimization.stage", "zero_optimization.foo", "optimizer.type", "scheduler.type",
-                 "fp16.enabled"):
+                 "fp16.fp16_master_weights_and_grads"):
         assert f"\n  {path}:" in message, message
 
 

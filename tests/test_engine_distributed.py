@@ -297,6 +297,27 @@ def _adamw_rank(rank: int, root: str) -> dict[str, Any]:
                       config=_adamw_config(root, "clip", max_grad_norm=CLIP))
     result["clipped_losses"] = _train(clipped, eng, rank, range(3))
     eng.close()
+    result["fp16"] = _fp16_run(rank, root)
+    return result
+
+
+def _fp16_run(rank: int, root: str) -> dict[str, Any]:
+    """fp16 with loss scaling; rank 1's first loss is 1e4 times larger, so its gradients overflow."""
+    model = new_model()
+    scaling = engine.LossScaling(initial_scale=2.0**10, growth_interval=2, hysteresis=1)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=WD),
+                      config=_adamw_config(root, "fp16", train_dtype="float16", loss_scaling=scaling))
+    scales, losses = [], []
+    for step in range(5):
+        loss = loss_of(model(half(batch(step), rank))) * (1e4 if rank == 1 and step == 0 else 1.0)
+        eng.backward(loss)
+        eng.step()
+        eng.zero_grad()
+        scales.append(eng.loss_scale)
+        losses.append(loss.item())
+    result = dict(scales=scales, losses=losses, skipped=eng.stats().skipped_steps, steps=eng.completed_steps,
+                  state_dict=eng.state_dict())
+    eng.close()
     return result
 
 
@@ -359,6 +380,17 @@ def test_world2_adamw_training_matches_one_process(trained):
         # clipping: the global norm sums per-shard squares over ranks (rounding differs from torch's order)
         torch.testing.assert_close(res["clipped_losses"], want_clipped[rank], rtol=1e-6, atol=0)
     assert runs[0]["adamw"]["clipped_losses"] != runs[0]["adamw"]["losses"][:3]  # the clip was active
+
+
+def test_world2_loss_scaling_skips_and_scales_on_every_rank_alike(trained):
+    _, runs = trained
+    first, second = (run["adamw"]["fp16"] for run in runs)
+    assert first["scales"] == second["scales"] and first["scales"][0] == 2.0**9  # step 0 skipped on both ranks
+    assert first["skipped"] == second["skipped"] >= 1 and first["steps"] == second["steps"] == 5 - first["skipped"]
+    assert max(first["scales"]) > 2.0**9  # and grew back after good steps
+    for name, value in first["state_dict"].items():
+        assert value.dtype == torch.float16 and torch.equal(value, second["state_dict"][name]), name
+    assert first["losses"][-1] < first["losses"][1]
 
 
 def test_world2_checkpoint_resumes_in_new_processes(trained):
