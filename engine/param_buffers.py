@@ -27,14 +27,13 @@ from __future__ import annotations
 import collections
 import mmap
 
-import numpy as np
 import torch
+
+from tiered.io.aligned import anonymous_map
 
 #: Parameters smaller than this keep torch's allocator: malloc serves them from heap memory already
 #: touched, and below 1 MiB the store does not read in place anyway (tiered.spans.DIRECT_TENSOR_BYTES).
 POOLED_MIN_BYTES = 1024 * 1024
-#: madvise(MADV_POPULATE_WRITE) (Linux 5.14+): fault every page of a range in, writable, in one call.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def swap_supported() -> bool:
@@ -133,17 +132,7 @@ def _new_buffer(nbytes: int) -> torch.UntypedStorage:
     """A storage of exactly ``nbytes`` over its own page-aligned anonymous mapping, backed by transparent
     huge pages where the system allows it, with every page populated now (one kernel call instead of a
     fault per page)."""
-    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for advice in (getattr(mmap, "MADV_HUGEPAGE", None), _MADV_POPULATE_WRITE):
-        try:
-            if advice is not None:
-                region.madvise(advice)
-        except OSError:  # THP off, or a kernel before 5.14 (no populate advice): touched below
-            pass
-    pages = np.frombuffer(region, dtype=np.uint8)[:: mmap.PAGESIZE]
-    pages[:] = 0  # populated already: no faults; else one fault per page, now rather than in a read
-    del pages
+    region = anonymous_map(nbytes, populate=True, huge_pages=True)
     # The storage keeps the mapping alive (torch.frombuffer holds a reference to it); it is unmapped
     # when the last reference goes.
     storage = torch.frombuffer(region, dtype=torch.uint8, count=nbytes).untyped_storage()

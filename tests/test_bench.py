@@ -71,8 +71,11 @@ def test_quick_run_reports_every_phase_and_round_trips(tmp_path, no_deepspeed, c
     assert targets["store write, aligned tensors vs deepspeed write"]["met"] is None
     assert targets["store write vs deepspeed (plain tensors) write"]["met"] is None
     assert "store write vs deepspeed write" not in targets
-    for op in ("write, aligned tensors", "write, aligned tensors, puts in flight", "read into out=, aligned tensors"):
+    for op in ("write, aligned tensors", "write, aligned tensors, puts in flight", "read into out=, aligned tensors",
+               "read into out=, gets in flight", "read into out=, aligned tensors, gets in flight"):
         assert figures[f"{large} / store {op}"]["verified"] is not False
+    # Gets awaited together are held against DeepSpeed's async_pread x N + wait(), like the puts.
+    assert "store read into out=, aligned tensors, gets in flight vs deepspeed read" in targets
     assert "small 64 KiB put+get" in targets
     # The batched row (put_many/get_many) sits beside the per-call ones and counts toward the target.
     batched = [f for f in report["figures"] if f["phase"] == "small 64KiB" and f["op"].startswith("put_many+get_many")]

@@ -100,13 +100,16 @@ def large_phase(ctx: Context) -> None:
         writers["store:write, puts in flight"] = ("store", store.write_concurrently)
         readers["store:read"] = ("store", store.read)
         readers["store:read into out="] = ("store", lambda: store.read(into=outs))
+        readers["store:read into out=, gets in flight"] = ("store", lambda: _zeroed(outs, store.read_concurrently))
         # The same tensors in page-aligned memory (empty_aligned), which the store writes from and reads
         # into in place, as DeepSpeed's locked tensors: equal input for the comparison with its fast path.
         aligned = _aligned_copies(tensors)
         store_aligned = LargeTensors(sut, aligned)
         writers[f"store:write, {ALIGNED}"] = ("store", store_aligned.write)
         writers[f"store:write, {ALIGNED}, puts in flight"] = ("store", store_aligned.write_concurrently)
-        readers[f"store:read into out=, {ALIGNED}"] = ("store", lambda: _read_into_zeroed(store, aligned))
+        readers[f"store:read into out=, {ALIGNED}"] = ("store", lambda: _zeroed(aligned, lambda o: store.read(into=o)))
+        readers[f"store:read into out=, {ALIGNED}, gets in flight"] = (
+            "store", lambda: _zeroed(aligned, store.read_concurrently))
         if not sut.direct:
             ctx.note("the store fell back to buffered I/O here (no O_DIRECT), so its reads may come from the page "
                      "cache" + ("" if opts.drop_caches else "; use --drop-caches for cold reads"))
@@ -148,10 +151,13 @@ def large_phase(ctx: Context) -> None:
                           "write, puts in flight": "all puts awaited together (asyncio.gather)",
                           "read": f"sequential cold gets, new tensors; {cold}",
                           "read into out=": f"sequential cold gets into caller tensors; {cold}",
+                          "read into out=, gets in flight": f"cold gets into caller tensors awaited together; {cold}",
                           f"write, {ALIGNED}": "sequential puts of empty_aligned tensors (no staging copy)",
                           f"write, {ALIGNED}, puts in flight": "puts of empty_aligned tensors awaited together",
                           f"read into out=, {ALIGNED}": f"sequential cold gets into empty_aligned tensors (in place); "
-                                                        f"{cold}"}.get(f.op, "")
+                                                        f"{cold}",
+                          f"read into out=, {ALIGNED}, gets in flight": "cold gets into empty_aligned tensors awaited "
+                                                                        f"together; {cold}"}.get(f.op, "")
     finally:
         for close in reversed(closers):
             close()
@@ -252,12 +258,12 @@ def _aligned_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _read_into_zeroed(store: LargeTensors, aligned: list[torch.Tensor]) -> Run:
-    """Zero the aligned tensors (untimed, so a read that moves nothing fails verification), then get every
-    key into them; ``store`` checks them against the original tensors."""
-    for a in aligned:
-        a.zero_()
-    return store.read(into=aligned)
+def _zeroed(outs: list[torch.Tensor], read: Callable[[list[torch.Tensor]], Run]) -> Run:
+    """Zero ``outs`` (untimed, so a read that moves nothing fails verification), then ``read(outs)``,
+    which gets every key into them and checks them against the original tensors."""
+    for out in outs:
+        out.zero_()
+    return read(outs)
 
 
 def _set_fio_ratios(result: BenchResult, phase: str) -> None:

@@ -123,6 +123,20 @@ class LargeTensors:
         seconds, ok = self.sut.run(go())
         return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.keys), verified=ok)
 
+    def read_concurrently(self, into: list[torch.Tensor]) -> Run:
+        """get every tensor from nvme into ``into`` with all the gets in flight at once
+        (asyncio.gather), as DeepSpeed's ``async_pread`` x N + ``wait()``; then check them."""
+        store = self.sut.store
+
+        async def go() -> float:
+            start = time.perf_counter()
+            await asyncio.gather(*(store.get(k, out=out) for k, out in zip(self.keys, into)))
+            return time.perf_counter() - start
+
+        seconds = self.sut.run(go())
+        ok = all(same(got, want) for got, want in zip(into, self.tensors))
+        return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.keys), verified=ok)
+
 
 def small_round(
     sut: StoreUnderTest, tensors: Sequence[torch.Tensor], *, concurrency: int, compress: bool = False

@@ -1,9 +1,10 @@
 """The targets docs/benchmarks.md sets, checked against one run's figures.
 
 Each store figure is held against the peers' figure of the same direction. Like for like: fio's
-single stream and DeepSpeed's ``async_pwrite`` x N then ``wait()`` keep the disk busy across
-tensors, as puts awaited together do; DeepSpeed reads into buffers it already has, as
-``get(out=)`` does. The plain sequential put and the get into a new tensor are checked too.
+single stream and DeepSpeed's ``async_pwrite``/``async_pread`` x N then ``wait()`` keep the disk
+busy across tensors, as puts or gets awaited together do; DeepSpeed reads into buffers it already
+has, as ``get(out=)`` does. The sequential put and get, and the get into a new tensor, are
+checked too.
 Input is equal: the store's rows on page-aligned tensors (``empty_aligned``) are held against
 DeepSpeed's page-locked tensors (``new_cpu_locked_tensor``, its fast path), and its rows on plain
 ``torch.empty`` tensors against DeepSpeed given the same plain tensors. fio is held against all.
@@ -21,11 +22,11 @@ SMALL_OPS = 5000.0
 BATCHED_OP = "put_many+get_many"
 
 _STORE_WRITES = ("write", "write, puts in flight")
-_STORE_READS = ("read", "read into out=")
+_STORE_READS = ("read", "read into out=", "read into out=, gets in flight")
 #: How the large phase names the store's rows on page-aligned tensors (tiered.empty_aligned).
 ALIGNED = "aligned tensors"
 _ALIGNED_WRITES = (f"write, {ALIGNED}", f"write, {ALIGNED}, puts in flight")
-_ALIGNED_READS = (f"read into out=, {ALIGNED}",)
+_ALIGNED_READS = (f"read into out=, {ALIGNED}", f"read into out=, {ALIGNED}, gets in flight")
 #: (peer tool, fraction wanted, store writes, store reads held against it).
 _PEERS = (
     ("fio", FIO_FRACTION, _STORE_WRITES + _ALIGNED_WRITES, _STORE_READS + _ALIGNED_READS),

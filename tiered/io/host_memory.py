@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from tiered.io.aligned import round_up
+from tiered.io.aligned import anonymous_map
 
 #: Transparent huge pages are 2 MiB on x86-64 and most arm64 kernels; smaller regions cannot hold one.
 _HUGE_PAGE = 2 * 1024 * 1024
@@ -36,13 +36,13 @@ def empty_aligned(
     place, skipping the staging copy a ``torch.empty`` tensor needs, once it is at least 1 MiB.
     ``pin`` page-locks it for asynchronous host<->GPU copies (``cudaHostRegister``); the default pins
     when CUDA is available. The memory is unpinned and unmapped when the last tensor viewing it dies.
-    A new mapping reads as zeros; its pages are faulted in on first touch.
+    A new mapping reads as zeros. Its pages are all populated here, in one kernel call, as DeepSpeed's
+    ``new_cpu_locked_tensor`` populates its memory by locking it (``tiered.io.aligned.anonymous_map``).
 
     ``huge_pages=True`` asks for transparent huge pages (``MADV_HUGEPAGE``) where the kernel gives
-    them on request: O_DIRECT then pins one page per 2 MiB instead of 512. On the development VM
-    that made 16 threads of raw 8 MiB ``pwritev``/``preadv`` 6%/9% faster, but store puts and gets
-    gained nothing measurable, and a first touch ran at 0.3-5.5 GB/s (the kernel may compact
-    memory to find 2 MiB pages) against a steady 1.4-1.9 GB/s without; hence off by default.
+    them on request: O_DIRECT then pins one page per 2 MiB instead of 512. Allocation may be slow
+    (the kernel may compact memory to find 2 MiB pages: 0.3-5.5 GB/s measured on the development
+    VM), so it is off by default.
     """
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
@@ -57,12 +57,7 @@ def empty_aligned(
                          "leave pin unset (pins only under CUDA) or pass pin=False")
     if not isinstance(huge_pages, bool):
         raise TypeError(f"empty_aligned: huge_pages must be True or False, got {huge_pages!r}")
-    buf = mmap.mmap(-1, round_up(max(nbytes, 1), mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # kernels without THP refuse the advice; the memory works the same
-            pass
+    buf = anonymous_map(nbytes, populate=True, huge_pages=huge_pages and nbytes >= _HUGE_PAGE)
     array = np.frombuffer(buf, dtype=np.uint8)
     if pin:
         _pin(array, buf)
