@@ -142,3 +142,25 @@ def test_huge_pages_is_a_hint_and_the_memory_works_the_same():
     assert float(t.sum()) == 1.5 * 4 * MiB
     with pytest.raises(TypeError, match="huge_pages"):
         tiered.empty_aligned((4,), torch.float32, huge_pages="yes")
+
+
+def _locked_kib() -> int:
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith("VmLck:")).split()[1])
+
+
+def test_memory_is_populated_and_locked_where_permitted():
+    """Pages are all present at allocation; the lock is best effort: lock_pages says whether it took,
+    and a tensor made without the right to lock (RLIMIT_MEMLOCK, no CAP_IPC_LOCK) works all the same."""
+    from tiered.io.aligned import anonymous_map, lock_pages
+
+    region = anonymous_map(2 * MiB, populate=True)
+    before = _locked_kib()
+    locked = lock_pages(region)
+    assert locked == (_locked_kib() - before >= 2048)
+    region.close()  # the lock took no lasting export of the mapping
+    assert _locked_kib() == before
+
+    t = tiered.empty_aligned((MiB,), torch.uint8, pin=False)
+    t.fill_(3)
+    assert int(t.sum()) == 3 * MiB

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import torch
@@ -18,17 +19,14 @@ def round_up(n: int, multiple: int = ALIGNMENT) -> int:
     return -(-n // multiple) * multiple
 
 
-def anonymous_map(nbytes: int, *, populate: bool, huge_pages: bool = False) -> mmap.mmap:
+def anonymous_map(nbytes: int, *, populate: bool, huge_pages: bool = False, lock: bool = False) -> mmap.mmap:
     """A private anonymous mapping of ``nbytes`` rounded up to whole pages (so page-aligned).
 
     ``populate`` gives it every page now, in one kernel call (``MADV_POPULATE_WRITE``), rather than
     one fault per 4 KiB page on first touch, as DeepSpeed's locked tensors are populated when they
-    are locked: no fault is left for the middle of a transfer. (On the development VM, alternated
-    runs of raw O_DIRECT threads from populated memory against memory faulted in by a copy came out
-    +10-23% in one session and -18% in another: there the speed of a region of memory appears to
-    depend more on where it lands than on how it was populated; ``benchmarks/disk_alternation.py
-    --faulted`` measures it.) ``huge_pages`` asks for
-    transparent huge pages first (``MADV_HUGEPAGE``; refused quietly where THP is off).
+    are locked: no fault is left for the middle of a transfer. ``huge_pages`` asks for
+    transparent huge pages first (``MADV_HUGEPAGE``; refused quietly where THP is off). ``lock``
+    page-locks it where the process may (:func:`lock_pages`).
     """
     size = round_up(max(nbytes, 1), mmap.PAGESIZE)
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -44,7 +42,28 @@ def anonymous_map(nbytes: int, *, populate: bool, huge_pages: bool = False) -> m
             pages = memoryview(region).cast("B")[:: mmap.PAGESIZE]
             for i in range(len(pages)):
                 pages[i] = 0
+    if lock:
+        lock_pages(region)
     return region
+
+
+def lock_pages(region: mmap.mmap) -> bool:
+    """``mlock`` the whole mapping, as DeepSpeed's ``new_cpu_locked_tensor`` locks its memory; True
+    if it is now locked. False, leaving it unlocked, where the process may not lock that much
+    (``RLIMIT_MEMLOCK``, 8 MiB by default without root or ``CAP_IPC_LOCK``): locking only speeds
+    transfers up, nothing depends on it. The lock goes with the mapping.
+
+    Why: on the development VM, whose kernel pages cold memory out in the background (a DAMON
+    ``pageout`` scheme, which leaves locked pages alone), 16 threads of O_DIRECT writes from locked
+    memory ran ~12% faster than from the same bytes unlocked, alternated in one process over one
+    file; reads did not change (docs/benchmarks.md, "Memory").
+    """
+    address = ctypes.c_char.from_buffer(region)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.mlock(ctypes.c_void_p(ctypes.addressof(address)), ctypes.c_size_t(len(region))) == 0
+    finally:
+        del address  # the export would keep the mapping from being closed
 
 
 class AlignedBuffer:
@@ -54,11 +73,12 @@ class AlignedBuffer:
     region can be registered as pinned memory so host<->device copies run asynchronously.
     """
 
-    def __init__(self, nbytes: int, *, pin: bool = False, prefault: bool = False) -> None:
+    def __init__(self, nbytes: int, *, pin: bool = False, prefault: bool = False, lock: bool = False) -> None:
         if nbytes <= 0:
             raise ValueError(f"AlignedBuffer size must be positive, got {nbytes}")
         self.nbytes = round_up(nbytes, mmap.PAGESIZE)
-        self._map = anonymous_map(self.nbytes, populate=prefault)
+        # ``lock``: page-locked where permitted (lock_pages); pinning under CUDA locks it anyway.
+        self._map = anonymous_map(self.nbytes, populate=prefault, lock=lock and not pin)
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()

@@ -37,7 +37,9 @@ def empty_aligned(
     ``pin`` page-locks it for asynchronous host<->GPU copies (``cudaHostRegister``); the default pins
     when CUDA is available. The memory is unpinned and unmapped when the last tensor viewing it dies.
     A new mapping reads as zeros. Its pages are all populated here, in one kernel call, as DeepSpeed's
-    ``new_cpu_locked_tensor`` populates its memory by locking it (``tiered.io.aligned.anonymous_map``).
+    ``new_cpu_locked_tensor`` populates its memory by locking it (``tiered.io.aligned.anonymous_map``);
+    without ``pin`` it is also page-locked (``mlock``) where the process may lock that much (root,
+    or a raised ``RLIMIT_MEMLOCK``), and stays unlocked otherwise (``tiered.io.aligned.lock_pages``).
 
     ``huge_pages=True`` asks for transparent huge pages (``MADV_HUGEPAGE``) where the kernel gives
     them on request: O_DIRECT then pins one page per 2 MiB instead of 512. Allocation may be slow
@@ -57,7 +59,7 @@ def empty_aligned(
                          "leave pin unset (pins only under CUDA) or pass pin=False")
     if not isinstance(huge_pages, bool):
         raise TypeError(f"empty_aligned: huge_pages must be True or False, got {huge_pages!r}")
-    buf = anonymous_map(nbytes, populate=True, huge_pages=huge_pages and nbytes >= _HUGE_PAGE)
+    buf = anonymous_map(nbytes, populate=True, huge_pages=huge_pages and nbytes >= _HUGE_PAGE, lock=not pin)
     array = np.frombuffer(buf, dtype=np.uint8)
     if pin:
         _pin(array, buf)
