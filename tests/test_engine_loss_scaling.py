@@ -280,3 +280,57 @@ def test_deepspeed_fp16_section_maps_to_loss_scaling(tmp_path):
     with pytest.raises(ValueError, match="initial_scale_power"):
         config_from_deepspeed(engine.EngineConfig, {"fp16": {"enabled": True, "initial_scale_power": -1}},
                               store=store)
+
+
+# ---------------------------------------------------------------------------- crash resume
+
+ITERATIONS = 8
+
+
+def _run_iterations(path: str, *, resume: bool, kill_at: Optional[int] = None) -> dict:
+    """Train iterations up to ITERATIONS (a skipped step is an iteration too: the data index is
+    completed + skipped steps), from the store's record when ``resume``. With ``kill_at``, SIGKILL
+    this process inside the step of that iteration, after its first group's writes started."""
+    import os
+    import pathlib
+    import signal
+
+    torch.manual_seed(6)
+    model = TinyGPT()
+    config = scaled_config(pathlib.Path(path)).replace(resume=resume)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1), config=config)
+    first = eng.completed_steps + eng.stats().skipped_steps
+    losses = []
+    for i in range(first, ITERATIONS):
+        if i == kill_at:
+            eng._training.on_event = lambda event, group: (
+                os.kill(os.getpid(), signal.SIGKILL) if event == "write" and group == 1 else None)
+        loss = gpt_loss(model, i)
+        eng.backward(loss)
+        eng.step()
+        eng.zero_grad()
+        losses.append(loss.item())
+    result = {"first": first, "losses": losses, "scale": eng.loss_scale, "skipped": eng.stats().skipped_steps,
+              "state": eng.state_dict()}
+    eng.close()
+    return result
+
+
+def test_sigkill_in_a_step_resumes_with_the_same_scale_and_values(tmp_path):
+    import multiprocessing
+
+    whole = _run_iterations(str(tmp_path / "whole"), resume=False)
+    assert whole["skipped"] > 0
+    # A kill in an iteration after the first overflows: the record the resume reads carries the scale.
+    kill_at = whole["skipped"] + 2
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_run_iterations, args=(str(tmp_path / "crashed"),),
+                        kwargs={"resume": False, "kill_at": kill_at})
+    child.start()
+    child.join(120)
+    assert child.exitcode == -9, child.exitcode
+    resumed = _run_iterations(str(tmp_path / "crashed"), resume=True)
+    assert resumed["first"] == kill_at  # the killed step left the record of the one before
+    assert resumed["losses"] == whole["losses"][kill_at:]
+    assert (resumed["scale"], resumed["skipped"]) == (whole["scale"], whole["skipped"])
+    assert all(torch.equal(resumed["state"][k], v) for k, v in whole["state"].items())
