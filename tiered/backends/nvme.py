@@ -12,12 +12,17 @@ from typing import Iterator, Optional, Sequence
 
 from tiered.backends import nvme_batch
 from tiered.backends.base import Copy, TierBackend
+from tiered.backends.coalesce import Coalescer
 from tiered.config import ALIGNMENT
 from tiered.errors import CapacityError
 from tiered.extents import Extent, ExtentAllocator
 from tiered.io import BlockRead, BlockWrite, FileHandle, IOEngine, open_file, round_up
 from tiered.spans import Span, aligned_views, copy_in, copy_out
 from tiered.tier import Tier
+
+
+#: Transfers up to this size go through the coalescers; larger ones are several blocks on their own.
+COALESCE_BYTES = nvme_batch.RUN_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,9 @@ class NvmeBackend(TierBackend):
         self._next_file = [0] * len(self.dirs)
         self.files: list[SwapFile] = []
         self.direct = direct
+        # Small transfers arriving together run as one batch (coalesce.py).
+        self.writes: Coalescer[NvmeCopy, Sequence[Span]] = Coalescer(self._store_one, self.store_many)
+        self.reads: Coalescer[NvmeCopy, Sequence[Span]] = Coalescer(self._load_one, self.load_many)
         for directory in self.dirs:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             for i in range(files_per_dir):
@@ -265,6 +273,19 @@ class NvmeBackend(TierBackend):
 
     async def store(self, copy: Copy, src: Sequence[Span]) -> None:
         assert isinstance(copy, NvmeCopy)
+        if copy.nbytes <= COALESCE_BYTES:
+            await self.writes.submit(copy, src)
+        else:
+            await self._store_one(copy, src)
+
+    async def load(self, copy: Copy, dst: Sequence[Span]) -> None:
+        assert isinstance(copy, NvmeCopy)
+        if copy.nbytes <= COALESCE_BYTES:
+            await self.reads.submit(copy, dst)
+        else:
+            await self._load_one(copy, dst)
+
+    async def _store_one(self, copy: NvmeCopy, src: Sequence[Span]) -> None:
         blocks = []
         chunks = self._chunks(copy)
         for _, f, offset, pos, n in chunks:
@@ -282,8 +303,7 @@ class NvmeBackend(TierBackend):
         else:
             copy.crcs = None
 
-    async def load(self, copy: Copy, dst: Sequence[Span]) -> None:
-        assert isinstance(copy, NvmeCopy)
+    async def _load_one(self, copy: NvmeCopy, dst: Sequence[Span]) -> None:
         blocks = []
         verify = copy.crcs is not None and self._io.checksum
         for index, f, offset, pos, n in self._chunks(copy):
