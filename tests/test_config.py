@@ -19,6 +19,7 @@ import tiered
         ("block_size", 4096 + 512),
         ("queue_depth", 0),
         ("io_threads", 0),
+        ("coalesce_bytes", -1),
         ("swap_files_per_dir", 0),
         ("swap_grow_bytes", 5000),
         ("direct_io", "yes"),

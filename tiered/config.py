@@ -46,6 +46,10 @@ class StoreConfig:
     staging_buffers: int = 16
     #: Worker threads issuing pread/pwrite (each blocks in one syscall at a time).
     io_threads: int = 16
+    #: nvme transfers up to this many bytes that arrive in the same event-loop iteration (puts or
+    #: gets in flight together) run as one batch: back-to-back chunks in one syscall
+    #: (tiered/backends/coalesce.py). 0 runs every transfer on its own.
+    coalesce_bytes: int = 1 * MiB
     #: Worker threads for memory copies, checksums and codecs.
     cpu_threads: int = 2
     #: Swap files per directory (extents go round-robin over them).
@@ -97,6 +101,7 @@ class StoreConfig:
         _check_int("queue_depth", self.queue_depth, minimum=1)
         _check_int("staging_buffers", self.staging_buffers, minimum=1)
         _check_int("io_threads", self.io_threads, minimum=1)
+        _check_int("coalesce_bytes", self.coalesce_bytes, minimum=0)
         _check_int("cpu_threads", self.cpu_threads, minimum=1)
         _check_int("swap_files_per_dir", self.swap_files_per_dir, minimum=1)
         _check_int("result_pool_bytes", self.result_pool_bytes, minimum=0)

@@ -162,6 +162,7 @@ class TieredStore(BatchCalls, TierBookkeeping):
                 grow_bytes=cfg.swap_grow_bytes,
                 io=self._io,
                 direct=cfg.direct_io,
+                coalesce_bytes=cfg.coalesce_bytes,
             )
         except OSError as exc:
             raise unusable_directory(exc, "StoreConfig.nvme_paths", exc.filename or str(cfg.nvme_paths)) from exc

@@ -21,10 +21,6 @@ from tiered.spans import Span, aligned_views, copy_in, copy_out
 from tiered.tier import Tier
 
 
-#: Transfers up to this size go through the coalescers; larger ones are several blocks on their own.
-COALESCE_BYTES = nvme_batch.RUN_BYTES
-
-
 @dataclasses.dataclass(frozen=True)
 class FileExtent:
     """``length`` bytes at ``offset`` of swap file number ``file``."""
@@ -72,6 +68,7 @@ class NvmeBackend(TierBackend):
         grow_bytes: int,
         io: IOEngine,
         direct: bool,
+        coalesce_bytes: int = 0,
     ) -> None:
         super().__init__()
         self.budget = budget
@@ -83,7 +80,8 @@ class NvmeBackend(TierBackend):
         self._next_file = [0] * len(self.dirs)
         self.files: list[SwapFile] = []
         self.direct = direct
-        # Small transfers arriving together run as one batch (coalesce.py).
+        # Transfers up to coalesce_bytes arriving together run as one batch (coalesce.py).
+        self.coalesce_bytes = coalesce_bytes
         self.writes: Coalescer[NvmeCopy, Sequence[Span]] = Coalescer(self._store_one, self.store_many)
         self.reads: Coalescer[NvmeCopy, Sequence[Span]] = Coalescer(self._load_one, self.load_many)
         for directory in self.dirs:
@@ -273,14 +271,14 @@ class NvmeBackend(TierBackend):
 
     async def store(self, copy: Copy, src: Sequence[Span]) -> None:
         assert isinstance(copy, NvmeCopy)
-        if copy.nbytes <= COALESCE_BYTES:
+        if copy.nbytes <= self.coalesce_bytes:
             await self.writes.submit(copy, src)
         else:
             await self._store_one(copy, src)
 
     async def load(self, copy: Copy, dst: Sequence[Span]) -> None:
         assert isinstance(copy, NvmeCopy)
-        if copy.nbytes <= COALESCE_BYTES:
+        if copy.nbytes <= self.coalesce_bytes:
             await self.reads.submit(copy, dst)
         else:
             await self._load_one(copy, dst)

@@ -20,6 +20,10 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _size_or_zero(text: str) -> int:
+    return 0 if text.strip() == "0" else _size(text)
+
+
 def _sizes(text: str) -> list[int]:
     try:
         return parse_sizes(text)
@@ -60,6 +64,8 @@ def build_parser(prog: str = "tiered bench") -> argparse.ArgumentParser:
                    "(default %(default)s)")
     p.add_argument("--io-threads", type=int, default=StoreConfig.io_threads, help="store I/O threads "
                    "(default %(default)s)")
+    p.add_argument("--coalesce-bytes", type=_size_or_zero, default=StoreConfig.coalesce_bytes, help="store "
+                   "coalesce_bytes (default %(default)s; 0 runs every small transfer alone)")
     compression = p.add_mutually_exclusive_group()
     compression.add_argument(
         "--compress", action="store_true", help="run the compressed phases (ratio and effective GB/s; the default)"
@@ -109,6 +115,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         fields["only"] = only
     return BenchOptions(
         directory=args.dir, block_size=args.block_size, queue_depth=args.queue_depth, io_threads=args.io_threads,
+        coalesce_bytes=args.coalesce_bytes,
         small_concurrency=args.concurrency, compress=not args.no_compress, repeats=args.repeats, sweep=args.sweep,
         drop_caches=args.drop_caches, skip=skip, json_path=args.json_path, plot_path=args.plot_path,
         quiet=args.quiet, quick=args.quick, seed=args.seed, **fields,

@@ -58,6 +58,7 @@ class BenchOptions:
     block_size: int = StoreConfig.block_size
     queue_depth: int = StoreConfig.queue_depth
     io_threads: int = StoreConfig.io_threads
+    coalesce_bytes: int = StoreConfig.coalesce_bytes
     #: Also measure puts with compress=True (on realistic bf16 data).
     compress: bool = True
     #: Prefetch phase: tensors, their size and the fixed compute delay between gets.
@@ -98,7 +99,7 @@ class BenchOptions:
         if unknown:
             raise ValueError(f"--only takes {', '.join(PHASES)}, sweep; unknown: {', '.join(sorted(unknown))}")
         StoreConfig(path=self.directory, block_size=self.block_size, queue_depth=self.queue_depth,
-                    io_threads=self.io_threads)  # validates the store settings early, with clear messages
+                    io_threads=self.io_threads, coalesce_bytes=self.coalesce_bytes)  # validates early, clearly
 
     def uses(self, tool: str) -> bool:
         """Whether contender ``tool`` takes part."""
