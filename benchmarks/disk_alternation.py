@@ -36,6 +36,7 @@ from bench_output import write_json
 import tiered
 from tiered.bench.deepspeed_aio import DeepSpeedAio, load_aio
 from tiered.bench.fio import Fio, fio_status
+from tiered.bench.results import Run
 from tiered.bench.store import LargeTensors, StoreUnderTest
 from tiered.bench.tensors import TensorFactory, same
 from tiered.io.aligned import anonymous_map
@@ -115,14 +116,14 @@ def run(args: argparse.Namespace) -> dict:
         store = LargeTensors(sut, aligned)
         outs = [tiered.empty_aligned(t.shape, t.dtype) for t in tensors]
 
-        def checked(read: Callable[[list[torch.Tensor]], object]) -> Callable[[], float]:
+        def checked(read: Callable[[list[torch.Tensor]], Run]) -> Callable[[], float]:
             def go() -> float:
                 for o in outs:
                     o.zero_()
                 r = read(outs)
                 if not all(same(a, b) for a, b in zip(outs, tensors)):
                     raise RuntimeError("a store read returned other bytes than were written")
-                return r.value  # type: ignore[attr-defined]
+                return r.value
             return go
 
         writers["store, sequential puts"] = lambda: store.write().value
