@@ -134,7 +134,7 @@ def test_a_write_fault_in_step_rolls_back_and_the_step_works_again(tmp_path, fai
 
 
 def test_a_transient_eio_in_step_is_rolled_back_at_once(tmp_path):
-    """Two failed writes in the middle of a step: the rollback itself succeeds, so the engine is at the
+    """A failed write in the middle of a step: the rollback itself succeeds, so the engine is at the
     last completed step before anything is healed."""
     torch.manual_seed(4)
     model = TinyGPT()
@@ -142,8 +142,17 @@ def test_a_transient_eio_in_step_is_rolled_back_at_once(tmp_path):
     real = eng.store._io.syscalls
 
     def inject() -> None:
-        eng.store._io.syscalls = Syscalls(pwritev=Injected(real.pwritev, 12, errno.EIO, 2), preadv=real.preadv,
-                                          fdatasync=real.fdatasync)
+        # Armed when the step starts writing its second group (nothing else writes then), so the
+        # failure lands in the step's own writes however many syscalls coalescing makes of them;
+        # the rollback's writes pass.
+        failing = Injected(real.pwritev, 2**62, errno.EIO, 1)
+
+        def arm(event: str, group: int) -> None:
+            if event == "write" and group == 1 and failing.ok == 2**62:
+                failing.ok = failing.calls
+
+        eng._training.on_event = arm
+        eng.store._io.syscalls = Syscalls(pwritev=failing, preadv=real.preadv, fdatasync=real.fdatasync)
 
     try:
         train_with_a_fault(eng, model, 2, 4, inject, lambda: None, TransferError, "Input/output error")
