@@ -90,3 +90,14 @@ def test_sync_facade_calls_from_threads_coalesce_too(tmp_path):
         assert all(same_bytes(t, store.sync.get(k)) for k, t in items.items())
     finally:
         store.sync.close()
+
+
+async def test_coalesce_bytes_zero_runs_every_transfer_alone(tmp_path):
+    items = {f"k{i}": random_tensor((1000 + i,), torch.float32, seed=i) for i in range(16)}
+    items["empty"] = torch.empty(0)
+    async with await tiered.TieredStore.open_async(batch_config(tmp_path / "s", coalesce_bytes=0)) as store:
+        await asyncio.gather(*(store.put(k, t, tier="nvme") for k, t in items.items()))
+        got = await asyncio.gather(*(store.get(k) for k in items))
+        assert all(same_bytes(items[k], g) for k, g in zip(items, got))
+        assert store._nvme.writes.batches == store._nvme.reads.batches == 0
+        assert store._nvme.writes.batched == store._nvme.reads.batched == 0

@@ -271,17 +271,20 @@ class NvmeBackend(TierBackend):
 
     async def store(self, copy: Copy, src: Sequence[Span]) -> None:
         assert isinstance(copy, NvmeCopy)
-        if copy.nbytes <= self.coalesce_bytes:
+        if self._coalesces(copy):
             await self.writes.submit(copy, src)
         else:
             await self._store_one(copy, src)
 
     async def load(self, copy: Copy, dst: Sequence[Span]) -> None:
         assert isinstance(copy, NvmeCopy)
-        if copy.nbytes <= self.coalesce_bytes:
+        if self._coalesces(copy):
             await self.reads.submit(copy, dst)
         else:
             await self._load_one(copy, dst)
+
+    def _coalesces(self, copy: NvmeCopy) -> bool:
+        return 0 < self.coalesce_bytes and copy.nbytes <= self.coalesce_bytes
 
     async def _store_one(self, copy: NvmeCopy, src: Sequence[Span]) -> None:
         blocks = []
