@@ -56,9 +56,7 @@ class Coalescer(Generic[Copy, Spans]):
             raise
 
     def _flush(self) -> None:
-        queue, self._queue = self._queue, []
-        if not queue:
-            return
+        queue, self._queue = self._queue, []  # never empty: the first submit of the queue scheduled this
         task = asyncio.ensure_future(self._run(queue))
         self._running.add(task)
         task.add_done_callback(self._running.discard)

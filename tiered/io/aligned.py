@@ -39,9 +39,7 @@ def anonymous_map(nbytes: int, *, populate: bool, huge_pages: bool = False, lock
         try:
             region.madvise(_MADV_POPULATE_WRITE)
         except OSError:  # a kernel before 5.14: touch one byte per page instead
-            pages = memoryview(region).cast("B")[:: mmap.PAGESIZE]
-            for i in range(len(pages)):
-                pages[i] = 0
+            torch.frombuffer(region, dtype=torch.uint8)[:: mmap.PAGESIZE].zero_()
     if lock:
         lock_pages(region)
     return region
