@@ -14,7 +14,7 @@ from tiered.errors import (
 )
 from tiered.io.host_memory import empty_aligned
 from tiered.policy import EvictionPolicy, FutureOrderPolicy, LRUPolicy
-from tiered.stats import NvmeSpace, StoreStats, TierStats
+from tiered.stats import NvmeSpace, StoreStats, SwapExtent, TierStats
 from tiered.store import Prefetch, SyncStore, TieredStore
 from tiered.tier import Tier
 
@@ -35,6 +35,7 @@ __all__ = [
     "StoreConfig",
     "StoreLockedError",
     "StoreStats",
+    "SwapExtent",
     "SyncStore",
     "Tier",
     "TierStats",

@@ -38,6 +38,16 @@ class NvmeSpace:
     entry_bytes: int
 
 
+@dataclasses.dataclass(frozen=True)
+class SwapExtent:
+    """``length`` of an entry's stored bytes at ``offset`` of the swap file ``path``
+    (:meth:`TieredStore.nvme_layout`)."""
+
+    path: str
+    offset: int
+    length: int
+
+
 @dataclasses.dataclass
 class StoreStats:
     """A snapshot of :meth:`TieredStore.stats`. ``io_wait_seconds`` is time callers spent awaiting

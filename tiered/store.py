@@ -39,7 +39,7 @@ from tiered.loop import LoopThread
 from tiered.manifest import Manifest, Record
 from tiered.policy import EvictionPolicy, FutureOrderPolicy
 from tiered.spans import Span, new_result, spans_of_tensor
-from tiered.stats import NvmeSpace, StoreStats
+from tiered.stats import NvmeSpace, StoreStats, SwapExtent
 from tiered.store_batch import BatchCalls
 from tiered.store_errors import naming_key, read_error, unusable_directory
 from tiered.store_input import (
@@ -398,6 +398,31 @@ class TieredStore(BatchCalls, TierBookkeeping):
             charged_bytes=self._nvme.used,
             entry_bytes=entry_bytes,
         )
+
+    def nvme_layout(self, key: str) -> tuple[SwapExtent, ...]:
+        """Where ``key``'s nvme copy lies: its stored bytes (after any codec), in order, as ranges of
+        swap files; empty when the key has no nvme copy.
+
+        A snapshot for tools that read the swap files themselves (the benchmark's same-file
+        comparison with other I/O engines, forensics). Every put writes a new version to new
+        extents, so it holds until the key is next written, evicted from nvme or deleted. Writing
+        anything but the same bytes to these ranges corrupts the entry (its checksums catch that).
+        """
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyNotFoundError(f"key {key!r} is not in the store")
+        copy = entry.copies.get(Tier.NVME)
+        if copy is None:
+            return ()
+        assert isinstance(copy, NvmeCopy)
+        pieces = []
+        left = copy.nbytes
+        for ext in copy.extents:
+            take = min(ext.length, left)
+            if take > 0:
+                pieces.append(SwapExtent(self._nvme.files[ext.file].path, ext.offset, take))
+            left -= take
+        return tuple(pieces)
 
     # ------------------------------------------------------------------ calling convention
 
