@@ -1,6 +1,7 @@
 """Large-tensor writes and cold reads, alternated round by round in one process: the store's
 aligned puts and gets, plain Python threads issuing the same O_DIRECT syscalls, fio and
-DeepSpeed's aio handle on its page-locked tensors.
+DeepSpeed's aio handle on its page-locked tensors, both on the store's own swap file (at the ranges
+holding the same tensors, ``TieredStore.nvme_layout``) and on files of its own.
 
     python benchmarks/disk_alternation.py --dir /nvme/scratch --rounds 7 --json alt.json
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import mmap
 import os
 import shutil
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         sut = StoreUnderTest(tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=0, device_bytes=0,
                                                 block_size=args.block_size, queue_depth=args.queue_depth,
-                                                io_threads=args.threads))
+                                                io_threads=args.threads, swap_files_per_dir=args.swap_files))
         closers.append(sut.close)
         store = LargeTensors(sut, aligned)
         outs = [tiered.empty_aligned(t.shape, t.dtype) for t in tensors]
@@ -165,8 +167,11 @@ def run(args: argparse.Namespace) -> dict:
             ds = DeepSpeedAio(module, os.path.join(workdir, "ds"), tensors, block_size=args.block_size,
                               queue_depth=args.queue_depth, threads=min(args.threads, 4), locked=True)
             closers.append(ds.close)
-            writers["deepspeed, locked"] = lambda: ds.write().value
-            readers["deepspeed, locked"] = lambda: ds.read().value
+            in_store = functools.partial(sut.placements, store.keys)
+            writers["deepspeed, locked"] = lambda: ds.write(in_store()).value
+            readers["deepspeed, locked"] = lambda: ds.read(in_store()).value
+            writers["deepspeed, locked, own files"] = lambda: ds.write(ds.own_files()).value
+            readers["deepspeed, locked, own files"] = lambda: ds.read(ds.own_files()).value
         else:
             print(f"deepspeed: {status.note}", file=sys.stderr)
         runs: dict[str, dict[str, list[float]]] = {"write": {k: [] for k in writers}, "read": {k: [] for k in readers}}
@@ -216,6 +221,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--block-size", type=int, default=8 * MiB)
     p.add_argument("--queue-depth", type=int, default=32)
     p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--swap-files", type=int, default=tiered.StoreConfig.swap_files_per_dir,
+                   help="the store's swap files (StoreConfig.swap_files_per_dir)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reused", action="store_true", help="add Python threads writing from one reused buffer")
     p.add_argument("--faulted", action="store_true", help="add Python threads on memory faulted in by a copy")

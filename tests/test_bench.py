@@ -134,3 +134,25 @@ def test_sweep_prints_the_best_setting_as_a_config_snippet(tmp_path, capsys):
     namespace: dict = {}
     exec(snippet.replace("path=...", f"path={str(tmp_path / 'x')!r}"), namespace)
     assert namespace["config"].queue_depth == 4
+
+
+def test_deepspeed_moves_the_same_tensors_on_the_store_file_and_its_own(tmp_path):
+    module, status = load_aio()
+    if module is None:
+        pytest.skip(f"DeepSpeed's aio op is not available here: {status.note}")
+    out = tmp_path / "bench.json"
+    assert main(["--dir", str(tmp_path / "disk"), "--json", str(out), "--only", "large", "--skip", "fio,torch",
+                 *TINY]) == 0
+    report = json.loads(out.read_text())
+    figures = {(f["tool"], f["op"]): f for f in report["figures"]}
+    for tool in ("deepspeed", "deepspeed (own files)", "deepspeed (plain tensors)"):
+        assert all(r["verified"] is True for r in figures[(tool, "read")]["runs"]), tool
+        assert len(figures[(tool, "write")]["runs"]) == 3
+    # DeepSpeed rewrote the store's ranges between the store's own rounds: the store still reads back its bytes.
+    for (tool, op), f in figures.items():
+        if tool == "store" and op.startswith("read"):
+            assert all(r["verified"] is True for r in f["runs"]), op
+    assert any("on the store's swap file" in n for n in report["notes"])
+    targets = {t["name"]: t for t in report["targets"]}
+    assert targets["store write, aligned tensors vs deepspeed write"]["measured"] is not None
+    assert not any("own files" in name for name in targets)  # informative only

@@ -46,10 +46,20 @@ def load_aio() -> tuple[Optional[Any], ToolStatus]:
     return module, ToolStatus("deepspeed", True, version=version)
 
 
+#: Where one tensor's bytes go: (path, file offset, length) ranges, in order.
+Placement = Sequence[tuple[str, int, int]]
+
+
 class DeepSpeedAio:
-    """One aio handle; each tensor goes to its own file with ``async_pwrite`` and comes back with
-    ``async_pread``, then ``wait()``. ``locked=True`` uses DeepSpeed's page-locked tensors (its fast
-    path); ``locked=False`` passes the caller's plain tensors, which it bounces through a copy."""
+    """One aio handle moving the same tensors with ``async_pwrite``/``async_pread`` x N, then ``wait()``.
+
+    ``locked=True`` uses DeepSpeed's page-locked tensors (its fast path); ``locked=False`` passes the
+    caller's plain tensors, which it bounces through a copy. Each call takes where the bytes go:
+    :meth:`own_files` (one file per tensor, as ZeRO-Infinity lays out its swap files) or any other
+    placement, such as the ranges a store holds the same tensors in (``TieredStore.nvme_layout``):
+    the same file and the same disk blocks, so where a file happens to land on the disk cannot
+    favour either side.
+    """
 
     def __init__(
         self, module: Any, directory: str, tensors: Sequence[torch.Tensor], *, block_size: int, queue_depth: int,
@@ -64,11 +74,12 @@ class DeepSpeedAio:
         self.paths = [os.path.join(directory, f"ds{i:05d}.swp") for i in range(len(self.tensors))]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
         if locked:
-            self.buffers = [self.handle.new_cpu_locked_tensor(t.numel(), t) for t in self.tensors]
+            self.buffers = [self.handle.new_cpu_locked_tensor(t.numel() * t.element_size(), _BYTES)
+                            for t in self.tensors]
             for buf, t in zip(self.buffers, self.tensors):
-                buf.copy_(t.reshape(-1))
+                buf.copy_(_as_bytes(t))
         else:
-            self.buffers = [t.reshape(-1) for t in self.tensors]
+            self.buffers = [_as_bytes(t) for t in self.tensors]
         self.targets = self.buffers if locked else [torch.zeros_like(b) for b in self.buffers]
 
     def describe(self) -> str:
@@ -78,35 +89,41 @@ class DeepSpeedAio:
         return (f"aio_handle(block_size={p['block_size']}, queue_depth={p['queue_depth']}, "
                 f"intra_op_parallelism={p['intra_op_parallelism']}) on {kind}; fdatasync after wait()")
 
-    def write(self) -> Run:
-        """async_pwrite every tensor, wait(), then fdatasync every file (durable, like a put)."""
+    def own_files(self) -> list[Placement]:
+        """One file per tensor in this object's directory, written from offset 0."""
+        return [[(path, 0, b.numel())] for path, b in zip(self.paths, self.buffers)]
+
+    def write(self, placements: Sequence[Placement]) -> Run:
+        """async_pwrite every tensor to its ranges, wait(), then fdatasync every file (durable, like a put)."""
+        requests = self._requests(self.buffers, placements)
         start = time.perf_counter()
-        for buf, path in zip(self.buffers, self.paths):
-            self._check(self.handle.async_pwrite(buf, path), "async_pwrite", path)
-        self._wait(len(self.paths))
-        for path in self.paths:
+        for view, path, offset in requests:
+            self._check(self.handle.async_pwrite(view, path, offset), "async_pwrite", path)
+        self._wait(len(requests))
+        for path in dict.fromkeys(path for _, path, _ in requests):
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
         seconds = time.perf_counter() - start
-        return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.paths))
+        return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.tensors))
 
-    def read(self) -> Run:
-        """async_pread every file into its buffer (O_DIRECT), wait(), and verify the bytes."""
+    def read(self, placements: Sequence[Placement]) -> Run:
+        """async_pread every tensor's ranges into its buffer (O_DIRECT), wait(), and verify the bytes."""
         for t in self.targets:
             t.zero_()  # so a read that moves nothing cannot pass verification
+        requests = self._requests(self.targets, placements)
         start = time.perf_counter()
-        for buf, path in zip(self.targets, self.paths):
-            self._check(self.handle.async_pread(buf, path), "async_pread", path)
-        self._wait(len(self.paths))
+        for view, path, offset in requests:
+            self._check(self.handle.async_pread(view, path, offset), "async_pread", path)
+        self._wait(len(requests))
         seconds = time.perf_counter() - start
         ok = all(same(b.view(t.dtype).reshape(t.shape), t) for b, t in zip(self.targets, self.tensors))
-        return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.paths), verified=ok)
+        return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.tensors), verified=ok)
 
     def close(self) -> None:
-        """Free the locked buffers and remove the files."""
+        """Free the locked buffers and remove this object's own files."""
         if self.locked:
             for buf in self.buffers:
                 self.handle.free_cpu_locked_tensor(buf)
@@ -114,6 +131,21 @@ class DeepSpeedAio:
         for path in self.paths:
             if os.path.exists(path):
                 os.unlink(path)
+
+    def _requests(self, buffers: Sequence[torch.Tensor],
+                  placements: Sequence[Placement]) -> list[tuple[torch.Tensor, str, int]]:
+        """(buffer slice, path, offset) per range; slices of a locked buffer stay on the fast path."""
+        if len(placements) != len(buffers):
+            raise ValueError(f"{len(placements)} placements for {len(buffers)} tensors")
+        out = []
+        for buf, placement in zip(buffers, placements):
+            if sum(length for _, _, length in placement) != buf.numel():
+                raise ValueError(f"placement {placement} does not hold {buf.numel()} bytes")
+            pos = 0
+            for path, offset, length in placement:
+                out.append((buf[pos:pos + length], path, offset))
+                pos += length
+        return out
 
     def _wait(self, expected: int) -> None:
         done = self.handle.wait()
@@ -124,3 +156,11 @@ class DeepSpeedAio:
     def _check(rc: int, what: str, path: str) -> None:
         if rc != 0:
             raise RuntimeError(f"DeepSpeed {what} of {path} failed (returned {rc})")
+
+
+_BYTES = torch.empty(0, dtype=torch.uint8)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)

@@ -47,6 +47,15 @@ class StoreUnderTest:
             await asyncio.gather(*(self.store.delete(k) for k in self.store.keys()))
         self.run(go())
 
+    def placements(self, keys: Sequence[str]) -> list[list[tuple[str, int, int]]]:
+        """Where the store holds each key now, as (path, offset, length) ranges of its swap files
+        (``TieredStore.nvme_layout``; it moves with every put)."""
+        out = [[(e.path, e.offset, e.length) for e in self.store.nvme_layout(k)] for k in keys]
+        missing = [k for k, p in zip(keys, out) if not p]
+        if missing:
+            raise RuntimeError(f"the store holds no nvme copy of {missing[:3]}; put them before asking where they are")
+        return out
+
     def close(self) -> None:
         """Close the store and remove its directory (unless made with ``keep=True``)."""
         try:

@@ -27,6 +27,9 @@ _STORE_READS = ("read", "read into out=", "read into out=, gets in flight")
 ALIGNED = "aligned tensors"
 _ALIGNED_WRITES = (f"write, {ALIGNED}", f"write, {ALIGNED}, puts in flight")
 _ALIGNED_READS = (f"read into out=, {ALIGNED}", f"read into out=, {ALIGNED}, gets in flight")
+#: How the large phase names DeepSpeed's figures on files of its own (one per tensor); informative,
+#: not a target: its "deepspeed" figures use the store's own swap file, as the target asks.
+OWN_FILES = "own files"
 #: (peer tool, fraction wanted, store writes, store reads held against it).
 _PEERS = (
     ("fio", FIO_FRACTION, _STORE_WRITES + _ALIGNED_WRITES, _STORE_READS + _ALIGNED_READS),
