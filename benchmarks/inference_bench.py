@@ -307,7 +307,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prefetch-mib", type=int, default=256)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--loop", type=int, default=3, help="forwards back to back for the engine's loop timing")
+    p.add_argument("--loop", type=int, default=10,
+                   help="forwards back to back for the engine's loop timing (the first starts from nothing "
+                        "prefetched, so a short loop mostly measures that cold start)")
     p.add_argument("--json", help="write every run here")
     p.add_argument("--plot", help="write a PNG here (needs matplotlib)")
     args = p.parse_args(argv)
