@@ -1,0 +1,154 @@
+"""Store I/O settings alternated on the same disk blocks, each against DeepSpeed's aio on those blocks.
+
+    python benchmarks/store_settings.py --dir /nvme/scratch --rounds 7 --settings 16:32:crc,32:32:crc,16:32:nocrc
+
+Every setting (``io_threads:queue_depth:crc|nocrc``) reopens one store directory, so each writes
+into the same, already allocated extents: puts of ``--size`` bytes of page-aligned tensors (each
+durable on return), then gets into page-aligned tensors with every get in flight, checked bit for
+bit. DeepSpeed's aio handle on its page-locked tensors writes and reads the very ranges the store
+holds the same tensors in (``TieredStore.nvme_layout``). Settings and DeepSpeed run in an order
+rotated round by round, and each setting's ratio to DeepSpeed is paired within a round, so neither
+file placement nor the disk's drift favours one of them. Without DeepSpeed the settings are
+compared with each other alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from typing import Optional
+
+import torch
+from bench_output import write_json
+
+import tiered
+from tiered.bench.deepspeed_aio import DeepSpeedAio, load_aio
+from tiered.bench.store import LargeTensors, StoreUnderTest
+from tiered.bench.tensors import TensorFactory
+
+MiB = 1024 * 1024
+DEEPSPEED = "deepspeed, store's file"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One store configuration under test."""
+
+    io_threads: int
+    queue_depth: int
+    checksum: bool
+
+    @classmethod
+    def parse(cls, text: str) -> "Setting":
+        """``threads:depth:crc`` or ``threads:depth:nocrc``."""
+        parts = text.split(":")
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in ("crc", "nocrc"):
+            raise argparse.ArgumentTypeError(f"a setting is threads:depth:crc|nocrc, got {text!r}")
+        return cls(int(parts[0]), int(parts[1]), parts[2] == "crc")
+
+    @property
+    def name(self) -> str:
+        return f"store, {self.io_threads} threads, depth {self.queue_depth}{'' if self.checksum else ', no crc'}"
+
+
+def run(args: argparse.Namespace) -> dict:
+    workdir = tempfile.mkdtemp(prefix="tiered-settings-", dir=args.dir)
+    factory = TensorFactory()
+    tensors = [factory.make(args.tensor_size) for _ in range(max(1, args.size // args.tensor_size))]
+    aligned, outs = [], []
+    for t in tensors:
+        a = tiered.empty_aligned(t.shape, t.dtype)
+        a.copy_(t)
+        aligned.append(a)
+        outs.append(tiered.empty_aligned(t.shape, t.dtype))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    module, status = load_aio()
+    ds = None
+    if module is not None:
+        ds = DeepSpeedAio(module, os.path.join(workdir, "ds"), tensors, block_size=args.block_size,
+                          queue_depth=32, threads=4, locked=True)
+    else:
+        print(f"deepspeed: {status.note}; comparing the settings with each other only", file=sys.stderr)
+    names = [s.name for s in args.settings] + ([DEEPSPEED] if ds is not None else [])
+    runs: dict[str, dict[str, list[float]]] = {op: {n: [] for n in names} for op in ("write", "read")}
+
+    def one(name: str, setting: Setting) -> None:
+        config = tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=0, device_bytes=0,
+                                    block_size=args.block_size, io_threads=setting.io_threads,
+                                    queue_depth=setting.queue_depth, checksum=setting.checksum)
+        sut = StoreUnderTest(config, keep=True)  # closing keeps the files: the next setting reuses the extents
+        try:
+            store = LargeTensors(sut, aligned)
+            write = store.write()
+            if name == DEEPSPEED:
+                assert ds is not None
+                where = sut.placements(store.keys)
+                write, read = ds.write(where), ds.read(where)
+            else:
+                for out in outs:
+                    out.zero_()
+                read = store.read_concurrently(outs)
+            if not read.verified:
+                raise RuntimeError(f"{name}: a read returned other bytes than were written")
+            runs["write"][name].append(write.value)
+            runs["read"][name].append(read.value)
+        finally:
+            sut.close()
+
+    try:
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                setting = args.settings[names.index(name)] if name != DEEPSPEED else args.settings[0]
+                one(name, setting)
+            print(f"  round {r + 1}/{args.rounds}", file=sys.stderr)
+    finally:
+        if ds is not None:
+            ds.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    ref_name = DEEPSPEED if ds is not None else names[0]
+    print(f"\n{nbytes / 2**30:.2f} GiB as {len(tensors)} x {args.tensor_size // MiB} MiB, "
+          f"{args.block_size // MiB} MiB blocks, O_DIRECT, {args.rounds} rounds; paired ratios to {ref_name}")
+    print(f"| op | contender | median GB/s | min | max | paired / {ref_name} |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for op, group in runs.items():
+        ref = group[ref_name]
+        for name, values in group.items():
+            paired = statistics.median(v / w for v, w in zip(values, ref))
+            rows.append({"op": op, "contender": name, "runs": values, "median": statistics.median(values),
+                         "min": min(values), "max": max(values), "paired_ratio": paired})
+            print(f"| {op} | {name} | {statistics.median(values):.2f} | {min(values):.2f} | {max(values):.2f} | "
+                  f"{paired:.2f} |")
+    return {"bytes": nbytes, "block_size": args.block_size, "rounds": args.rounds, "reference": ref_name,
+            "settings": [dataclasses.asdict(s) for s in args.settings], "loadavg": os.getloadavg(), "rows": rows}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default=".", help="scratch directory on the disk under test")
+    p.add_argument("--settings", type=lambda s: [Setting.parse(x) for x in s.split(",")],
+                   default=[Setting(16, 32, True), Setting(32, 32, True)],
+                   help="io_threads:queue_depth:crc|nocrc, comma-separated (default 16:32:crc,32:32:crc)")
+    p.add_argument("--size", type=int, default=2048 * MiB, help="bytes per contender per round")
+    p.add_argument("--tensor-size", type=int, default=256 * MiB)
+    p.add_argument("--block-size", type=int, default=8 * MiB)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--json", help="write every run here")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.tensor_size % 4096 or args.block_size % 4096:
+        p.error(f"--tensor-size and --block-size must be multiples of 4096, got {args.tensor_size}, {args.block_size}")
+    write_json(run(args), args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
