@@ -23,7 +23,6 @@ import sys
 import tempfile
 from typing import Optional
 
-import torch
 from bench_output import write_json
 
 import tiered
