@@ -74,7 +74,8 @@ class DeepSpeedAio:
         self.paths = [os.path.join(directory, f"ds{i:05d}.swp") for i in range(len(self.tensors))]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
         if locked:
-            self.buffers = [self.handle.new_cpu_locked_tensor(t.numel() * t.element_size(), _BYTES)
+            like = torch.empty(0, dtype=torch.uint8)  # the locked buffers' dtype: bytes
+            self.buffers = [self.handle.new_cpu_locked_tensor(t.numel() * t.element_size(), like)
                             for t in self.tensors]
             for buf, t in zip(self.buffers, self.tensors):
                 buf.copy_(_as_bytes(t))
@@ -156,9 +157,6 @@ class DeepSpeedAio:
     def _check(rc: int, what: str, path: str) -> None:
         if rc != 0:
             raise RuntimeError(f"DeepSpeed {what} of {path} failed (returned {rc})")
-
-
-_BYTES = torch.empty(0, dtype=torch.uint8)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
