@@ -216,13 +216,16 @@ def run(args: argparse.Namespace) -> dict:
         with torch.inference_mode():
             wrapped_model(ids)  # steady state: what one forward prefetches for the next, it is given by the last
             before, usage_before = eng.stats(), resource.getrusage(resource.RUSAGE_SELF)
+            start = time.perf_counter()
             for _ in range(2):
                 wrapped_model(ids)
+            steady_seconds = (time.perf_counter() - start) / 2
             after, usage_after = eng.stats(), resource.getrusage(resource.RUSAGE_SELF)
         read_per_forward = (after.store.bytes_read - before.store.bytes_read) / 2
         loop.note = f"reads {read_per_forward / 1e9:.2f} GB per forward from the disk"
         ours.note += f"; {statistics.median(cold_reads) / 1e9:.2f} GB read while it ran"
         steady = {
+            "seconds_per_forward": steady_seconds,
             "minor_faults_per_forward": (usage_after.ru_minflt - usage_before.ru_minflt) / 2,
             "cpu_seconds_per_forward": (usage_after.ru_utime + usage_after.ru_stime
                                         - usage_before.ru_utime - usage_before.ru_stime) / 2,
@@ -272,7 +275,8 @@ def run(args: argparse.Namespace) -> dict:
           f"{read_floor:.3f} s ({read_gbps:.2f} GB/s), {read_floor / acc.median:.3f} of accelerate's time; "
           f"the engine reads {read_per_forward / 1e9:.2f} GB per forward in a loop; load average "
           f"{load_before[0]:.1f} -> {result['loadavg_after'][0]:.1f}")
-    print(f"engine in steady state, per forward: {steady['minor_faults_per_forward']:.0f} minor page faults, "
+    print(f"engine in steady state, per forward: {steady['seconds_per_forward']:.3f} s, "
+          f"{steady['minor_faults_per_forward']:.0f} minor page faults, "
           f"{steady['cpu_seconds_per_forward']:.2f} CPU s (all threads), {steady['stall_seconds_per_forward']:.3f} s "
           f"waiting for weights")
     return result
@@ -304,7 +308,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--host-mib", type=int, default=64, help="the store's host budget (keep it far below the model)")
-    p.add_argument("--prefetch-mib", type=int, default=256)
+    p.add_argument("--prefetch-mib", type=int, default=320,
+                   help="the engine's prefetch window. The tied wte/lm_head (196 MiB) stays in it for the whole "
+                        "forward; the rest must hold the next two layers (48 MiB each) for them to be read ahead "
+                        "of the compute (docs/tuning.md section 3); 256 MiB leaves room for one")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loop", type=int, default=10,
