@@ -1,10 +1,14 @@
-"""What the end-to-end benchmarks share: the load-average record, the JSON file and a headless pyplot."""
+"""What the benchmarks share: the load-average record, the JSON file, a headless pyplot, and for
+the ones that alternate contenders round by round, the rotation, paired ratios and a markdown table."""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+import statistics
+from typing import Any, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 def with_load(result: dict[str, Any], load_before: tuple[float, float, float]) -> dict[str, Any]:
@@ -20,6 +24,31 @@ def write_json(result: dict[str, Any], path: Optional[str]) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def rotated(items: Sequence[T], k: int) -> list[T]:
+    """``items`` rotated left by ``k``: round ``k`` of an alternation starts with a different contender."""
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+def paired_median(values: Sequence[float], ref: Optional[Sequence[float]]) -> Optional[float]:
+    """The median over rounds of ``values[i] / ref[i]`` (None without a reference): a ratio taken within
+    each round, so the disk's drift between rounds cancels out."""
+    if not ref:
+        return None
+    return statistics.median(v / r for v, r in zip(values, ref))
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A markdown table on stdout; floats with two decimals, None as "-"."""
+    def cell(v: Any) -> str:
+        return "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
+
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(cell(v) for v in row) + " |")
 
 
 def pyplot() -> Any:

@@ -33,7 +33,7 @@ import time
 from typing import Callable, Optional
 
 import torch
-from bench_output import write_json
+from bench_output import paired_median, print_table, rotated, write_json
 
 import tiered
 from tiered.bench.deepspeed_aio import DeepSpeedAio, load_aio
@@ -89,11 +89,6 @@ class RawThreads:
     def close(self) -> None:
         self.pool.shutdown()
         os.close(self.fd)
-
-
-def rotated(items: list, k: int) -> list:
-    k %= len(items)
-    return items[k:] + items[:k]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -189,28 +184,20 @@ def run(args: argparse.Namespace) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
 
     rows = []
-    print(f"\n{nbytes / 2**30:.2f} GiB as {n} x {args.tensor_size // MiB} MiB bf16, {args.rounds} rounds, "
-          f"{args.block_size // MiB} MiB blocks, queue depth {args.queue_depth}, {args.threads} threads, O_DIRECT")
-    print("| op | contender | median GB/s | min | max | paired / fio | paired / deepspeed |")
-    print("|---|---|---|---|---|---|---|")
     for op, group in runs.items():
         for name, values in group.items():
-            paired = {ref: _paired(values, group.get(ref)) for ref in ("fio", "deepspeed, locked")}
             rows.append({"op": op, "contender": name, "runs": values, "median": statistics.median(values),
-                         "min": min(values), "max": max(values), "paired_ratio_to_fio": paired["fio"],
-                         "paired_ratio_to_deepspeed": paired["deepspeed, locked"]})
-            show = ["-" if v is None else f"{v:.2f}" for v in paired.values()]
-            print(f"| {op} | {name} | {statistics.median(values):.2f} | {min(values):.2f} | {max(values):.2f} | "
-                  f"{show[0]} | {show[1]} |")
+                         "min": min(values), "max": max(values),
+                         "paired_ratio_to_fio": paired_median(values, group.get("fio")),
+                         "paired_ratio_to_deepspeed": paired_median(values, group.get("deepspeed, locked"))})
+    print(f"\n{nbytes / 2**30:.2f} GiB as {n} x {args.tensor_size // MiB} MiB bf16, {args.rounds} rounds, "
+          f"{args.block_size // MiB} MiB blocks, queue depth {args.queue_depth}, {args.threads} threads, O_DIRECT")
+    print_table(["op", "contender", "median GB/s", "min", "max", "paired / fio", "paired / deepspeed"],
+                [[r["op"], r["contender"], r["median"], r["min"], r["max"], r["paired_ratio_to_fio"],
+                  r["paired_ratio_to_deepspeed"]] for r in rows])
     return {"bytes": nbytes, "tensors": n, "rounds": args.rounds, "block_size": args.block_size,
             "queue_depth": args.queue_depth, "threads": args.threads,
             "loadavg": os.getloadavg(), "rows": rows}
-
-
-def _paired(values: list[float], ref: Optional[list[float]]) -> Optional[float]:
-    if not ref:
-        return None
-    return statistics.median(v / r for v, r in zip(values, ref))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

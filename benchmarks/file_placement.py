@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Optional
 
-from bench_output import write_json
+from bench_output import print_table, rotated, write_json
 
 MiB = 1024 * 1024
 
@@ -90,9 +90,8 @@ def run(args: argparse.Namespace) -> dict:
         for op in runs:
             runs[op] = {name: [] for name in names}
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
             for op in ("write", "read"):
-                for name in order:
+                for name in rotated(names, r):
                     runs[op][name].append(nbytes / sets[name].run(pool, view, write=op == "write") / 1e9)
             print(f"  round {r + 1}/{args.rounds}", file=sys.stderr)
     finally:
@@ -104,17 +103,17 @@ def run(args: argparse.Namespace) -> dict:
         memory.close()
 
     rows = []
-    print(f"\n{nbytes / 2**30:.2f} GiB per set, {args.block_size // MiB} MiB blocks, {args.threads} threads, O_DIRECT, "
-          f"{args.rounds} rounds")
-    print("| op | file set | median GB/s | min | max | median / slowest set's |")
-    print("|---|---|---|---|---|---|")
+    table = []
     for op, group in runs.items():
         slowest = min(statistics.median(v) for v in group.values())
         for name, values in group.items():
             median = statistics.median(values)
             rows.append({"op": op, "set": name, "runs": values, "median": median, "min": min(values),
                          "max": max(values)})
-            print(f"| {op} | {name} | {median:.2f} | {min(values):.2f} | {max(values):.2f} | {median / slowest:.2f} |")
+            table.append([op, name, median, min(values), max(values), median / slowest])
+    print(f"\n{nbytes / 2**30:.2f} GiB per set, {args.block_size // MiB} MiB blocks, {args.threads} threads, O_DIRECT, "
+          f"{args.rounds} rounds")
+    print_table(["op", "file set", "median GB/s", "min", "max", "median / slowest set's"], table)
     return {"bytes": nbytes, "block_size": args.block_size, "threads": args.threads, "rounds": args.rounds,
             "loadavg": os.getloadavg(), "rows": rows}
 

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from typing import Optional
 
-from bench_output import write_json
+from bench_output import paired_median, print_table, rotated, write_json
 
 import tiered
 from tiered.bench.deepspeed_aio import DeepSpeedAio, load_aio
@@ -73,7 +73,9 @@ def run(args: argparse.Namespace) -> dict:
                           queue_depth=32, threads=4, locked=True)
     else:
         print(f"deepspeed: {status.note}; comparing the settings with each other only", file=sys.stderr)
-    names = [s.name for s in args.settings] + ([DEEPSPEED] if ds is not None else [])
+    # DeepSpeed's turn opens the store with the first setting: its puts place the tensors it then moves.
+    setting_of = {s.name: s for s in args.settings} | ({DEEPSPEED: args.settings[0]} if ds is not None else {})
+    names = list(setting_of)
     runs: dict[str, dict[str, list[float]]] = {op: {n: [] for n in names} for op in ("write", "read")}
 
     def one(name: str, setting: Setting) -> None:
@@ -101,10 +103,8 @@ def run(args: argparse.Namespace) -> dict:
 
     try:
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for name in order:
-                setting = args.settings[names.index(name)] if name != DEEPSPEED else args.settings[0]
-                one(name, setting)
+            for name in rotated(names, r):
+                one(name, setting_of[name])
             print(f"  round {r + 1}/{args.rounds}", file=sys.stderr)
     finally:
         if ds is not None:
@@ -114,17 +114,11 @@ def run(args: argparse.Namespace) -> dict:
     ref_name = DEEPSPEED if ds is not None else names[0]
     print(f"\n{nbytes / 2**30:.2f} GiB as {len(tensors)} x {args.tensor_size // MiB} MiB, "
           f"{args.block_size // MiB} MiB blocks, O_DIRECT, {args.rounds} rounds; paired ratios to {ref_name}")
-    print(f"| op | contender | median GB/s | min | max | paired / {ref_name} |")
-    print("|---|---|---|---|---|---|")
-    rows = []
-    for op, group in runs.items():
-        ref = group[ref_name]
-        for name, values in group.items():
-            paired = statistics.median(v / w for v, w in zip(values, ref))
-            rows.append({"op": op, "contender": name, "runs": values, "median": statistics.median(values),
-                         "min": min(values), "max": max(values), "paired_ratio": paired})
-            print(f"| {op} | {name} | {statistics.median(values):.2f} | {min(values):.2f} | {max(values):.2f} | "
-                  f"{paired:.2f} |")
+    rows = [{"op": op, "contender": name, "runs": values, "median": statistics.median(values), "min": min(values),
+             "max": max(values), "paired_ratio": paired_median(values, group[ref_name])}
+            for op, group in runs.items() for name, values in group.items()]
+    print_table(["op", "contender", "median GB/s", "min", "max", f"paired / {ref_name}"],
+                [[r["op"], r["contender"], r["median"], r["min"], r["max"], r["paired_ratio"]] for r in rows])
     return {"bytes": nbytes, "block_size": args.block_size, "rounds": args.rounds, "reference": ref_name,
             "settings": [dataclasses.asdict(s) for s in args.settings], "loadavg": os.getloadavg(), "rows": rows}
 

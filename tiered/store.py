@@ -415,14 +415,7 @@ class TieredStore(BatchCalls, TierBookkeeping):
         if copy is None:
             return ()
         assert isinstance(copy, NvmeCopy)
-        pieces = []
-        left = copy.nbytes
-        for ext in copy.extents:
-            take = min(ext.length, left)
-            if take > 0:
-                pieces.append(SwapExtent(self._nvme.files[ext.file].path, ext.offset, take))
-            left -= take
-        return tuple(pieces)
+        return self._nvme.layout(copy)
 
     # ------------------------------------------------------------------ calling convention
 

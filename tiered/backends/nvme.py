@@ -18,6 +18,7 @@ from tiered.errors import CapacityError
 from tiered.extents import Extent, ExtentAllocator
 from tiered.io import BlockRead, BlockWrite, FileHandle, IOEngine, open_file, round_up
 from tiered.spans import Span, aligned_views, copy_in, copy_out
+from tiered.stats import SwapExtent
 from tiered.tier import Tier
 
 
@@ -241,6 +242,17 @@ class NvmeBackend(TierBackend):
     def _free_extents(self, extents: Sequence[FileExtent]) -> None:
         for ext in extents:
             self.files[ext.file].alloc.free([Extent(ext.offset, ext.length)])
+
+    def layout(self, copy: NvmeCopy) -> tuple[SwapExtent, ...]:
+        """The copy's stored bytes, in order, as ranges of swap files (its extents, trimmed to ``nbytes``)."""
+        pieces = []
+        left = copy.nbytes
+        for ext in copy.extents:
+            take = min(ext.length, left)
+            if take > 0:
+                pieces.append(SwapExtent(self.files[ext.file].path, ext.offset, take))
+            left -= take
+        return tuple(pieces)
 
     def _chunks(self, copy: NvmeCopy) -> list[tuple[int, SwapFile, int, int, int]]:
         """``(index, file, file_offset, logical_start, length)`` per checksummed chunk.
