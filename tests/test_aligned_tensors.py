@@ -106,8 +106,11 @@ async def test_aligned_tensors_are_written_and_read_in_place(nvme_config):
         assert (counters.staged_writes, counters.staged_reads) == before[:2]
         assert same_bytes(back, exact)
 
-        plain = value.clone()
-        assert plain.data_ptr() % 4096  # torch's allocator: not page-aligned, so staged
+        # A view 64 bytes into an aligned buffer: never page-aligned, whatever torch's allocator returns.
+        backing = tiered.empty_aligned((value.numel() + 16,), value.dtype)
+        plain = backing[16:]
+        plain.copy_(value)
+        assert plain.data_ptr() % 4096 == 64
         before_w = counters.staged_writes
         await store.put("plain", plain, tier="nvme")
         assert counters.staged_writes - before_w >= 12
