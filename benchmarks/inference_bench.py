@@ -165,12 +165,15 @@ def run(args: argparse.Namespace) -> dict:
 
         wrapped_model = copy.deepcopy(reference)
         store_cfg = tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=args.host_mib * MiB)
+        if args.io_threads:
+            store_cfg = store_cfg.replace(io_threads=args.io_threads)
         eng = engine.wrap(
             wrapped_model,
             config=engine.EngineConfig(store=store_cfg, param_tier="nvme", prefetch_bytes=args.prefetch_mib * MiB),
         )
         ours = Contender("tiered engine, nvme, one forward from nothing prefetched")
-        ours.note = f"host budget {args.host_mib} MiB, prefetch {args.prefetch_mib} MiB, O_DIRECT reads"
+        ours.note = (f"host budget {args.host_mib} MiB, prefetch {args.prefetch_mib} MiB, "
+                     f"{store_cfg.io_threads} io threads, O_DIRECT reads")
         loop = Contender(f"tiered engine, nvme, per forward in a loop of {args.loop}")
 
         cold_reads: list[int] = []  # store bytes read while a cold forward ran
@@ -313,6 +316,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "forward; the rest must hold the next two layers (48 MiB each) for them to be read ahead "
                         "of the compute (docs/tuning.md section 3); 256 MiB leaves room for one")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--io-threads", type=int, default=0, help="the store's io_threads (0: StoreConfig's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loop", type=int, default=10,
                    help="forwards back to back for the engine's loop timing (the first starts from nothing "

@@ -127,8 +127,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=".", help="scratch directory on the disk under test")
     p.add_argument("--settings", type=lambda s: [Setting.parse(x) for x in s.split(",")],
-                   default=[Setting(16, 32, True), Setting(32, 32, True)],
-                   help="io_threads:queue_depth:crc|nocrc, comma-separated (default 16:32:crc,32:32:crc)")
+                   default=[Setting(16, 32, True), Setting(64, 64, True)],
+                   help="io_threads:queue_depth:crc|nocrc, comma-separated "
+                        "(default 16:32:crc,64:64:crc: the old and the current defaults)")
     p.add_argument("--size", type=int, default=2048 * MiB, help="bytes per contender per round")
     p.add_argument("--tensor-size", type=int, default=256 * MiB)
     p.add_argument("--block-size", type=int, default=8 * MiB)

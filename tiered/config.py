@@ -35,17 +35,18 @@ class StoreConfig:
     device: Optional[str] = None
     #: Bytes per I/O request; large transfers are split into blocks of this size.
     block_size: int = 8 * MiB
-    #: Most blocks in flight at once over the whole store. Twice ``io_threads`` keeps every thread
-    #: fed: a thread that finishes a block picks up the next one at once, without waiting for the
-    #: event loop to submit it. See docs/benchmarks.md for how 8/8/8 -> 32/16/16 was chosen.
-    queue_depth: int = 32
+    #: Most blocks in flight at once over the whole store: the disk's queue depth, since each block
+    #: is one syscall on its own thread. See docs/benchmarks.md for how 8/8/8 -> 32/16/16 -> 64/16/64
+    #: (queue depth / staging buffers / io threads) was chosen: reads gain most from depth.
+    queue_depth: int = 64
     #: Staging buffers of ``block_size`` bytes (page-aligned; pinned under CUDA). A block whose memory
     #: cannot take O_DIRECT (a caller's tensor, a device copy) moves through one, so at most this many
     #: such blocks are in flight; blocks of host-tier copies and get results need none. Capped at
     #: ``queue_depth``. 16 x 8 MiB keeps the disk busy while blocks are being copied and checksummed.
     staging_buffers: int = 16
-    #: Worker threads issuing pread/pwrite (each blocks in one syscall at a time).
-    io_threads: int = 16
+    #: Worker threads issuing pread/pwrite (each blocks in one syscall at a time, so at most this
+    #: many blocks are at the disk). Threads start on demand; a blocked one costs no CPU.
+    io_threads: int = 64
     #: nvme transfers up to this many bytes that arrive in the same event-loop iteration (puts or
     #: gets in flight together) run as one batch: back-to-back chunks in one syscall
     #: (tiered/backends/coalesce.py). 0 runs every transfer on its own.

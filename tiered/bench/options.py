@@ -69,9 +69,9 @@ class BenchOptions:
     repeats: int = 3
     sweep: bool = False
     sweep_block_sizes: tuple[int, ...] = (1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)
-    # The grids bracket StoreConfig's defaults (queue_depth 32, io_threads 16) from both sides.
-    sweep_queue_depths: tuple[int, ...] = (8, 16, 32, 64)
-    sweep_io_threads: tuple[int, ...] = (8, 16, 32)
+    # The grids bracket StoreConfig's defaults (queue_depth 64, io_threads 64) from both sides.
+    sweep_queue_depths: tuple[int, ...] = (16, 32, 64, 128)
+    sweep_io_threads: tuple[int, ...] = (16, 64, 128)
     sweep_bytes: int = 512 * MiB
     drop_caches: bool = False
     skip: tuple[str, ...] = ()
