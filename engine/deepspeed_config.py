@@ -27,6 +27,11 @@ DeepSpeedConfig = Union[Mapping[str, Any], str, "os.PathLike[str]"]
 
 MAP, ACCEPT, DEFAULT_ONLY = "map", "accept", "default-only"
 ALIGNMENT = 4096
+#: DeepSpeed's own aio defaults, for an ``aio`` section that sets one of the two but not the other.
+DEEPSPEED_AIO_QUEUE_DEPTH = 8
+DEEPSPEED_AIO_THREADS = 1
+#: A mapped aio section never starts more store I/O threads than this.
+MAX_MAPPED_IO_THREADS = 256
 FP32_BYTES = 4
 
 
@@ -204,9 +209,10 @@ ZERO: Schema = {
 
 AIO: Schema = {
     "block_size": Key(_block_size, MAP, "StoreConfig.block_size"),
-    "queue_depth": Key(_int(1), MAP, "StoreConfig.queue_depth (blocks in flight over the whole store)"),
-    "intra_op_parallelism": Key(_int(1), MAP, "StoreConfig.io_threads"),
-    "thread_count": Key(_int(1), MAP, "StoreConfig.io_threads (older DeepSpeed name of intra_op_parallelism)"),
+    "queue_depth": Key(_int(1), MAP, "StoreConfig.queue_depth and io_threads: queue_depth x intra_op_parallelism "
+                       "(the requests DeepSpeed keeps in flight, one libaio queue per thread)"),
+    "intra_op_parallelism": Key(_int(1), MAP, "StoreConfig.queue_depth and io_threads, with aio.queue_depth"),
+    "thread_count": Key(_int(1), MAP, "as intra_op_parallelism (its older DeepSpeed name)"),
     "single_submit": Key(_bool, ACCEPT, "libaio submission detail; each store I/O thread issues one syscall per block"),
     "overlap_events": Key(_bool, ACCEPT, "libaio completion detail; store blocks complete independently"),
     "use_gds": Key(_bool, DEFAULT_ONLY, "GPUDirect Storage is not supported yet (docs/architecture.md)", False),
@@ -394,11 +400,15 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
     threads = {k: found[k] for k in ("aio.intra_op_parallelism", "aio.thread_count") if k in found}
     if len(set(threads.values())) > 1:
         problems.append("aio.thread_count: older name of aio.intra_op_parallelism, set to a different value")
-    if threads:
-        sto["io_threads"] = next(iter(threads.values()))
-    for key, field in (("aio.block_size", "block_size"), ("aio.queue_depth", "queue_depth")):
-        if key in found:
-            sto[field] = found[key]
+    if threads or "aio.queue_depth" in found:
+        # DeepSpeed's queue_depth is per thread (each has its own libaio context); each store I/O
+        # thread keeps one block at the disk, so the same depth takes that many threads.
+        in_flight = (found.get("aio.queue_depth", DEEPSPEED_AIO_QUEUE_DEPTH)
+                     * next(iter(threads.values()), DEEPSPEED_AIO_THREADS))
+        sto["queue_depth"] = in_flight
+        sto["io_threads"] = min(in_flight, MAX_MAPPED_IO_THREADS)
+    if "aio.block_size" in found:
+        sto["block_size"] = found["aio.block_size"]
 
     if "gradient_clipping" in found:
         eng["max_grad_norm"] = found["gradient_clipping"] or None  # DeepSpeed clips only when > 0

@@ -65,10 +65,13 @@ def test_minimal_stage3_config_keeps_every_default(store):
     ({"gradient_clipping": 1.5}, {"max_grad_norm": 1.5}, {}),
     ({"gradient_clipping": 0}, {"max_grad_norm": None}, {}),
     ({"aio": {"block_size": 1048576}}, {}, {"block_size": 1048576}),
-    ({"aio": {"queue_depth": 8}}, {}, {"queue_depth": 8}),
-    ({"aio": {"intra_op_parallelism": 3}}, {}, {"io_threads": 3}),
-    ({"aio": {"thread_count": 2}}, {}, {"io_threads": 2}),
-    ({"aio": {"thread_count": 2, "intra_op_parallelism": 2}}, {}, {"io_threads": 2}),
+    # DeepSpeed's queue depth is per thread; each store thread holds one request at the disk.
+    ({"aio": {"queue_depth": 4}}, {}, {"queue_depth": 4, "io_threads": 4}),
+    ({"aio": {"intra_op_parallelism": 3}}, {}, {"queue_depth": 24, "io_threads": 24}),
+    ({"aio": {"thread_count": 2}}, {}, {"queue_depth": 16, "io_threads": 16}),
+    ({"aio": {"thread_count": 2, "intra_op_parallelism": 2}}, {}, {"queue_depth": 16, "io_threads": 16}),
+    ({"aio": {"queue_depth": 32, "intra_op_parallelism": 4}}, {}, {"queue_depth": 128, "io_threads": 128}),
+    ({"aio": {"queue_depth": 128, "intra_op_parallelism": 8}}, {}, {"queue_depth": 1024, "io_threads": 256}),
 ])
 def test_each_mapping(store, fragment, engine_fields, store_fields):
     config = EngineConfig.from_deepspeed(ds(**fragment), store=store)
@@ -119,7 +122,7 @@ def test_overrides_win_and_absent_keys_keep_the_store(store):
         param_tier="nvme", compress_optimizer=True,
     )
     assert config.param_tier == "nvme" and config.compress_optimizer
-    assert (config.store.queue_depth, config.store.block_size, config.store.io_threads) == (4, 4 * MiB, 6)
+    assert (config.store.queue_depth, config.store.block_size, config.store.io_threads) == (4, 4 * MiB, 4)
 
 
 def test_json_file(store, tmp_path):
@@ -223,6 +226,10 @@ def test_schema_covers_every_key_of_the_installed_deepspeed():
     assert names(DeepSpeedZeroOffloadOptimizerConfig) <= set(zero["offload_optimizer"])
     assert {getattr(aio, n) for n in dir(aio) if n.startswith("AIO_") and n.count("_") >= 2
             and not n.endswith(("_DEFAULT", "_FORMAT"))} <= set(TOP["aio"])
+    # The defaults the mapping assumes for a half-given aio section are DeepSpeed's own.
+    from engine.deepspeed_config import DEEPSPEED_AIO_QUEUE_DEPTH, DEEPSPEED_AIO_THREADS
+    assert (aio.AIO_QUEUE_DEPTH_DEFAULT, aio.AIO_INTRA_OP_PARALLELISM_DEFAULT) == (
+        DEEPSPEED_AIO_QUEUE_DEPTH, DEEPSPEED_AIO_THREADS)
 
 
 def test_every_key_has_an_action_and_a_reason():
@@ -380,7 +387,7 @@ def test_a_full_hugging_face_style_config(store, tmp_path):
     del config["zero_optimization"]["aio"]
     engine_config = EngineConfig.from_deepspeed(config, store=store)
     assert engine_config == EngineConfig(
-        store=store.replace(nvme_paths=(nvme,), block_size=262144, queue_depth=32, io_threads=1),
+        store=store.replace(nvme_paths=(nvme,), block_size=262144, queue_depth=32, io_threads=32),
         param_tier="nvme", optimizer_tier="nvme", optimizer_group_bytes=4_000_000_000,
     )
     opt = optimizer_from_deepspeed(config)
