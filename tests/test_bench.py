@@ -68,14 +68,18 @@ def test_quick_run_reports_every_phase_and_round_trips(tmp_path, no_deepspeed, c
     assert not any(f["tool"].startswith("deepspeed") for f in report["figures"])
     targets = {t["name"]: t for t in report["targets"]}
     # Like for like: aligned tensors vs DeepSpeed's locked ones, plain tensors vs DeepSpeed given plain ones.
-    assert targets["store write, aligned tensors vs deepspeed write"]["met"] is None
+    assert targets["store write, aligned tensors vs deepspeed write, one tensor at a time"]["met"] is None
+    assert targets["store write, aligned tensors, puts in flight vs deepspeed write"]["met"] is None
     assert targets["store write vs deepspeed (plain tensors) write"]["met"] is None
     assert "store write vs deepspeed write" not in targets
     for op in ("write, aligned tensors", "write, aligned tensors, puts in flight", "read into out=, aligned tensors",
                "read into out=, gets in flight", "read into out=, aligned tensors, gets in flight"):
         assert figures[f"{large} / store {op}"]["verified"] is not False
-    # Gets awaited together are held against DeepSpeed's async_pread x N + wait(), like the puts.
+    # Gets awaited together are held against DeepSpeed's async_pread x N + wait(), like the puts;
+    # sequential gets against DeepSpeed reading one tensor at a time.
     assert "store read into out=, aligned tensors, gets in flight vs deepspeed read" in targets
+    assert "store read into out=, aligned tensors vs deepspeed read, one tensor at a time" in targets
+    assert "store read into out=, aligned tensors vs deepspeed read" not in targets
     assert "small 64 KiB put+get" in targets
     # The batched row (put_many/get_many) sits beside the per-call ones and counts toward the target.
     batched = [f for f in report["figures"] if f["phase"] == "small 64KiB" and f["op"].startswith("put_many+get_many")]
@@ -148,11 +152,17 @@ def test_deepspeed_moves_the_same_tensors_on_the_store_file_and_its_own(tmp_path
     for tool in ("deepspeed", "deepspeed (own files)", "deepspeed (plain tensors)"):
         assert all(r["verified"] is True for r in figures[(tool, "read")]["runs"]), tool
         assert len(figures[(tool, "write")]["runs"]) == 3
+    assert all(r["verified"] is True for r in figures[("deepspeed", "read, one tensor at a time")]["runs"])
+    assert len(figures[("deepspeed", "write, one tensor at a time")]["runs"]) == 3
     # DeepSpeed rewrote the store's ranges between the store's own rounds: the store still reads back its bytes.
     for (tool, op), f in figures.items():
         if tool == "store" and op.startswith("read"):
             assert all(r["verified"] is True for r in f["runs"]), op
     assert any("on the store's swap file" in n for n in report["notes"])
     targets = {t["name"]: t for t in report["targets"]}
-    assert targets["store write, aligned tensors vs deepspeed write"]["measured"] is not None
+    for name in ("store write, aligned tensors vs deepspeed write, one tensor at a time",
+                 "store read into out=, aligned tensors vs deepspeed read, one tensor at a time",
+                 "store write, aligned tensors, puts in flight vs deepspeed write",
+                 "store read into out=, aligned tensors, gets in flight vs deepspeed read"):
+        assert targets[name]["measured"] is not None, name
     assert not any("own files" in name for name in targets)  # informative only

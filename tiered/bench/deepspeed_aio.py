@@ -5,6 +5,7 @@ deepspeed or libaio is missing."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import sys
@@ -51,7 +52,8 @@ Placement = Sequence[tuple[str, int, int]]
 
 
 class DeepSpeedAio:
-    """One aio handle moving the same tensors with ``async_pwrite``/``async_pread`` x N, then ``wait()``.
+    """One aio handle moving the same tensors with ``async_pwrite``/``async_pread`` x N, then ``wait()``
+    (or one tensor at a time: its requests, then ``wait()``, then the next).
 
     ``locked=True`` uses DeepSpeed's page-locked tensors (its fast path); ``locked=False`` passes the
     caller's plain tensors, which it bounces through a copy. Each call takes where the bytes go:
@@ -94,31 +96,40 @@ class DeepSpeedAio:
         """One file per tensor in this object's directory, written from offset 0."""
         return [[(path, 0, b.numel())] for path, b in zip(self.paths, self.buffers)]
 
-    def write(self, placements: Sequence[Placement]) -> Run:
-        """async_pwrite every tensor to its ranges, wait(), then fdatasync every file (durable, like a put)."""
-        requests = self._requests(self.buffers, placements)
+    def write(self, placements: Sequence[Placement], *, one_at_a_time: bool = False) -> Run:
+        """async_pwrite every tensor to its ranges, wait(), then fdatasync every file (durable, like a put).
+
+        ``one_at_a_time``: each tensor is written, waited for and made durable before the next starts,
+        as sequential puts (each durable on return) are.
+        """
+        groups = self._groups(self.buffers, placements, one_at_a_time)
         start = time.perf_counter()
-        for view, path, offset in requests:
-            self._check(self.handle.async_pwrite(view, path, offset), "async_pwrite", path)
-        self._wait(len(requests))
-        for path in dict.fromkeys(path for _, path, _ in requests):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
+        for requests in groups:
+            for view, path, offset in requests:
+                self._check(self.handle.async_pwrite(view, path, offset), "async_pwrite", path)
+            self._wait(len(requests))
+            for path in dict.fromkeys(path for _, path, _ in requests):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
         seconds = time.perf_counter() - start
         return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.tensors))
 
-    def read(self, placements: Sequence[Placement]) -> Run:
-        """async_pread every tensor's ranges into its buffer (O_DIRECT), wait(), and verify the bytes."""
+    def read(self, placements: Sequence[Placement], *, one_at_a_time: bool = False) -> Run:
+        """async_pread every tensor's ranges into its buffer (O_DIRECT), wait(), and verify the bytes.
+
+        ``one_at_a_time``: each tensor is read and waited for before the next starts, as sequential gets are.
+        """
         for t in self.targets:
             t.zero_()  # so a read that moves nothing cannot pass verification
-        requests = self._requests(self.targets, placements)
+        groups = self._groups(self.targets, placements, one_at_a_time)
         start = time.perf_counter()
-        for view, path, offset in requests:
-            self._check(self.handle.async_pread(view, path, offset), "async_pread", path)
-        self._wait(len(requests))
+        for requests in groups:
+            for view, path, offset in requests:
+                self._check(self.handle.async_pread(view, path, offset), "async_pread", path)
+            self._wait(len(requests))
         seconds = time.perf_counter() - start
         ok = all(same(b.view(t.dtype).reshape(t.shape), t) for b, t in zip(self.targets, self.tensors))
         return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.tensors), verified=ok)
@@ -132,6 +143,15 @@ class DeepSpeedAio:
         for path in self.paths:
             if os.path.exists(path):
                 os.unlink(path)
+
+    def _groups(self, buffers: Sequence[torch.Tensor], placements: Sequence[Placement],
+                one_at_a_time: bool) -> list[list[tuple[torch.Tensor, str, int]]]:
+        """The requests, in one group submitted before a single wait(), or one group per tensor."""
+        requests = self._requests(buffers, placements)
+        if not one_at_a_time:
+            return [requests]
+        each = iter(requests)
+        return [list(itertools.islice(each, len(p))) for p in placements]
 
     def _requests(self, buffers: Sequence[torch.Tensor],
                   placements: Sequence[Placement]) -> list[tuple[torch.Tensor, str, int]]:

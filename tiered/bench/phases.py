@@ -17,7 +17,7 @@ from tiered.progress import Progress
 from tiered.bench.results import GBPS, OPS, SECONDS, BenchResult, Figure, Run
 from tiered.bench.store import LargeTensors, StoreUnderTest, prefetch_round, put_all, small_batched_round, small_round
 from tiered.bench.system import drop_page_cache
-from tiered.bench.targets import ALIGNED, BATCHED_OP, OWN_FILES
+from tiered.bench.targets import ALIGNED, BATCHED_OP, ONE_AT_A_TIME, OWN_FILES
 from tiered.bench.tensors import TensorFactory
 from tiered.bench.torchsave import TorchSave
 from tiered.config import MiB
@@ -135,6 +135,9 @@ def large_phase(ctx: Context) -> None:
             closers.append(ds.close)
             writers["deepspeed:write"] = ("deepspeed", lambda: ds.write(in_store()))
             readers["deepspeed:read"] = ("deepspeed", lambda: ds.read(in_store()))
+            writers[f"deepspeed:write, {ONE_AT_A_TIME}"] = (
+                "deepspeed", lambda: ds.write(in_store(), one_at_a_time=True))
+            readers[f"deepspeed:read, {ONE_AT_A_TIME}"] = ("deepspeed", lambda: ds.read(in_store(), one_at_a_time=True))
             own = f"deepspeed ({OWN_FILES})"
             writers[f"{own}:write"] = (own, lambda: ds.write(ds.own_files()))
             readers[f"{own}:read"] = (own, lambda: ds.read(ds.own_files()))
