@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+import types
+from typing import Callable
+
 import pytest
 import torch
 
@@ -57,3 +62,11 @@ async def store(config):
     s = await tiered.TieredStore.open_async(config)
     yield s
     await s.close()
+
+
+@pytest.fixture
+def benchmark_script(monkeypatch) -> Callable[[str], types.ModuleType]:
+    """Imports a script of benchmarks/ by name (the scripts import their sibling bench_output, so
+    the folder goes on sys.path for the test)."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    return importlib.import_module

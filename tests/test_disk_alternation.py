@@ -9,15 +9,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 @pytest.fixture
-def disk_alternation(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
-    import disk_alternation
-
-    return disk_alternation
+def disk_alternation(benchmark_script):
+    return benchmark_script("disk_alternation")
 
 
 def test_alternation_reports_every_contender(tmp_path, disk_alternation, monkeypatch, capsys):

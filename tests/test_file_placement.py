@@ -8,15 +8,9 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 @pytest.fixture
-def file_placement(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
-    import file_placement
-
-    return file_placement
+def file_placement(benchmark_script):
+    return benchmark_script("file_placement")
 
 
 def test_placement_reports_every_set_and_cleans_up(tmp_path, file_placement, capsys):

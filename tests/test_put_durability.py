@@ -8,15 +8,9 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 @pytest.fixture
-def put_durability(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
-    import put_durability
-
-    return put_durability
+def put_durability(benchmark_script):
+    return benchmark_script("put_durability")
 
 
 def test_every_variant_runs_every_round_in_one_directory(tmp_path, put_durability, capsys):

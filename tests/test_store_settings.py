@@ -9,15 +9,9 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 @pytest.fixture
-def store_settings(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
-    import store_settings
-
-    return store_settings
+def store_settings(benchmark_script):
+    return benchmark_script("store_settings")
 
 
 def test_settings_alternate_on_one_directory(tmp_path, store_settings, monkeypatch, capsys):
