@@ -8,7 +8,7 @@ holding the same tensors, ``TieredStore.nvme_layout``) and on files of its own.
 Each round runs every contender once, in an order rotated from round to round, so the disk's drift
 hits all of them alike; the table gives the median (min-max) over rounds and, per contender, the
 median over rounds of its ratio to fio and to DeepSpeed *within the same round* (paired ratios).
-The Python-thread rows are the floor the store's I/O layer builds on: 16 threads of
+The Python-thread rows are the floor the store's I/O layer builds on: ``--threads`` threads of
 ``os.pwritev``/``os.preadv`` of ``--block-size`` blocks on one preallocated O_DIRECT file,
 one ``fdatasync`` at the end; "one reused buffer" (``--reused``) writes every block from a single
 buffer of fio's size (block size x queue depth), as fio does; "memory faulted by a copy"
@@ -206,8 +206,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--size", type=int, default=1024 * MiB, help="bytes per contender per round")
     p.add_argument("--tensor-size", type=int, default=256 * MiB)
     p.add_argument("--block-size", type=int, default=8 * MiB)
-    p.add_argument("--queue-depth", type=int, default=32)
-    p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--queue-depth", type=int, default=tiered.StoreConfig.queue_depth)
+    p.add_argument("--threads", type=int, default=tiered.StoreConfig.io_threads,
+                   help="the store's io_threads and the Python-thread rows' threads")
     p.add_argument("--swap-files", type=int, default=tiered.StoreConfig.swap_files_per_dir,
                    help="the store's swap files (StoreConfig.swap_files_per_dir)")
     p.add_argument("--rounds", type=int, default=7)
