@@ -14,14 +14,16 @@ one ``fdatasync`` at the end; "one reused buffer" (``--reused``) writes every bl
 buffer of fio's size (block size x queue depth), as fio does; "memory faulted by a copy"
 (``--faulted``) uses the same bytes in page-aligned memory that was not populated at allocation
 but faulted in page by page by the copy that filled it (what ``tiered.empty_aligned`` did before
-it populated its pages). Every contender uses O_DIRECT, so reads are cold without dropping the
-page cache.
+it populated its pages); "+ CRC-32" (``--crc``) is the plain rows' threads, memory and file
+computing the store's checksum of every block, which puts a price on it. Every contender uses
+O_DIRECT, so reads are cold without dropping the page cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import copy
 import functools
 import mmap
 import os
@@ -42,6 +44,7 @@ from tiered.bench.results import Run
 from tiered.bench.store import LargeTensors, StoreUnderTest
 from tiered.bench.tensors import TensorFactory, same
 from tiered.io.aligned import anonymous_map
+from tiered.io.crc import crc32
 
 MiB = 1024 * 1024
 
@@ -52,6 +55,7 @@ class RawThreads:
     def __init__(self, directory: str, tensors: list[torch.Tensor], *, block_size: int, threads: int,
                  reused_bytes: int = 0) -> None:
         self.block_size = block_size
+        self.crc = False
         self.views = [memoryview(t.view(-1).view(torch.uint8).numpy()) for t in tensors]
         self.nbytes = sum(len(v) for v in self.views)
         self.path = os.path.join(directory, "raw.dat")
@@ -62,6 +66,13 @@ class RawThreads:
         self.blocks = [(i, off) for i, v in enumerate(self.views) for off in range(0, len(v), block_size)]
         self.starts = [sum(len(v) for v in self.views[:i]) for i in range(len(self.views))]
 
+    def checksummed(self) -> "RawThreads":
+        """The same threads, memory and file, computing a CRC-32 of every block as the store does
+        (before a write, after a read); close only the original."""
+        other = copy.copy(self)
+        other.crc = True
+        return other
+
     def _memory(self, index: int, off: int, n: int) -> memoryview:
         if self.reused is None:
             return self.views[index][off : off + n]
@@ -71,9 +82,13 @@ class RawThreads:
     def _one(self, write: bool, index: int, off: int) -> None:
         n = min(self.block_size, len(self.views[index]) - off)
         mem, at = self._memory(index, off, n), self.starts[index] + off
+        if self.crc and write:
+            crc32([mem], n)
         done = os.pwritev(self.fd, [mem], at) if write else os.preadv(self.fd, [mem], at)
         if done != n:
             raise OSError(f"short {'write' if write else 'read'}: {done} of {n} bytes at {at} of {self.path}")
+        if self.crc and not write:
+            crc32([mem], n)
 
     def write(self) -> float:
         start = time.perf_counter()
@@ -131,6 +146,10 @@ def run(args: argparse.Namespace) -> dict:
         closers.append(raw.close)
         writers["python threads"] = raw.write
         readers["python threads"] = raw.read
+        if args.crc:
+            checked_raw = raw.checksummed()
+            writers["python threads + CRC-32"] = checked_raw.write
+            readers["python threads + CRC-32"] = checked_raw.read
         if args.faulted:
             faulted = []
             for t in tensors:
@@ -212,6 +231,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--swap-files", type=int, default=tiered.StoreConfig.swap_files_per_dir,
                    help="the store's swap files (StoreConfig.swap_files_per_dir)")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--crc", action="store_true", help="add Python threads computing the store's CRC-32 of every "
+                                                      "block, on the same file as the plain Python-thread rows")
     p.add_argument("--reused", action="store_true", help="add Python threads writing from one reused buffer")
     p.add_argument("--faulted", action="store_true", help="add Python threads on memory faulted in by a copy")
     p.add_argument("--json", help="write every run here")
