@@ -159,6 +159,8 @@ def test_deepspeed_moves_the_same_tensors_on_the_store_file_and_its_own(tmp_path
         if tool == "store" and op.startswith("read"):
             assert all(r["verified"] is True for r in f["runs"]), op
     assert any("on the store's swap file" in n for n in report["notes"])
+    # The store's aligned rows move the very memory DeepSpeed moves (its locked buffers).
+    assert any("DeepSpeed's page-locked buffers" in n for n in report["notes"])
     targets = {t["name"]: t for t in report["targets"]}
     for name in ("store write, aligned tensors vs deepspeed write, one tensor at a time",
                  "store read into out=, aligned tensors vs deepspeed read, one tensor at a time",

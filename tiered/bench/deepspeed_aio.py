@@ -92,6 +92,13 @@ class DeepSpeedAio:
         return (f"aio_handle(block_size={p['block_size']}, queue_depth={p['queue_depth']}, "
                 f"intra_op_parallelism={p['intra_op_parallelism']}) on {kind}; fdatasync after wait()")
 
+    def buffer_tensors(self) -> Optional[list[torch.Tensor]]:
+        """The page-locked buffers as tensors of the original dtypes and shapes, for another contender to
+        move the same bytes from and to the same memory; None when not locked or not page-aligned."""
+        if not self.locked or any(b.data_ptr() % 4096 for b in self.buffers):
+            return None
+        return [b.view(t.dtype).view(t.shape) for b, t in zip(self.buffers, self.tensors)]
+
     def own_files(self) -> list[Placement]:
         """One file per tensor in this object's directory, written from offset 0."""
         return [[(path, 0, b.numel())] for path, b in zip(self.paths, self.buffers)]

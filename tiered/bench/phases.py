@@ -103,9 +103,19 @@ def large_phase(ctx: Context) -> None:
         readers["store:read"] = ("store", store.read)
         readers["store:read into out="] = ("store", lambda: store.read(into=outs))
         readers["store:read into out=, gets in flight"] = ("store", lambda: _zeroed(outs, store.read_concurrently))
-        # The same tensors in page-aligned memory (empty_aligned), which the store writes from and reads
-        # into in place, as DeepSpeed's locked tensors: equal input for the comparison with its fast path.
-        aligned = _aligned_copies(tensors)
+        ds = None
+        if ctx.aio is not None:
+            ds = DeepSpeedAio(ctx.aio, os.path.join(ctx.workdir, "ds-locked"), tensors, block_size=opts.block_size,
+                              queue_depth=opts.queue_depth, threads=min(opts.io_threads, 4), locked=True)
+            closers.append(ds.close)
+        # The same tensors in page-aligned memory, which the store writes from and reads into in place: when
+        # DeepSpeed runs, its own page-locked buffers, so both move the same bytes from and to the same
+        # memory (on a VM, identical buffers allocated at different times moved the same reads by 10% and
+        # more: benchmarks/uring_reads.py); otherwise empty_aligned copies.
+        shared = ds.buffer_tensors() if ds is not None else None
+        aligned = shared if shared is not None else _aligned_copies(tensors)
+        if shared is not None:
+            ctx.note("store rows on aligned tensors: DeepSpeed's page-locked buffers, the very memory it moves")
         store_aligned = LargeTensors(sut, aligned)
         writers[f"store:write, {ALIGNED}"] = ("store", store_aligned.write)
         writers[f"store:write, {ALIGNED}, puts in flight"] = ("store", store_aligned.write_concurrently)
@@ -129,10 +139,7 @@ def large_phase(ctx: Context) -> None:
         # tensors in: the same disk blocks, so file placement (worth +-15% between files on a virtual
         # disk) cannot favour either side. Its own files, one per tensor, are measured too.
         in_store = functools.partial(sut.placements, store.keys)
-        if ctx.aio is not None:
-            ds = DeepSpeedAio(ctx.aio, os.path.join(ctx.workdir, "ds-locked"), tensors, block_size=opts.block_size,
-                              queue_depth=opts.queue_depth, threads=min(opts.io_threads, 4), locked=True)
-            closers.append(ds.close)
+        if ds is not None:
             writers["deepspeed:write"] = ("deepspeed", lambda: ds.write(in_store()))
             readers["deepspeed:read"] = ("deepspeed", lambda: ds.read(in_store()))
             writers[f"deepspeed:write, {ONE_AT_A_TIME}"] = (
@@ -165,11 +172,11 @@ def large_phase(ctx: Context) -> None:
                           "read": f"sequential cold gets, new tensors; {cold}",
                           "read into out=": f"sequential cold gets into caller tensors; {cold}",
                           "read into out=, gets in flight": f"cold gets into caller tensors awaited together; {cold}",
-                          f"write, {ALIGNED}": "sequential puts of empty_aligned tensors (no staging copy)",
-                          f"write, {ALIGNED}, puts in flight": "puts of empty_aligned tensors awaited together",
-                          f"read into out=, {ALIGNED}": f"sequential cold gets into empty_aligned tensors (in place); "
+                          f"write, {ALIGNED}": "sequential puts of page-aligned tensors (no staging copy)",
+                          f"write, {ALIGNED}, puts in flight": "puts of page-aligned tensors awaited together",
+                          f"read into out=, {ALIGNED}": f"sequential cold gets into page-aligned tensors (in place); "
                                                         f"{cold}",
-                          f"read into out=, {ALIGNED}, gets in flight": "cold gets into empty_aligned tensors awaited "
+                          f"read into out=, {ALIGNED}, gets in flight": "cold gets into page-aligned tensors awaited "
                                                                         f"together; {cold}"}.get(f.op, "")
     finally:
         for close in reversed(closers):
