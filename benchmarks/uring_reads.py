@@ -132,7 +132,7 @@ def drop_page_cache() -> None:
         pass
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, ring: UringReader) -> dict:
     load_before = os.getloadavg()
     n = max(1, args.size // args.tensor_size)
     tensors = [tiered.empty_aligned((args.tensor_size // 4,), torch.float32) for _ in range(n)]
@@ -142,9 +142,8 @@ def run(args: argparse.Namespace) -> dict:
     workdir = tempfile.mkdtemp(prefix="tiered-uring-", dir=args.dir)
     store = tiered.TieredStore.open(tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=0,
                                                        block_size=args.block_size))
-    ring = UringReader()
     fds: dict[str, int] = {}
-    closers: list[Callable[[], None]] = [ring.close, store.sync.close]
+    closers: list[Callable[[], None]] = [store.sync.close]
     try:
         for i, t in enumerate(tensors):
             store.sync.put(f"t{i}", t, tier="nvme")
@@ -251,7 +250,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.rounds < 1 or args.tensor_size <= 0 or args.tensor_size % args.block_size or args.block_size % 4096:
         p.error(f"--rounds must be >= 1, --block-size a multiple of 4096 and --tensor-size a positive multiple of "
                 f"it; got {args.rounds}, {args.block_size} and {args.tensor_size}")
-    write_json(run(args), args.json)
+    try:
+        ring = UringReader()
+    except OSError as exc:
+        print(f"io_uring is not available here: {exc}", file=sys.stderr)
+        return 1
+    try:
+        write_json(run(args, ring), args.json)
+    finally:
+        ring.close()
     return 0
 
 

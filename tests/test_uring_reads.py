@@ -44,3 +44,15 @@ def test_a_read_past_the_end_of_a_file_is_an_error(tmp_path, uring_reads):
     finally:
         ring.close()
         os.close(fd)
+
+
+def test_without_io_uring_it_says_so_and_fails(tmp_path, benchmark_script, monkeypatch, capsys):
+    module = benchmark_script("uring_reads")
+
+    def refused() -> None:
+        raise OSError(1, "io_uring_setup: Operation not permitted")
+
+    monkeypatch.setattr(module, "UringReader", refused)
+    assert module.main(["--dir", str(tmp_path)]) == 1
+    assert "io_uring is not available here" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # nothing was written
