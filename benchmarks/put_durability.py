@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 import tiered
-from bench_output import paired_median, print_table, rotated, with_load, write_json
+from bench_output import add_alternation_arguments, paired_median, print_table, rotated, with_load, write_json
 
 MiB = 1 << 20
 VARIANTS = ("durable", "data flushed only", "no flush")
@@ -92,12 +92,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default=".", help="scratch directory on the disk under test")
-    p.add_argument("--size", type=int, default=2048 * MiB, help="bytes put per variant per round")
-    p.add_argument("--tensor-size", type=int, default=256 * MiB)
-    p.add_argument("--block-size", type=int, default=tiered.StoreConfig.block_size)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--json", help="write every run here")
+    add_alternation_arguments(p, size_help="bytes put per variant per round", rounds=5)
     args = p.parse_args(argv)
     if args.rounds < 1 or args.tensor_size % 4096 or args.tensor_size <= 0:
         p.error(f"--rounds must be >= 1 and --tensor-size a positive multiple of 4096, got {args.rounds} and "

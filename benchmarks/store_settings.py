@@ -23,7 +23,7 @@ import sys
 import tempfile
 from typing import Optional
 
-from bench_output import paired_median, print_table, rotated, write_json
+from bench_output import add_alternation_arguments, paired_median, print_table, rotated, write_json
 
 import tiered
 from tiered.bench.deepspeed_aio import DeepSpeedAio, load_aio
@@ -125,16 +125,11 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default=".", help="scratch directory on the disk under test")
+    add_alternation_arguments(p, size_help="bytes per contender per round", rounds=7)
     p.add_argument("--settings", type=lambda s: [Setting.parse(x) for x in s.split(",")],
                    default=[Setting(16, 32, True), Setting(64, 64, True)],
                    help="io_threads:queue_depth:crc|nocrc, comma-separated "
                         "(default 16:32:crc,64:64:crc: the old and the current defaults)")
-    p.add_argument("--size", type=int, default=2048 * MiB, help="bytes per contender per round")
-    p.add_argument("--tensor-size", type=int, default=256 * MiB)
-    p.add_argument("--block-size", type=int, default=8 * MiB)
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--json", help="write every run here")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")

@@ -30,10 +30,11 @@ import time
 from typing import Callable, Optional
 
 import torch
-from bench_output import paired_median, print_table, rotated, with_load, write_json
+from bench_output import add_alternation_arguments, paired_median, print_table, rotated, with_load, write_json
 
 import tiered
 from tiered.bench.deepspeed_aio import load_aio
+from tiered.bench.system import drop_page_cache
 from tiered.io.crc import crc32
 
 MiB = 1 << 20
@@ -122,16 +123,6 @@ class UringReader:
         os.close(self.fd)
 
 
-def drop_page_cache() -> None:
-    """Drop the page cache when permitted (every read here is O_DIRECT either way)."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
-
-
 def run(args: argparse.Namespace, ring: UringReader) -> dict:
     load_before = os.getloadavg()
     n = max(1, args.size // args.tensor_size)
@@ -213,7 +204,7 @@ def run(args: argparse.Namespace, ring: UringReader) -> dict:
                 one_pass, into = contenders[name]
                 for o in into:
                     o.zero_()
-                drop_page_cache()
+                drop_page_cache()  # when permitted: every read here is O_DIRECT either way
                 start = time.perf_counter()
                 one_pass()
                 runs[name].append(n * args.tensor_size / (time.perf_counter() - start) / 1e9)
@@ -240,12 +231,7 @@ def run(args: argparse.Namespace, ring: UringReader) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default=".", help="scratch directory on the disk under test")
-    p.add_argument("--size", type=int, default=2048 * MiB, help="bytes read per contender per round")
-    p.add_argument("--tensor-size", type=int, default=256 * MiB)
-    p.add_argument("--block-size", type=int, default=tiered.StoreConfig.block_size)
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--json", help="write every run here")
+    add_alternation_arguments(p, size_help="bytes read per contender per round", rounds=8)
     args = p.parse_args(argv)
     if args.rounds < 1 or args.tensor_size <= 0 or args.tensor_size % args.block_size or args.block_size % 4096:
         p.error(f"--rounds must be >= 1, --block-size a multiple of 4096 and --tensor-size a positive multiple of "

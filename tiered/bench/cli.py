@@ -80,8 +80,10 @@ def build_parser(prog: str = "tiered bench") -> argparse.ArgumentParser:
     p.add_argument("--sweep-size", type=_size, default=None, help="bytes per sweep setting (default 512MiB)")
     p.add_argument("--sweep-block-sizes", type=_sizes, default=None, help="block sizes to sweep (default "
                    "1MiB,4MiB,8MiB,16MiB)")
-    p.add_argument("--sweep-queue-depths", type=_ints, default=None, help="queue depths to sweep (default 8,16,32,64)")
-    p.add_argument("--sweep-io-threads", type=_ints, default=None, help="io thread counts to sweep (default 8,16,32)")
+    p.add_argument("--sweep-queue-depths", type=_ints, default=None, help="queue depths to sweep (default "
+                   f"{','.join(map(str, BenchOptions.sweep_queue_depths))})")
+    p.add_argument("--sweep-io-threads", type=_ints, default=None, help="io thread counts to sweep (default "
+                   f"{','.join(map(str, BenchOptions.sweep_io_threads))})")
     p.add_argument("--quick", action="store_true", help="a short run (under a minute): 256 MiB, 128 small "
                    "tensors, every phase and contender; quote figures from a full run")
     p.add_argument("--skip", default="", help=f"contenders to leave out, comma-separated: {', '.join(TOOLS)}")
