@@ -120,6 +120,29 @@ async def test_eio_on_read_names_the_key_and_installs_nothing(tmp_path):
         assert same_bytes(await store.get("k"), x)
 
 
+@pytest.mark.parametrize("striped", [False, True])
+async def test_a_puts_data_is_flushed_before_its_record_is_written(tmp_path, striped):
+    # One swap file: the manifest thread flushes it and writes the record in one job; several:
+    # they are flushed in parallel on I/O threads first. Either way, data before record.
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")] if striped else None
+    cfg = small_config(tmp_path / "s", nvme_paths=dirs, durable=True)
+    events: list[tuple[str, object]] = []
+    async with await tiered.TieredStore.open_async(cfg) as store:
+        await store.put("warm-up", torch.ones(1))  # the swap files exist
+        store._io.syscalls = Syscalls(fdatasync=lambda fd: (events.append(("data", fd)), os.fdatasync(fd))[1])
+        write_records = store._manifest.commit
+        store._manifest.commit = lambda upserts, deletes: (
+            events.append(("record", tuple(r.key for r in upserts))), write_records(upserts, deletes))[1]
+        value = random_tensor((40_000,), torch.float32, seed=9)  # 10 blocks of 16 KiB
+        await store.put("k", value)
+        files = {e.path for e in store.nvme_layout("k")}
+        assert len(files) == (2 if striped else 1)
+        assert [kind for kind, _ in events] == ["data"] * len(files) + ["record"], events
+        assert events[-1][1] == ("k",)
+    async with await tiered.TieredStore.open_async(cfg) as store:
+        assert same_bytes(await store.get("k"), value)
+
+
 @pytest.mark.parametrize("fault", ["pwritev", "fdatasync"])
 async def test_eio_on_write_or_sync_keeps_the_committed_value(tmp_path, fault):
     cfg = small_config(tmp_path / "s")

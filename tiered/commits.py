@@ -1,11 +1,17 @@
-"""Group commit: make swap-file bytes durable, then write manifest records, many puts per fsync."""
+"""Group commit: make swap-file bytes durable, then write manifest records, many puts per fsync.
+
+Each step of a commit is a round trip from the store's loop to a worker thread, and on a small
+VM a round trip costs ~0.2 ms, as much as the fdatasync itself. So when a batch's bytes lie in one
+swap file (the common case), the manifest thread flushes it and writes the records in one job;
+only a batch spread over several files flushes them in parallel on I/O threads first.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import dataclasses
-from typing import Awaitable, Callable, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from tiered.backends import NvmeCopy
 from tiered.manifest import Manifest, Record
@@ -20,6 +26,19 @@ class _Request:
     done: "asyncio.Future[bool]"
 
 
+class DataSync(Protocol):
+    """How the commit log makes swap-file bytes durable before it writes the records naming them."""
+
+    def files_to_sync(self, copies: Sequence[NvmeCopy]) -> Sequence[Any]:
+        """The files the copies' bytes lie in, each once."""
+
+    def sync_file(self, file: Any) -> None:
+        """Flush one file's data to stable storage (blocking; runs on a worker thread)."""
+
+    async def sync_files(self, files: Sequence[Any]) -> None:
+        """Flush several files' data to stable storage, in parallel."""
+
+
 class CommitLog:
     """Serializes manifest changes in generation order per key and batches their fsyncs.
 
@@ -30,14 +49,14 @@ class CommitLog:
     def __init__(
         self,
         manifest: Manifest,
-        sync_files: Callable[[Sequence[NvmeCopy]], Awaitable[None]],
+        data: DataSync,
         thread: concurrent.futures.Executor,
         *,
         durable: bool,
         committed_generations: dict[str, int],
     ) -> None:
         self._manifest = manifest
-        self._sync_files = sync_files
+        self._data = data
         self._thread = thread
         self._durable = durable
         self._generations = committed_generations
@@ -99,8 +118,12 @@ class CommitLog:
                 self._outstanding.difference_update(req.done for req in batch)
 
     async def _commit(self, batch: list[_Request]) -> None:
+        files: Sequence[Any] = ()
         if self._durable:
-            await self._sync_files([r.copy for r in batch if r.copy is not None])
+            files = self._data.files_to_sync([r.copy for r in batch if r.copy is not None])
+            if len(files) > 1:
+                await self._data.sync_files(files)
+                files = ()
         applied: dict[str, _Request] = {}
         verdicts: list[tuple[_Request, bool]] = []
         generations: dict[str, int] = {}  # this batch's changes; copying every key's would cost O(keys)
@@ -113,7 +136,7 @@ class CommitLog:
         upserts = [r.record for r in applied.values() if r.record is not None]
         deletes = [r.key for r in applied.values() if r.record is None]
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._thread, self._manifest.commit, upserts, deletes)
+        await loop.run_in_executor(self._thread, self._write_records, files, upserts, deletes)
         self._generations.update(generations)
         self.commits += 1
         for req, ok in verdicts:
@@ -121,3 +144,10 @@ class CommitLog:
             final = ok and applied.get(req.key) is req
             if not req.done.done():
                 req.done.set_result(final)
+
+    def _write_records(self, files: Sequence[Any], upserts: list[Record], deletes: list[str]) -> None:
+        """On the manifest thread: flush ``files`` (data first, so no record ever names bytes that
+        are not down), then write and flush the records."""
+        for f in files:
+            self._data.sync_file(f)
+        self._manifest.commit(upserts, deletes)

@@ -182,7 +182,7 @@ class TieredStore(BatchCalls, TierBookkeeping):
             committed[rec.key] = rec.generation
         self._generation = itertools.count(max(committed.values(), default=-1) + 1)
         self._commits = CommitLog(
-            self._manifest, self._nvme.sync, self._manifest_thread, durable=cfg.durable, committed_generations=committed
+            self._manifest, self._nvme, self._manifest_thread, durable=cfg.durable, committed_generations=committed
         )
 
     def _adopt(self, rec: Record) -> None:

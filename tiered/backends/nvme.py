@@ -354,10 +354,17 @@ class NvmeBackend(TierBackend):
         expected = [c.crcs if c.crcs is not None and self._io.checksum else None for c in copies]
         return await nvme_batch.load_many(self._io, self.direct, plans, dsts, expected)
 
-    async def sync(self, copies: Sequence[NvmeCopy]) -> None:
-        """Make the copies' bytes durable (fdatasync each file they touch once)."""
-        touched = sorted({ext.file for c in copies for ext in c.extents})
-        await self._io.fdatasync([self.files[i].handle for i in touched])
+    def files_to_sync(self, copies: Sequence[NvmeCopy]) -> list[FileHandle]:
+        """The swap files the copies' bytes lie in, each once: what must be flushed to make them durable."""
+        return [self.files[i].handle for i in sorted({ext.file for c in copies for ext in c.extents})]
+
+    def sync_file(self, handle: FileHandle) -> None:
+        """Flush one swap file's data to stable storage, on the calling worker thread."""
+        self._io.fdatasync_now(handle)
+
+    async def sync_files(self, handles: Sequence[FileHandle]) -> None:
+        """Flush several swap files' data to stable storage, in parallel on I/O threads."""
+        await self._io.fdatasync(handles)
 
     async def close(self) -> None:
         for f in self.files:

@@ -131,7 +131,13 @@ class IOEngine:
     async def fdatasync(self, handles: Sequence[FileHandle]) -> None:
         """Flush the data of each file to stable storage, in parallel."""
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(self._pool, self._sync_one, h) for h in handles))
+        await asyncio.gather(*(loop.run_in_executor(self._pool, self.fdatasync_now, h) for h in handles))
+
+    def fdatasync_now(self, handle: FileHandle) -> None:
+        """Flush one file's data to stable storage on the calling thread (blocks; never on a loop)."""
+        self.syscalls.fdatasync(handle.fd)
+        with self._lock:
+            self.counters.syncs += 1
 
     def run_sync(self, fn: Callable[..., object], *args: object) -> "asyncio.Future[object]":
         """Run a small blocking file operation (fallocate, ftruncate) on an I/O thread."""
@@ -253,11 +259,6 @@ class IOEngine:
             assert block.dest is None
             block.drain(views[0][: block.length])
         return crc
-
-    def _sync_one(self, handle: FileHandle) -> None:
-        self.syscalls.fdatasync(handle.fd)
-        with self._lock:
-            self.counters.syncs += 1
 
 
 def _staged(block: "BlockWrite | BlockRead") -> bool:
