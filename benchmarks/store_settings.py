@@ -6,10 +6,12 @@ Every setting (``io_threads:queue_depth:crc|nocrc``) reopens one store directory
 into the same, already allocated extents: puts of ``--size`` bytes of page-aligned tensors (each
 durable on return), then gets into page-aligned tensors with every get in flight, checked bit for
 bit. DeepSpeed's aio handle on its page-locked tensors writes and reads the very ranges the store
-holds the same tensors in (``TieredStore.nvme_layout``). Settings and DeepSpeed run in an order
-rotated round by round, and each setting's ratio to DeepSpeed is paired within a round, so neither
-file placement nor the disk's drift favours one of them. Without DeepSpeed the settings are
-compared with each other alone.
+holds the same tensors in (``TieredStore.nvme_layout``), every tensor then ``wait()``.
+``--sequential`` makes it the bench's sequential rows instead: gets one after another, against
+DeepSpeed one tensor at a time (each tensor's requests, ``wait()``, then the next; writes too).
+Settings and DeepSpeed run in an order rotated round by round, and each setting's ratio to
+DeepSpeed is paired within a round, so neither file placement nor the disk's drift favours one of
+them. Without DeepSpeed the settings are compared with each other alone.
 """
 
 from __future__ import annotations
@@ -89,11 +91,12 @@ def run(args: argparse.Namespace) -> dict:
             if name == DEEPSPEED:
                 assert ds is not None
                 where = sut.placements(store.keys)
-                write, read = ds.write(where), ds.read(where)
+                write = ds.write(where, one_at_a_time=args.sequential)
+                read = ds.read(where, one_at_a_time=args.sequential)
             else:
                 for out in outs:
                     out.zero_()
-                read = store.read_concurrently(outs)
+                read = store.read(into=outs) if args.sequential else store.read_concurrently(outs)
             if not read.verified:
                 raise RuntimeError(f"{name}: a read returned other bytes than were written")
             runs["write"][name].append(write.value)
@@ -113,13 +116,16 @@ def run(args: argparse.Namespace) -> dict:
 
     ref_name = DEEPSPEED if ds is not None else names[0]
     print(f"\n{nbytes / 2**30:.2f} GiB as {len(tensors)} x {args.tensor_size // MiB} MiB, "
-          f"{args.block_size // MiB} MiB blocks, O_DIRECT, {args.rounds} rounds; paired ratios to {ref_name}")
+          f"{args.block_size // MiB} MiB blocks, O_DIRECT, {args.rounds} rounds, "
+          f"{'one tensor at a time' if args.sequential else 'gets (and DeepSpeed) in flight'}; "
+          f"paired ratios to {ref_name}")
     rows = [{"op": op, "contender": name, "runs": values, "median": statistics.median(values), "min": min(values),
              "max": max(values), "paired_ratio": paired_median(values, group[ref_name])}
             for op, group in runs.items() for name, values in group.items()]
     print_table(["op", "contender", "median GB/s", "min", "max", f"paired / {ref_name}"],
                 [[r["op"], r["contender"], r["median"], r["min"], r["max"], r["paired_ratio"]] for r in rows])
     return {"bytes": nbytes, "block_size": args.block_size, "rounds": args.rounds, "reference": ref_name,
+            "sequential": args.sequential,
             "settings": [dataclasses.asdict(s) for s in args.settings], "loadavg": os.getloadavg(), "rows": rows}
 
 
@@ -130,6 +136,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    default=[Setting(16, 32, True), Setting(64, 64, True)],
                    help="io_threads:queue_depth:crc|nocrc, comma-separated "
                         "(default 16:32:crc,64:64:crc: the old and the current defaults)")
+    p.add_argument("--sequential", action="store_true",
+                   help="gets one after another, and DeepSpeed one tensor at a time (default: all in flight)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")

@@ -14,13 +14,15 @@ def store_settings(benchmark_script):
     return benchmark_script("store_settings")
 
 
-def test_settings_alternate_on_one_directory(tmp_path, store_settings, monkeypatch, capsys):
+@pytest.mark.parametrize("sequential", [False, True])
+def test_settings_alternate_on_one_directory(tmp_path, store_settings, monkeypatch, capsys, sequential):
     monkeypatch.setattr(store_settings, "load_aio", lambda: (None, type("S", (), {"note": "skipped here"})()))
     out = tmp_path / "settings.json"
     assert store_settings.main(["--dir", str(tmp_path), "--size", str(4 << 20), "--tensor-size", str(1 << 20),
                                 "--block-size", str(256 << 10), "--rounds", "3", "--settings", "2:4:crc,4:8:nocrc",
-                                "--json", str(out)]) == 0
+                                "--json", str(out)] + (["--sequential"] if sequential else [])) == 0
     report = json.loads(out.read_text())
+    assert report["sequential"] is sequential
     names = {(row["op"], row["contender"]) for row in report["rows"]}
     assert names == {(op, n) for op in ("write", "read") for n in ("store, 2 threads, depth 4",
                                                                    "store, 4 threads, depth 8, no crc")}
