@@ -18,6 +18,7 @@ from tiered.bench.sweep import sweep_phase
 from tiered.bench.system import drop_page_cache, machine_info
 from tiered.bench.targets import check_targets
 from tiered.bench.tensors import TensorFactory
+from tiered.io.crc import CRC32_IMPL
 
 
 def run_bench(options: BenchOptions) -> BenchResult:
@@ -30,6 +31,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
     try:
         ctx = Context(options, workdir, result, TensorFactory(seed=options.seed))
         _tools(ctx)
+        ctx.note(f"checksums: CRC-32 by {CRC32_IMPL}")
         if options.drop_caches:
             done, why = drop_page_cache()
             ctx.note("--drop-caches: the page cache is dropped before every read" if done else f"--drop-caches: {why}")

@@ -1,15 +1,19 @@
-"""CRC-32 (the zlib/gzip polynomial) of iovec lists, with libdeflate's SIMD version when the system has it.
+"""CRC-32 (the zlib/gzip polynomial) of iovec lists, with libdeflate's SIMD version where there is one.
 
 zlib's crc32 runs at about 2 GB/s a core; on a 2-core machine writing 3 GB/s that alone takes more
-than a core. libdeflate (a common system library: libtiff depends on it) computes the same values
-at about 10 GB/s, so it is used when present; values are identical either way, so files written
-with one verify with the other.
+than a core. libdeflate computes the same values much faster, so it is used when found: first the
+copy the ``deflate`` package bundles (a recent libdeflate, whose CRC uses VPCLMULQDQ with AVX2
+where the CPU has them: 19 GB/s on this project's 2-core EPYC VM), then the system's (Debian 12's
+1.14 runs at 10 GB/s). It is called through ctypes so that the GIL is released while it runs (the
+package's own ``deflate.crc32`` keeps it). Values are identical either way, so files written with
+one verify with another.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import zlib
 from typing import Callable, Optional, Sequence
 
@@ -25,10 +29,22 @@ def _zlib_crc(crc: int, view: memoryview) -> int:
 _GIL_HELD_BELOW = 256 * 1024
 
 
-def _load_libdeflate() -> Optional[_Crc]:
-    name = ctypes.util.find_library("deflate")
-    if name is None:
-        return None
+def _libdeflate_candidates() -> list[str]:
+    """Shared objects that may export ``libdeflate_crc32``, the fastest first."""
+    found = []
+    try:  # the deflate package's extension links libdeflate in and exports its C API
+        spec = importlib.util.find_spec("deflate._deflate")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        found.append(spec.origin)
+    system = ctypes.util.find_library("deflate")
+    if system is not None:
+        found.append(system)
+    return found
+
+
+def _load_libdeflate(name: str) -> Optional[_Crc]:
     try:
         releasing = ctypes.CDLL(name).libdeflate_crc32  # a CDLL call releases the GIL
         holding = ctypes.PyDLL(name).libdeflate_crc32  # a PyDLL call keeps it
@@ -56,10 +72,17 @@ def _load_libdeflate() -> Optional[_Crc]:
     return crc
 
 
-#: The CRC-32 update function in use: ``fn(crc, view) -> crc``.
-CRC32_UPDATE: _Crc = _load_libdeflate() or _zlib_crc
-#: "libdeflate" or "zlib", for reports.
-CRC32_IMPL = "zlib" if CRC32_UPDATE is _zlib_crc else "libdeflate"
+def _pick() -> tuple[_Crc, str]:
+    for name in _libdeflate_candidates():
+        fn = _load_libdeflate(name)
+        if fn is not None:
+            return fn, f"libdeflate ({name})"
+    return _zlib_crc, "zlib"
+
+
+#: The CRC-32 update function in use, ``fn(crc, view) -> crc``, and where it comes from (for reports:
+#: "zlib", or "libdeflate (path of the shared object)").
+CRC32_UPDATE, CRC32_IMPL = _pick()
 
 
 def crc32(views: Sequence[memoryview], length: int) -> int:
