@@ -129,10 +129,18 @@ async def test_a_puts_data_is_flushed_before_its_record_is_written(tmp_path, str
     events: list[tuple[str, object]] = []
     async with await tiered.TieredStore.open_async(cfg) as store:
         await store.put("warm-up", torch.ones(1))  # the swap files exist
-        store._io.syscalls = Syscalls(fdatasync=lambda fd: (events.append(("data", fd)), os.fdatasync(fd))[1])
         write_records = store._manifest.commit
-        store._manifest.commit = lambda upserts, deletes: (
-            events.append(("record", tuple(r.key for r in upserts))), write_records(upserts, deletes))[1]
+
+        def flush_data(fd: int) -> None:
+            events.append(("data", fd))
+            os.fdatasync(fd)
+
+        def commit(upserts, deletes) -> None:
+            events.append(("record", tuple(r.key for r in upserts)))
+            write_records(upserts, deletes)
+
+        store._io.syscalls = Syscalls(fdatasync=flush_data)
+        store._manifest.commit = commit
         value = random_tensor((40_000,), torch.float32, seed=9)  # 10 blocks of 16 KiB
         await store.put("k", value)
         files = {e.path for e in store.nvme_layout("k")}
