@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+
 @pytest.fixture
 def disk_alternation(benchmark_script):
     return benchmark_script("disk_alternation")

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+
 @pytest.fixture
 def file_placement(benchmark_script):
     return benchmark_script("file_placement")

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+
 @pytest.fixture
 def put_durability(benchmark_script):
     return benchmark_script("put_durability")

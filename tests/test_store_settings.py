@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+
 @pytest.fixture
 def store_settings(benchmark_script):
     return benchmark_script("store_settings")
