@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -46,6 +47,7 @@ def outcomes(tmp_path_factory) -> dict[str, dict[str, str]]:
         capture_output=True, text=True, timeout=300, env=env, cwd=str(ROOT),
     )
     assert proc.returncode == 0, f"the probe exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    shutil.rmtree(tmp_path)  # seven stores' swap files; the outcomes are all in stdout
     out: dict[str, dict[str, str]] = {}
     for line in proc.stdout.splitlines():
         d = json.loads(line)
