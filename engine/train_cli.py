@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-tier", choices=("host", "nvme"), default="nvme")
     p.add_argument("--compress-optimizer", action="store_true", help="store master weights and Adam moments "
                    "with lossless byte-plane zstd")
+    p.add_argument("--device", default=None, help="where forward and backward run: 'cpu', 'cuda', 'cuda:1' "
+                   "(default: cuda when available, else cpu); the store's device tier lives there too")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the store directory afterwards (see `tiered inspect`)")
     return p
@@ -81,6 +83,10 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     try:
+        args.device = _compute_device(args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
         directory = _prepare(args.dir)
     except ValueError as exc:
         parser.error(str(exc))
@@ -89,6 +95,24 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
     finally:
         if not args.keep:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _compute_device(name: Optional[str]) -> str:
+    """The device named by ``--device`` (checked to exist), or cuda when available, else cpu."""
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {name!r} is not a device: {exc}") from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name!r}: this machine has no CUDA device; pass --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name!r}: the demo runs on 'cpu' or 'cuda[:N]'")
+    return str(device)
 
 
 def _prepare(path: str) -> str:
@@ -112,7 +136,8 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
     n = cfg.num_params
     state_bytes = n * (4 + 4 + 12)  # fp32 parameter, gradient, master + two moments
     budget = (args.host_mib + args.device_mib) * MiB
-    print(f"model: GPT, {args.layers} layers x {args.embd}, {n / 1e6:.1f} M parameters", file=out)
+    print(f"model: GPT, {args.layers} layers x {args.embd}, {n / 1e6:.1f} M parameters, computing on "
+          f"{_device_name(args.device)}", file=out)
     print(f"parameters + gradients + AdamW states: {_gb(state_bytes)}; device + host budget: {_gb(budget)}"
           f" ({state_bytes / max(budget, 1):.1f}x); the rest goes to {directory}", file=out)
 
@@ -120,8 +145,9 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
     with torch.device("meta"):
         model = GPT(cfg)
     store = tiered.StoreConfig(path=os.path.join(directory, "store"), host_bytes=args.host_mib * MiB,
-                               device_bytes=args.device_mib * MiB, prefault_host=False)
-    config = engine.EngineConfig(store=store, param_tier=args.param_tier, optimizer_tier=args.optimizer_tier,
+                               device_bytes=args.device_mib * MiB, device=args.device, prefault_host=False)
+    config = engine.EngineConfig(store=store, compute_device=args.device, param_tier=args.param_tier,
+                                 optimizer_tier=args.optimizer_tier,
                                  prefetch_bytes=args.prefetch_mib * MiB, compress_optimizer=args.compress_optimizer)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay), config=config,
                       init_fn=_init_module(cfg))
@@ -131,7 +157,7 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
     start = time.perf_counter()
     try:
         for step in range(1, args.steps + 1):
-            x, y = data.batch(step - 1)
+            x, y = (t.to(args.device) for t in data.batch(step - 1))
             loss = model(x, y)
             eng.backward(loss)
             eng.step()
@@ -152,6 +178,12 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
     finally:
         eng.close() if hasattr(eng, "close") else eng.unwrap()
     return 0
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return device
 
 
 def _init_module(cfg: "object"):

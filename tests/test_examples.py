@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from engine.train_cli import main as train_main
 
@@ -32,6 +33,31 @@ def test_train_demo_learns_and_reports_where_the_data_went(tmp_path):
     assert len(losses) >= 2 and losses[-1] < losses[0]
     assert "where the data went" in text and "nvme" in text and "disk I/O" in text
     assert not (tmp_path / "demo").exists()  # removed unless --keep
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_train_demo_computes_on_the_gpu(tmp_path):
+    out = io.StringIO()
+    code = train_main(["--demo", "--dir", str(tmp_path / "demo"), "--steps", "8", "--layers", "2", "--embd", "64",
+                       "--heads", "2", "--vocab", "128", "--seq", "32", "--batch", "4", "--host-mib", "1",
+                       "--device-mib", "1", "--prefetch-mib", "1", "--lr", "1e-2", "--device", "cuda"], out=out)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "computing on cuda" in text
+    losses = [float(line.split("loss")[1].split()[0]) for line in text.splitlines() if line.startswith("step")]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("device, says", [
+    ("banana", "is not a device"),
+    ("meta", "runs on 'cpu' or 'cuda"),
+    ("cuda:99", "CUDA device"),  # no CUDA at all, or not that many devices
+])
+def test_train_demo_refuses_a_device_it_cannot_use(tmp_path, capsys, device, says):
+    with pytest.raises(SystemExit) as exc:
+        train_main(["--demo", "--dir", str(tmp_path / "demo"), "--device", device])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()
 
 
 def test_train_demo_refuses_a_foreign_directory(tmp_path, capsys):
