@@ -1,0 +1,39 @@
+"""benchmarks/small_op_cpu.py runs end to end on a few tensors and attributes CPU to the store's
+threads (no timing assertions: the figures are the benchmark's business)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+
+@pytest.fixture
+def small_op_cpu(benchmark_script):
+    return benchmark_script("small_op_cpu")
+
+
+def test_both_phases_report_cpu_by_thread_group(tmp_path, small_op_cpu, capsys):
+    out = tmp_path / "cpu.json"
+    assert small_op_cpu.main(["--dir", str(tmp_path), "--count", "40", "--concurrency", "8", "--rounds", "2",
+                              "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [row["phase"] for row in report["rows"]] == ["put", "get"]
+    assert len(report["rounds"]) == 2 and all(row["ops_per_s"] > 0 for row in report["rows"])
+    groups = {g for rnd in report["rounds"] for phase in rnd.values() for g in phase["cpu_seconds"]}
+    assert {"MainThread", "tiered-store", "tiered-io", "tiered-manifest"} <= groups
+    assert "| put |" in capsys.readouterr().out
+    assert os.listdir(tmp_path) == ["cpu.json"]  # the scratch store is gone
+
+
+@pytest.mark.parametrize("name, value", [("MainThread", "MainThread"), ("tiered-io_12", "tiered-io"),
+                                         ("tiered-store:/nvme/run", "tiered-store"),
+                                         ("tiered-manifest", "tiered-manifest")])
+def test_thread_names_group_without_index_or_directory(small_op_cpu, name, value):
+    assert small_op_cpu.thread_group(name) == value
+
+
+def test_a_tensor_size_that_is_not_whole_floats_is_refused(tmp_path, small_op_cpu):
+    with pytest.raises(SystemExit):
+        small_op_cpu.main(["--dir", str(tmp_path), "--tensor-size", "1001"])
