@@ -97,6 +97,7 @@ def one_round(loop: asyncio.AbstractEventLoop, store: tiered.TieredStore, tensor
         wall, cpu = measured(lambda: loop.run_until_complete(bounded(calls[phase])))
         out[phase] = {"seconds": wall, "cpu_seconds": cpu}
     assert all(torch.equal(a, b) for a, b in zip(got, tensors)), "a tensor came back changed"
+
     async def delete_all() -> None:  # not measured: the next round writes into the freed extents
         await asyncio.gather(*(store.delete(k) for k in keys))
 

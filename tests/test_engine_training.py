@@ -394,7 +394,6 @@ def test_resume_refuses_another_model(tmp_path):
         assert StepRecord.read(store).step == 1  # the refused resumes changed nothing
 
 
-
 def test_steps_after_close_are_refused(tmp_path):
     model = nn.Linear(3, 3)
     eng = engine.wrap(model, optimizer=engine.AdamW(), config=training_config(tmp_path))

@@ -300,7 +300,6 @@ class TieredStore(BatchCalls, TierBookkeeping):
         """
         return await self._call(self._get, key, device, out)
 
-
     def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
         """Start bringing ``key`` into ``tier`` and return at once; the handle is awaitable.
 
@@ -550,7 +549,6 @@ class TieredStore(BatchCalls, TierBookkeeping):
             else:
                 self._retire(old)
 
-
     async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor]) -> torch.Tensor:
         check_key(key)
         device = parse_device(device)
@@ -587,7 +585,6 @@ class TieredStore(BatchCalls, TierBookkeeping):
         for above in TIERS_TOP_DOWN[: tier.rank]:
             stats.tiers[above].misses += 1
         self._policy.touch(entry.key)
-
 
     async def _prefetch(self, key: str, tier: "Tier | str") -> None:
         tier = Tier.parse(tier)
@@ -746,7 +743,6 @@ class TieredStore(BatchCalls, TierBookkeeping):
             return None
         self._written(entry, payload)
         return copy
-
 
     async def _encode(self, entry: Entry, src: Sequence[Span]) -> "Payload":
         """What goes to disk for ``entry``: its bytes, or their compressed form when that is wanted and pays."""

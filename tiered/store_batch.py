@@ -117,7 +117,6 @@ class BatchCalls:
             if copy is not None:
                 await self._finish_put(entry, Tier.NVME, copy)  # never waits: the new version is on nvme
 
-
     async def _get_many(
         self, keys: list[str], device: "torch.device | str", outs: Optional[list[Optional[torch.Tensor]]]
     ) -> list[torch.Tensor]:
@@ -183,7 +182,6 @@ class BatchCalls:
         if missing:
             raise KeyNotFoundError(f"{len(missing)} of {len(keys)} keys are not in the store: {missing!r}")
         return entries  # type: ignore[return-value]
-
 
     async def _write_nvme_many(
         self, entries: list[Entry], srcs: list[list[Span]], failures: dict[str, BaseException]

@@ -29,7 +29,6 @@ def read_error(exc: BaseException, key: str) -> BaseException:
     return exc
 
 
-
 def naming_key(exc: BaseException, doing: str, key: str) -> TieredError:
     """A failed write or commit of one entry as a typed error naming the key: CapacityError when
     the disk is full, the same type for store errors, TransferError for other OSErrors."""

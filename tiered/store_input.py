@@ -119,8 +119,6 @@ def batch_keys(
     return keys, outs
 
 
-
-
 def check_out(out: torch.Tensor, entry: Entry) -> None:
     """Refuse an ``out`` tensor that cannot take ``entry``'s bytes as they are."""
     if not isinstance(out, torch.Tensor):
