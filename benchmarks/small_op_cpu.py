@@ -8,7 +8,10 @@ put to nvme (durable), then got back, with ``--concurrency`` calls in flight fro
 ``/proc/self/task`` around each half and grouped by thread name: the store's loop, its I/O
 threads, its manifest thread and the caller. ``cores busy`` is all threads' CPU over wall time;
 on a machine with more cores than that, the threads wait on each other (the GIL, the disk, or
-wakeups), not on a core.
+wakeups), not on a core. ``gc`` is the share of wall time spent in Python's cyclic garbage
+collector, which holds the GIL while it walks every tracked object (torch alone holds ~170k);
+``--gc-freeze`` calls ``gc.freeze()`` once the tensors and the store exist, as an application
+may (docs/tuning.md), so later collections skip everything made before.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import gc
 import os
 import re
 import shutil
@@ -58,19 +62,44 @@ def thread_group(name: str) -> str:
     return re.sub(r"(_\d+|:.*)$", "", name)
 
 
-def measured(run: Callable[[], None]) -> tuple[float, dict[str, float]]:
-    """Run ``run``; return its wall seconds and the CPU seconds each thread group spent meanwhile."""
+class GcPauses:
+    """Counts the cyclic collector's runs and the seconds they take, per generation, while entered."""
+
+    def __init__(self) -> None:
+        self.runs = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.runs[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def measured(run: Callable[[], None]) -> tuple[float, dict[str, float], GcPauses]:
+    """Run ``run``; return its wall seconds, the CPU seconds each thread group spent meanwhile, and
+    the garbage collector's pauses."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     before = thread_cpu_seconds()
     start = time.perf_counter()
-    run()
+    with GcPauses() as pauses:
+        run()
     wall = time.perf_counter() - start
     after = thread_cpu_seconds()
     names.update({t.native_id: t.name for t in threading.enumerate()})
     cpu: dict[str, float] = collections.Counter()
     for tid, (comm, seconds) in after.items():
         cpu[thread_group(names.get(tid, comm))] += seconds - before.get(tid, (comm, 0.0))[1]
-    return wall, dict(cpu)
+    return wall, dict(cpu), pauses
 
 
 def one_round(loop: asyncio.AbstractEventLoop, store: tiered.TieredStore, tensors: list[torch.Tensor],
@@ -94,8 +123,8 @@ def one_round(loop: asyncio.AbstractEventLoop, store: tiered.TieredStore, tensor
     calls = {"put": lambda i: store.put(keys[i], tensors[i], tier="nvme"), "get": get}
     out = {}
     for phase in PHASES:
-        wall, cpu = measured(lambda: loop.run_until_complete(bounded(calls[phase])))
-        out[phase] = {"seconds": wall, "cpu_seconds": cpu}
+        wall, cpu, pauses = measured(lambda: loop.run_until_complete(bounded(calls[phase])))
+        out[phase] = {"seconds": wall, "cpu_seconds": cpu, "gc_runs": pauses.runs, "gc_seconds": pauses.seconds}
     assert all(torch.equal(a, b) for a, b in zip(got, tensors)), "a tensor came back changed"
 
     async def delete_all() -> None:  # not measured: the next round writes into the freed extents
@@ -112,15 +141,21 @@ def run(args: argparse.Namespace) -> dict:
     workdir = tempfile.mkdtemp(prefix="tiered-small-cpu-", dir=args.dir)
     cfg = tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=0, device_bytes=0)
     rounds = []
+    frozen_before = gc.get_freeze_count()
     loop = asyncio.new_event_loop()  # the caller's loop, as the bench's harness thread runs one
     try:
         with tiered.TieredStore.open(cfg) as store:
             one_round(loop, store, tensors, args.concurrency)  # warm-up: swap file growth, pools, caches
+            if args.gc_freeze:
+                gc.collect()
+                gc.freeze()
             for r in range(args.rounds):
                 rounds.append(one_round(loop, store, tensors, args.concurrency))
                 print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
                     f"{p} {args.count / rounds[-1][p]['seconds']:,.0f} ops/s" for p in PHASES), file=sys.stderr)
     finally:
+        if args.gc_freeze and not frozen_before:  # leave a freeze made before this run alone
+            gc.unfreeze()
         loop.close()
         shutil.rmtree(workdir, ignore_errors=True)
     groups = sorted({g for rnd in rounds for p in PHASES for g in rnd[p]["cpu_seconds"]})
@@ -134,15 +169,18 @@ def run(args: argparse.Namespace) -> dict:
             "cores_busy": statistics.median(sum(rnd[phase]["cpu_seconds"].values()) / rnd[phase]["seconds"]
                                             for rnd in rounds),
             "cpu_us_per_op": {g: v for g, v in per_op.items() if v > 0},
+            "gc_share": statistics.median(sum(rnd[phase]["gc_seconds"]) / rnd[phase]["seconds"] for rnd in rounds),
         })
     shown = [g for g in groups if any(g in r["cpu_us_per_op"] for r in rows)]
     print(f"\n{args.count} x {args.tensor_size // KiB} KiB, {args.concurrency} in flight, {args.rounds} rounds "
-          f"(medians); CPU microseconds per op by thread, on {os.cpu_count()} cores")
-    print_table(["phase", "ops/s", "cores busy", *shown, "all threads"],
-                [(r["phase"], r["ops_per_s"], r["cores_busy"], *(r["cpu_us_per_op"].get(g, 0.0) for g in shown),
-                  sum(r["cpu_us_per_op"].values())) for r in rows])
+          f"(medians){', gc.freeze() after setup' if args.gc_freeze else ''}; CPU microseconds per op by thread, "
+          f"on {os.cpu_count()} cores; gc: share of wall time in the garbage collector")
+    print_table(["phase", "ops/s", "cores busy", "gc", *shown, "all threads"],
+                [(r["phase"], r["ops_per_s"], r["cores_busy"], r["gc_share"],
+                  *(r["cpu_us_per_op"].get(g, 0.0) for g in shown), sum(r["cpu_us_per_op"].values())) for r in rows])
     return with_load({"count": args.count, "tensor_size": args.tensor_size, "concurrency": args.concurrency,
-                      "rounds": rounds, "rows": rows, "cpus": os.cpu_count()}, load_before)
+                      "gc_freeze": args.gc_freeze, "rounds": rounds, "rows": rows, "cpus": os.cpu_count()},
+                     load_before)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -152,6 +190,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--tensor-size", type=int, default=64 * KiB, help="bytes per tensor (default 64 KiB)")
     p.add_argument("--concurrency", type=int, default=64, help="calls in flight (default 64)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the tensors and the store exist")
     p.add_argument("--json", help="write every round here")
     args = p.parse_args(argv)
     for name in ("count", "concurrency", "rounds"):

@@ -3,6 +3,7 @@ threads (no timing assertions: the figures are the benchmark's business)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -23,8 +24,25 @@ def test_both_phases_report_cpu_by_thread_group(tmp_path, small_op_cpu, capsys):
     assert len(report["rounds"]) == 2 and all(row["ops_per_s"] > 0 for row in report["rows"])
     groups = {g for rnd in report["rounds"] for phase in rnd.values() for g in phase["cpu_seconds"]}
     assert {"MainThread", "tiered-store", "tiered-io", "tiered-manifest"} <= groups
+    assert all(0 <= row["gc_share"] < 1 for row in report["rows"])
     assert "| put |" in capsys.readouterr().out
     assert os.listdir(tmp_path) == ["cpu.json"]  # the scratch store is gone
+
+
+def test_gc_freeze_is_undone_when_the_run_ends(tmp_path, small_op_cpu, capsys):
+    before = gc.get_freeze_count()
+    assert small_op_cpu.main(["--dir", str(tmp_path), "--count", "20", "--concurrency", "4", "--rounds", "1",
+                              "--gc-freeze"]) == 0
+    assert gc.get_freeze_count() == before
+    assert "gc.freeze() after setup" in capsys.readouterr().out
+
+
+def test_gc_pauses_are_counted_by_generation(small_op_cpu):
+    with small_op_cpu.GcPauses() as pauses:
+        gc.collect()
+    assert pauses.runs[2] == 1 and pauses.seconds[2] > 0
+    gc.collect()
+    assert pauses.runs[2] == 1  # no longer listening once left
 
 
 @pytest.mark.parametrize("name, value", [("MainThread", "MainThread"), ("tiered-io_12", "tiered-io"),
