@@ -104,8 +104,8 @@ def measured(run: Callable[[], None]) -> tuple[float, dict[str, float], GcPauses
 
 def one_round(loop: asyncio.AbstractEventLoop, store: tiered.TieredStore, tensors: list[torch.Tensor],
               concurrency: int) -> dict[str, dict]:
-    """Put every tensor, then get every one back, calling from ``loop``; per phase wall seconds and
-    CPU seconds per thread group."""
+    """Put every tensor, then get every one back, calling from ``loop``; per phase wall seconds, CPU
+    seconds per thread group and the garbage collector's runs and seconds per generation."""
     keys = [f"small/{i:06d}" for i in range(len(tensors))]
     got: list[Optional[torch.Tensor]] = [None] * len(tensors)
 
@@ -125,7 +125,9 @@ def one_round(loop: asyncio.AbstractEventLoop, store: tiered.TieredStore, tensor
     for phase in PHASES:
         wall, cpu, pauses = measured(lambda: loop.run_until_complete(bounded(calls[phase])))
         out[phase] = {"seconds": wall, "cpu_seconds": cpu, "gc_runs": pauses.runs, "gc_seconds": pauses.seconds}
-    assert all(torch.equal(a, b) for a, b in zip(got, tensors)), "a tensor came back changed"
+    changed = [keys[i] for i, (a, b) in enumerate(zip(got, tensors)) if not torch.equal(a, b)]
+    if changed:
+        raise RuntimeError(f"{len(changed)} tensors came back changed, first {changed[0]!r}: the store is broken")
 
     async def delete_all() -> None:  # not measured: the next round writes into the freed extents
         await asyncio.gather(*(store.delete(k) for k in keys))
