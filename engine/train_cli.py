@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import shutil
 import sys
@@ -154,6 +155,13 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
     data = BigramStream(cfg.vocab_size, cfg.seq_len, args.batch, seed=args.seed)
     tty = out.isatty() if hasattr(out, "isatty") else False
     losses: list[float] = []
+    # What docs/tuning.md suggests to applications (the library cannot: it is process-wide): leave
+    # everything made so far, torch's objects and the model's, out of later collections. The
+    # transfers in flight would otherwise set off a full collection every couple of steps.
+    froze = not gc.get_freeze_count()
+    if froze:
+        gc.collect()
+        gc.freeze()
     start = time.perf_counter()
     try:
         for step in range(1, args.steps + 1):
@@ -177,6 +185,8 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
         _report(eng.stats(), losses, data.loss_floor, time.perf_counter() - start, directory, args.keep, out)
     finally:
         eng.close() if hasattr(eng, "close") else eng.unwrap()
+        if froze:
+            gc.unfreeze()
     return 0
 
 

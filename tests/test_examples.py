@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import subprocess
@@ -23,6 +24,7 @@ def run_example(name: str, *args: str, cwd: str) -> str:
 
 
 def test_train_demo_learns_and_reports_where_the_data_went(tmp_path):
+    frozen = gc.get_freeze_count()
     out = io.StringIO()
     code = train_main(["--demo", "--dir", str(tmp_path / "demo"), "--steps", "8", "--layers", "2", "--embd", "64",
                        "--heads", "2", "--vocab", "128", "--seq", "32", "--batch", "4", "--host-mib", "1",
@@ -33,6 +35,7 @@ def test_train_demo_learns_and_reports_where_the_data_went(tmp_path):
     assert len(losses) >= 2 and losses[-1] < losses[0]
     assert "where the data went" in text and "nvme" in text and "disk I/O" in text
     assert not (tmp_path / "demo").exists()  # removed unless --keep
+    assert gc.get_freeze_count() == frozen  # the demo's gc.freeze() is undone when it returns
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
