@@ -7,7 +7,7 @@ import asyncio
 import shutil
 import time
 import warnings
-from typing import Awaitable, Optional, Sequence, TypeVar
+from typing import Awaitable, Callable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -147,6 +147,23 @@ class LargeTensors:
         return Run(self.nbytes / seconds / 1e9, seconds, self.nbytes, len(self.keys), verified=ok)
 
 
+async def run_in_flight(calls: Sequence[Callable[[], Awaitable[T]]], concurrency: int) -> list[T]:
+    """Await every call, ``concurrency`` at a time, and return their results in order.
+
+    ``concurrency`` workers each make the next call when their last one returns (fio's iodepth):
+    one coroutine per slot, not a task and a semaphore wait per call, so the harness takes as
+    little as it can of the CPU the store's loop needs.
+    """
+    results: list = [None] * len(calls)
+    todo = iter(enumerate(calls))
+
+    async def worker() -> None:
+        for i, call in todo:
+            results[i] = await call()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(calls)))))
+    return results
+
+
 def small_round(
     sut: StoreUnderTest, tensors: Sequence[torch.Tensor], *, concurrency: int, compress: bool = False
 ) -> Run:
@@ -159,25 +176,12 @@ def small_round(
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     sut.clear()
 
-    async def bounded(calls: list) -> list:
-        # ``concurrency`` workers, each making the next call when its last one returns (fio's
-        # iodepth): one coroutine per slot, not a task and a semaphore wait per call, so the
-        # harness takes as little as it can of the CPU the store's loop needs.
-        results: list = [None] * len(calls)
-        todo = iter(enumerate(calls))
-
-        async def worker() -> None:
-            for i, call in todo:
-                results[i] = await call()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(calls)))))
-        return results
-
     async def go() -> tuple[float, float, list[torch.Tensor]]:
         start = time.perf_counter()
-        await bounded([lambda k=k, t=t: store.put(k, t, tier=Tier.NVME, compress=compress)
-                       for k, t in zip(keys, tensors)])
+        await run_in_flight([lambda k=k, t=t: store.put(k, t, tier=Tier.NVME, compress=compress)
+                             for k, t in zip(keys, tensors)], concurrency)
         mid = time.perf_counter()
-        got = await bounded([lambda k=k: store.get(k) for k in keys])
+        got = await run_in_flight([lambda k=k: store.get(k) for k in keys], concurrency)
         return mid - start, time.perf_counter() - mid, got
 
     put_s, get_s, got = sut.run(go())
