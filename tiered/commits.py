@@ -118,12 +118,13 @@ class CommitLog:
                 self._outstanding.difference_update(req.done for req in batch)
 
     async def _commit(self, batch: list[_Request]) -> None:
-        files: Sequence[Any] = ()
+        flush_with_records: Sequence[Any] = ()  # one file: flushed by the manifest thread's job itself
         if self._durable:
             files = self._data.files_to_sync([r.copy for r in batch if r.copy is not None])
             if len(files) > 1:
                 await self._data.sync_files(files)
-                files = ()
+            else:
+                flush_with_records = files
         applied: dict[str, _Request] = {}
         verdicts: list[tuple[_Request, bool]] = []
         generations: dict[str, int] = {}  # this batch's changes; copying every key's would cost O(keys)
@@ -136,7 +137,7 @@ class CommitLog:
         upserts = [r.record for r in applied.values() if r.record is not None]
         deletes = [r.key for r in applied.values() if r.record is None]
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._thread, self._write_records, files, upserts, deletes)
+        await loop.run_in_executor(self._thread, self._write_records, flush_with_records, upserts, deletes)
         self._generations.update(generations)
         self.commits += 1
         for req, ok in verdicts:
