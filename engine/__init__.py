@@ -12,12 +12,13 @@ from engine.config import EngineConfig
 from engine.engine import Engine, EngineClosedError, wrap
 from engine.layout import ShardLayout, param_key
 from engine.loss_scaling import LossScaling
+from engine.memory_estimate import MemoryEstimate, estimate_memory
 from engine.released import ReleasedParameterError
 from engine.stats import EngineStats
 
 __all__ = [
-    "AdamW", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "LossScaling", "ReleasedParameterError",
-    "ShardLayout", "param_key", "wrap",
+    "AdamW", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "LossScaling", "MemoryEstimate",
+    "ReleasedParameterError", "ShardLayout", "estimate_memory", "param_key", "wrap",
 ]
 
 

@@ -407,7 +407,7 @@ def wrap(
             "optimizer=engine.AdamW(...) and no state_dict"
         )
     group, rank, world = _rank_and_world(process_group)
-    _check_tier_budget(config)
+    _check_fits(model, config, world, training=_is_engine_optimizer(optimizer))
     device = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
     source = WeightSource.open(state_dict)
     collectives = Collectives(group) if group is not None else None  # its thread starts on first use
@@ -513,13 +513,15 @@ def _rank_and_world(process_group: Any) -> tuple[Any, int, int]:
     return group_rank_and_world(process_group)
 
 
-def _check_tier_budget(config: EngineConfig) -> None:
-    budget = {"device": config.store.device_bytes, "host": config.store.host_bytes}.get(config.param_tier)
-    if budget == 0:
-        raise ValueError(
-            f"EngineConfig.param_tier is {config.param_tier!r} but the store's {config.param_tier}_bytes is 0; "
-            "give that tier a budget or choose another param_tier"
-        )
+def _check_fits(model: nn.Module, config: EngineConfig, world: int, *, training: bool) -> None:
+    """Refuse, before anything is written, what the store would refuse later: a memory tier without
+    a budget for the parameters, or a shard larger than its tier's whole budget (for a gradient
+    shard that would surface in the middle of backward, with the gradient lost)."""
+    from engine.memory_estimate import estimate_memory
+
+    problems = estimate_memory(model, config, world_size=world, training=training).problems
+    if problems:
+        raise ValueError("; ".join(problems) + " (engine.estimate_memory shows what each tier needs)")
 
 
 def _restore(placement: Placement, shard_io: ShardIO, meter: MemoryMeter) -> None:

@@ -5,7 +5,8 @@ Measured in a subprocess from /proc/self/status: VmHWM (peak resident set) at th
 just before wrap (after importing torch and running a tiny warm-up step of plain torch, so torch's
 own kernels and thread pools are in the baseline). The bound is docs/training.md's: the host budget
 plus the engine's fixed overhead (store staging buffers, the optimizer step's three groups,
-gradient puts in flight, materialized parameters, and a runtime allowance).
+gradient puts in flight, materialized parameters, and a runtime allowance), which is also what
+``engine.estimate_memory`` reports as ``host_rss_bound``.
 
 glibc's malloc raises its mmap threshold dynamically and then keeps freed chunks of paged
 parameters and step buffers in its heaps; the subprocess pins the threshold
@@ -57,6 +58,7 @@ CHILD = textwrap.dedent("""
                                  prefetch_bytes=4 * MiB, optimizer_group_bytes=2 * MiB)
     largest_shard = max(p.numel() for p in model.parameters()) * 4
     largest_module = max(sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in model.modules())
+    bound = engine.estimate_memory(model, config).host_rss_bound
     base = status()["VmRSS"]
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=1e-3), config=config)
     losses = []
@@ -69,7 +71,7 @@ CHILD = textwrap.dedent("""
     stats = eng.stats()
     eng.close()
     print(json.dumps(dict(
-        base=base, peak=status()["VmHWM"], params=cfg.num_params, losses=losses,
+        base=base, peak=status()["VmHWM"], bound=bound, params=cfg.num_params, losses=losses,
         largest_shard=largest_shard, largest_module=largest_module,
         steps=stats.optimizer_steps, written=stats.optimizer_bytes_written,
         peak_materialized=stats.peak_materialized_bytes,
@@ -104,4 +106,5 @@ def test_peak_rss_stays_within_the_host_budget_plus_the_fixed_overhead(tmp_path)
                               prefetch_bytes=4 * MiB)
     peak = got["peak"] - got["base"]
     assert host + overhead < states  # the bound says something
+    assert got["bound"] == host + overhead  # engine.estimate_memory states the same bound
     assert peak <= host + overhead, f"peak RSS +{peak / MiB:.1f} MiB > {(host + overhead) / MiB:.1f} MiB"

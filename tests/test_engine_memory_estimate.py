@@ -1,0 +1,217 @@
+"""engine.estimate_memory and `tiered estimate`: bytes per tier from the model's shapes, held against
+hand-computed figures and against what a real run's store holds; wrap refusing a shard larger than
+its tier's whole budget before anything is written."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import engine
+from engine.estimate_cli import main as estimate_main
+from engine.memory_estimate import COMPRESSED_STATE_RATIO, RUNTIME_BYTES
+from engine_models import store_config
+
+KiB, MiB = 1024, 1024 * 1024
+
+
+def page(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+def two_linears() -> nn.Module:
+    """A 1000 -> 300 -> 7 MLP and a frozen LayerNorm: parameter sizes that are easy to count by hand."""
+    model = nn.Sequential(nn.Linear(1000, 300), nn.Linear(300, 7), nn.LayerNorm(7))
+    model[2].requires_grad_(False)
+    return model
+
+
+def config(tmp_path, **kw) -> engine.EngineConfig:
+    store_kw = {k: kw.pop(k) for k in ("host_bytes", "device_bytes", "nvme_bytes") if k in kw}
+    store_kw.setdefault("host_bytes", 64 * MiB)
+    return engine.EngineConfig(store=store_config(tmp_path, **store_kw), prefetch_bytes=1 * MiB, **kw)
+
+
+def test_each_kind_of_entry_is_counted_in_its_tier(tmp_path):
+    est = engine.estimate_memory(two_linears(), config(tmp_path))
+    sizes = [300_000, 300, 2100, 7]  # trainable elements, per parameter
+    frozen = [7, 7]
+    assert est.parameters == sum(sizes) + sum(frozen) and est.trainable == sum(sizes)
+    params, grads, state = est.parts
+    assert (params.tier, grads.tier, state.tier) == ("nvme", "host", "nvme")  # the defaults
+    assert params.nbytes == sum(page(4 * n) for n in sizes + frozen)
+    assert grads.nbytes == sum(page(4 * n) for n in sizes)  # frozen parameters have no gradient ...
+    assert state.nbytes == 3 * grads.nbytes  # ... and no master weights or moments
+    assert params.largest == page(4 * 300_000) and params.largest_name == "0.weight"
+    assert est.at_rest == engine.memory_estimate.TierBytes(host=grads.nbytes, nvme=params.nbytes + state.nbytes)
+    # During the step the new state is written beside the old one.
+    assert est.during_step.nvme == est.at_rest.nvme + state.nbytes and est.during_step.host == est.at_rest.host
+    assert est.fits and not est.warnings
+
+
+def test_budgets_write_what_a_tier_cannot_hold_down_to_the_next(tmp_path):
+    roomy = engine.estimate_memory(two_linears(), config(tmp_path, optimizer_tier="host"))
+    state = roomy.parts[2].nbytes
+    assert roomy.at_rest.host == roomy.parts[1].nbytes + state and roomy.during_step.host == roomy.at_rest.host + state
+    tight = engine.estimate_memory(two_linears(), config(tmp_path, optimizer_tier="host", host_bytes=4 * MiB))
+    assert tight.at_rest.host == tight.during_step.host == 4 * MiB  # full, the rest below
+    assert tight.at_rest.total == roomy.at_rest.total and tight.during_step.total == roomy.during_step.total
+    assert tight.at_rest.nvme == roomy.at_rest.host - 4 * MiB + roomy.at_rest.nvme
+    need = engine.estimate_memory(two_linears(), config(tmp_path)).during_step.nvme
+    assert not engine.estimate_memory(two_linears(), config(tmp_path, nvme_bytes=need)).warnings
+    short = engine.estimate_memory(two_linears(), config(tmp_path, nvme_bytes=need - 4096))
+    assert short.fits and "StoreConfig.nvme_bytes" in short.warnings[0]  # from an estimate: a warning
+
+
+def test_ranks_training_dtype_compression_and_inference(tmp_path):
+    sizes, frozen = [300_000, 300, 2100, 7], [7, 7]
+    three = engine.estimate_memory(two_linears(), config(tmp_path), world_size=3)
+    assert three.parts[1].nbytes == sum(page(4 * -(-n // 3)) for n in sizes)  # shards padded to a multiple of 3
+    bf16 = engine.estimate_memory(two_linears(), config(tmp_path, train_dtype="bfloat16"))
+    assert bf16.parts[0].nbytes == sum(page(2 * n) for n in sizes + frozen)
+    assert bf16.parts[1].nbytes == sum(page(4 * n) for n in sizes)  # gradients and state stay fp32
+    fp32 = engine.estimate_memory(two_linears(), config(tmp_path))
+    assert bf16.host_rss_bound > fp32.host_rss_bound - fp32.materialized_bytes + bf16.materialized_bytes  # new shards
+    packed = engine.estimate_memory(two_linears(), config(tmp_path, compress_optimizer=True))
+    assert packed.parts[2].nbytes == sum(3 * page(int(4 * n * COMPRESSED_STATE_RATIO)) for n in sizes)
+    assert "compressed" in packed.parts[2].what
+    inference = engine.estimate_memory(two_linears(), config(tmp_path), training=False)
+    assert [p.what for p in inference.parts] == ["parameter shards"] and inference.trainable == 0
+    assert inference.at_rest == inference.during_step
+
+
+def test_meta_models_tied_weights_and_a_large_one_cost_nothing_to_estimate(tmp_path):
+    with torch.device("meta"):
+        big = nn.Sequential(nn.Embedding(50_000, 4096), nn.Linear(4096, 50_000, bias=False))
+    big[1].weight = big[0].weight  # tied: one parameter, counted once
+    est = engine.estimate_memory(big, config(tmp_path, host_bytes=1 << 40))
+    assert est.parameters == 50_000 * 4096
+    assert est.parts[2].nbytes == 3 * page(4 * 50_000 * 4096)
+    assert est.materialized_bytes == 4 * 50_000 * 4096 + 1 * MiB + 4 * 50_000 * 4096  # module + window + one
+
+
+def test_the_rss_bound_is_the_documented_sum(tmp_path):
+    cfg = config(tmp_path, grad_tier="nvme", optimizer_group_bytes=256 * KiB)
+    est = engine.estimate_memory(two_linears(), cfg)
+    store = cfg.store
+    largest_fp32, fp32_total = 4 * 300_000, est.parts[1].nbytes
+    expected = (store.host_bytes + store.block_size * store.staging_buffers
+                + min(3 * max(256 * KiB, largest_fp32), fp32_total) * 4  # the step's three groups
+                + 256 * KiB + 2 * largest_fp32  # gradient puts in flight
+                + est.materialized_bytes + RUNTIME_BYTES)
+    assert est.host_rss_bound == expected
+    on_gpu = engine.estimate_memory(two_linears(), cfg.replace(compute_device="cuda"))
+    assert on_gpu.host_rss_bound == expected - est.materialized_bytes  # materialized on the GPU instead
+
+
+def test_a_shard_larger_than_its_tier_is_refused_by_wrap_before_anything_is_written(tmp_path):
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 4))  # a 1 MiB fp32 gradient shard
+    cfg = config(tmp_path, host_bytes=512 * KiB)
+    est = engine.estimate_memory(model, cfg)
+    assert not est.fits
+    assert "grad_tier='host'" in est.problems[0] and "'0.weight'" in est.problems[0]
+    assert "host_bytes to at least 1048576 or set grad_tier='nvme'" in est.problems[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="more than the tier's whole budget"):
+        engine.wrap(model, config=cfg, optimizer=engine.AdamW(lr=1e-3))
+    assert not os.path.exists(cfg.store.path)  # refused before the store was opened
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    # Inference puts no gradients: the same budget is enough for the parameters (all on nvme).
+    engine.wrap(model, config=cfg).close()
+    # The same check covers optimizer state and parameter shards in the host tier.
+    for field in ("optimizer_tier", "param_tier"):
+        with pytest.raises(ValueError, match=f"{field}='host'"):
+            engine.wrap(model, config=cfg.replace(grad_tier="nvme", **{field: "host"}),
+                        optimizer=engine.AdamW(lr=1e-3))
+    with pytest.raises(ValueError, match="world_size"):
+        engine.estimate_memory(model, cfg, world_size=0)
+    with pytest.raises(TypeError, match="nn.Module"):
+        engine.estimate_memory("model", cfg)  # type: ignore[arg-type]
+
+
+def test_the_estimate_matches_what_a_training_run_keeps_on_nvme(tmp_path):
+    from engine.demo import GPT, GPTConfig
+
+    gpt = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_embd=64, n_head=2)
+    for kw in ({}, {"train_dtype": "bfloat16"}):
+        path = tmp_path / str(len(kw))
+        with torch.device("meta"):
+            model = GPT(gpt)
+        cfg = engine.EngineConfig(store=store_config(path, host_bytes=1 * MiB), grad_tier="nvme", **kw)
+        est = engine.estimate_memory(model, cfg)
+        eng = engine.wrap(model, optimizer=engine.AdamW(lr=1e-3), config=cfg)
+        x = torch.randint(0, 128, (2, 16))
+        for _ in range(2):
+            model(x, x).backward()
+            eng.step()
+            eng.zero_grad()
+        held = eng.store.nvme_space().entry_bytes
+        eng.close()
+        # After a step the gradients are gone: parameters and one slot of state remain, plus the
+        # engine's step record.
+        params, grads, state = est.parts
+        assert params.nbytes + state.nbytes <= held <= params.nbytes + state.nbytes + 2 * 4096, (held, est)
+        assert held <= est.at_rest.nvme <= est.during_step.nvme
+
+
+def run_cli(*args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    return estimate_main(list(args), out=out), out.getvalue()
+
+
+DEMO = ("--demo", "--layers", "2", "--embd", "64", "--heads", "2", "--vocab", "128", "--seq", "16")
+
+
+def test_cli_prints_the_table_and_says_whether_it_fits(tmp_path):
+    code, text = run_cli(*DEMO, "--dir", str(tmp_path / "new" / "dir"))
+    assert code == 0, text
+    assert "parameter shards" in text and "held in the nvme tier" in text and "host RSS bound" in text
+    assert f"disk under {tmp_path}" in text and text.rstrip().endswith("fits: yes")
+    code, text = run_cli(*DEMO, "--dir", str(tmp_path), "--host-mib", "0", "--param-tier", "host")
+    assert code == 1 and "PROBLEM: EngineConfig.param_tier is 'host'" in text and "fits: no" in text
+    code, text = run_cli(*DEMO, "--dir", str(tmp_path), "--json", "--world-size", "2", "--inference")
+    got = json.loads(text)
+    assert code == 0 and got["fits"] and got["world_size"] == 2 and len(got["parts"]) == 1
+    assert got["at_rest"]["nvme"] == got["parts"][0]["nbytes"] and got["disk"]["free"] > 0
+
+
+def test_cli_reads_a_hugging_face_config_and_a_deepspeed_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32)
+    hf.save_pretrained(tmp_path / "gpt2")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"},
+                                                    "offload_optimizer": {"device": "cpu"}}}))
+    for source in (str(tmp_path / "gpt2"), str(tmp_path / "gpt2" / "config.json")):
+        code, text = run_cli("--hf-config", source, "--ds-config", str(ds), "--dir", str(tmp_path), "--json")
+        got = json.loads(text)
+        params = transformers.GPT2LMHeadModel(hf).num_parameters()
+        assert code == 0 and got["parameters"] == params
+        assert [p["tier"] for p in got["parts"]] == ["nvme", "host", "host"]  # offload_optimizer: cpu
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--demo", "--world-size", "0"), "--world-size must be >= 1"),
+    (("--demo", "--device", "banana"), "is not a device"),
+    (("--hf-config", "/nonexistent/config.json"), "does not exist"),
+    (("--demo", "--hf-config", "x"), "not allowed with"),
+    ((), "one of the arguments"),
+])
+def test_cli_refuses_bad_input_with_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        estimate_main(list(args))
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_tiered_command_lists_estimate(capsys):
+    from engine.cli import main
+
+    from tiered.cli import COMMANDS
+
+    assert main(["--help"]) == 0 and "estimate" in capsys.readouterr().out
+    assert "estimate" not in COMMANDS  # the engine adds it: the store never imports the engine
