@@ -65,6 +65,37 @@ def test_a_view_of_a_pooled_result_keeps_its_memory():
     pool.close()
 
 
+def _thp_eligible(address: int) -> bool:
+    """The THPeligible line of /proc/self/smaps for the mapping holding ``address``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "THPeligible:":
+                return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_pooled_results_ask_for_huge_pages_where_the_kernel_gives_them():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        pytest.skip("this kernel has no transparent huge pages")
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off here ([never])")
+    pool = ResultPool(capacity=0)
+    t, view = pool.take(8 * MiB)
+    view.release()
+    # Asked for (MADV_HUGEPAGE) even under the "madvise" mode: each 2 MiB of the result is then
+    # physically contiguous, which keeps reads into a reused result at the disk's speed.
+    assert _thp_eligible(t.data_ptr())
+    pool.close()
+
+
 def test_new_result_is_aligned_for_large_cpu_results_and_plain_otherwise():
     pool = ResultPool(capacity=0)
     big, spans = new_result((8192, 1024), torch.float32, "cpu", pool)

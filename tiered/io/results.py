@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tiered.io.aligned import round_up
+from tiered.io.aligned import anonymous_map, round_up
 
 
 class ResultPool:
@@ -54,7 +54,12 @@ class ResultPool:
             else:
                 self.misses += 1
         if buf is None:
-            buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # Transparent huge pages where the kernel gives them on request: then every 2 MiB of the
+            # result is physically contiguous, whatever state free memory is in. Pages faulted in 4 KiB
+            # at a time by the reads came out in up to 26,000 physical runs per 256 MiB here, and a
+            # buffer so scattered took every later read into it 1.2-1.4 GB/s instead of 1.5
+            # (docs/benchmarks.md, "Memory").
+            buf = anonymous_map(size, populate=False, huge_pages=True)
         array = np.frombuffer(buf, dtype=np.uint8)
         # The tensor keeps `array` alive; when the last tensor on this memory dies, so does `array`,
         # and the mapping comes back (the finalizer holds the only other reference to it).
