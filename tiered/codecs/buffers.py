@@ -42,7 +42,7 @@ class BufferPool:
                 best = min(fits, key=lambda b: b.nbytes)
                 self._idle.remove(best)
                 return best
-        return AlignedBuffer(nbytes)
+        return AlignedBuffer(nbytes, huge_pages=True)  # the nvme copy is read into it with O_DIRECT
 
     def give(self, buffer: AlignedBuffer) -> None:
         """Return a buffer taken from :meth:`take`; nothing may use it afterwards."""

@@ -71,12 +71,15 @@ class AlignedBuffer:
     region can be registered as pinned memory so host<->device copies run asynchronously.
     """
 
-    def __init__(self, nbytes: int, *, pin: bool = False, prefault: bool = False, lock: bool = False) -> None:
+    def __init__(
+        self, nbytes: int, *, pin: bool = False, prefault: bool = False, lock: bool = False, huge_pages: bool = False
+    ) -> None:
         if nbytes <= 0:
             raise ValueError(f"AlignedBuffer size must be positive, got {nbytes}")
         self.nbytes = round_up(nbytes, mmap.PAGESIZE)
         # ``lock``: page-locked where permitted (lock_pages); pinning under CUDA locks it anyway.
-        self._map = anonymous_map(self.nbytes, populate=prefault, lock=lock and not pin)
+        # ``huge_pages``: anonymous_map's MADV_HUGEPAGE, for buffers that O_DIRECT moves whole blocks through.
+        self._map = anonymous_map(self.nbytes, populate=prefault, huge_pages=huge_pages, lock=lock and not pin)
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()

@@ -97,7 +97,8 @@ class IOEngine:
         self.syscalls = syscalls
         self.counters = IOCounters()
         self._lock = threading.Lock()
-        self._staging = AlignedBuffer(block_size * self.staging_buffers, pin=pin, prefault=True, lock=True)
+        self._staging = AlignedBuffer(block_size * self.staging_buffers, pin=pin, prefault=True, lock=True,
+                                      huge_pages=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="tiered-io")
         self._slots: Optional[asyncio.Queue[memoryview]] = None
         self._tokens: Optional[asyncio.Semaphore] = None
