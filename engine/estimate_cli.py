@@ -10,10 +10,13 @@ import json
 import os
 import shutil
 import sys
-from typing import Optional, Sequence, TextIO
+from typing import Any, Optional, Sequence, TextIO
 
 import torch
 from torch import nn
+
+from engine.config import EngineConfig
+from tiered import StoreConfig
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -101,13 +104,13 @@ class DiskCheck:
     room: bool
 
 
-def _disk_check(need: int, store: "object", directory: str) -> DiskCheck:
+def _disk_check(need: int, store: StoreConfig, directory: str) -> DiskCheck:
     existing = os.path.abspath(directory)
     while not os.path.isdir(existing):  # a directory the store would create: its nearest existing parent
         existing = os.path.dirname(existing)
     free = shutil.disk_usage(existing).free
-    files = store.swap_files_per_dir * len(store.nvme_paths or (store.path,))  # type: ignore[attr-defined]
-    slack = files * store.swap_grow_bytes  # type: ignore[attr-defined]
+    files = store.swap_files_per_dir * len(store.nvme_paths or (store.path,))
+    slack = files * store.swap_grow_bytes
     return DiskCheck(existing, free, slack, need + slack <= free)
 
 
@@ -133,23 +136,19 @@ def _model(args: argparse.Namespace) -> nn.Module:
             return transformers.AutoModel.from_config(config)
 
 
-def _config(args: argparse.Namespace) -> "object":
-    import engine
-    import tiered
-
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+def _config(args: argparse.Namespace) -> EngineConfig:
+    device = args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        torch.device(args.device)
+        torch.device(device)
     except RuntimeError as exc:
-        raise ValueError(f"--device {args.device!r} is not a device: {exc}") from exc
-    store_fields = {"path": os.path.abspath(args.dir), "device_bytes": args.device_mib * MiB}
+        raise ValueError(f"--device {device!r} is not a device: {exc}") from exc
+    store_fields: dict[str, Any] = {"path": os.path.abspath(args.dir), "device_bytes": args.device_mib * MiB}
     if args.host_mib is not None:
         store_fields["host_bytes"] = args.host_mib * MiB
     if args.nvme_gib is not None:
         store_fields["nvme_bytes"] = int(args.nvme_gib * GiB)
-    store = tiered.StoreConfig(**store_fields)
-    overrides = {"compute_device": args.device}
+    store = StoreConfig(**store_fields)
+    overrides: dict[str, Any] = {"compute_device": device}
     for name in ("param_tier", "grad_tier", "optimizer_tier", "train_dtype"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
@@ -158,5 +157,5 @@ def _config(args: argparse.Namespace) -> "object":
     if args.compress_optimizer:
         overrides["compress_optimizer"] = True
     if args.ds_config is not None:
-        return engine.EngineConfig.from_deepspeed(args.ds_config, store=store, **overrides)
-    return engine.EngineConfig(store=store, **overrides)
+        return EngineConfig.from_deepspeed(args.ds_config, store=store, **overrides)
+    return EngineConfig(store=store, **overrides)
