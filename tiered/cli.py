@@ -1,4 +1,4 @@
-"""The ``tiered`` command: ``tiered bench``, ``tiered inspect DIR`` and ``tiered fsck DIR``."""
+"""The ``tiered`` command: ``tiered bench``, ``tiered inspect DIR``, ``tiered fsck DIR`` and ``tiered env``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ USAGE = """usage: tiered <command> [options]   (tiered <command> --help for its 
 commands:
   bench         measure the store on this machine, next to fio, torch.save and DeepSpeed's aio
   inspect DIR   show a store directory's entries, codec ratios and swap-file space
-  fsck DIR      verify every checksum of a closed store; --reclaim orphaned space, --delete-damaged"""
+  fsck DIR      verify every checksum of a closed store; --reclaim orphaned space, --delete-damaged
+  env           what this machine and --dir give the store: O_DIRECT, fallocate, huge pages, locked memory, CUDA"""
 
 
 def _bench(argv: Sequence[str]) -> int:
@@ -31,11 +32,18 @@ def _fsck(argv: Sequence[str]) -> int:
     return fsck_main(argv)
 
 
+def _env(argv: Sequence[str]) -> int:
+    from tiered.env_report import main
+
+    return main(argv)
+
+
 #: Subcommands; each imports its module only when run, so ``tiered --help`` stays fast.
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "bench": _bench,
     "inspect": _inspect,
     "fsck": _fsck,
+    "env": _env,
 }
 
 
