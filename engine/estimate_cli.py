@@ -76,7 +76,8 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
         config = _config(args)
     except (ValueError, OSError, ImportError) as exc:
         parser.error(str(exc))
-    from engine.memory_estimate import estimate_memory, format_bytes
+    from engine.memory_estimate import estimate_memory
+    from tiered.offline.render import format_bytes
 
     est = estimate_memory(model, config, world_size=args.world_size, training=not args.inference)
     disk = _disk_check(est.during_step.nvme, config.store, args.dir)

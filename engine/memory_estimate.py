@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.placement import model_device
 from tiered.codecs.bplane import CACHE_BYTES
 from tiered.io.aligned import round_up
+from tiered.offline.render import format_bytes
 from tiered.spans import DIRECT_RESULT_BYTES
 
 MiB = 1024 * 1024
@@ -163,14 +164,6 @@ def estimate_memory(
         host_rss_bound=rss, materialized_bytes=materialized, compute_device=str(compute),
         problems=tuple(problems), warnings=tuple(warnings),
     )
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes in GiB, MiB or KiB, three significant figures."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n} B"
 
 
 class _Part:
