@@ -20,7 +20,8 @@ ALL_DTYPES = sorted(
     {
         d
         for d in (getattr(torch, name) for name in dir(torch))
-        if isinstance(d, torch.dtype) and d not in {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+        if isinstance(d, torch.dtype)
+        and d not in {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
     },
     key=str,
 )

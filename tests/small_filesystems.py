@@ -35,7 +35,8 @@ def mounted(kind: str, tmp_path, *, mib: int, read_only: bool = False) -> Iterat
         mount_small(kind, where, str(tmp_path / "fs.img"), mib=mib, read_only=read_only)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
-        pytest.skip(f"cannot mount a {'read-only ' if read_only else ''}{kind} here: {exc} {detail.decode(errors='replace').strip()}")
+        what = f"{'read-only ' if read_only else ''}{kind}"
+        pytest.skip(f"cannot mount a {what} here: {exc} {detail.decode(errors='replace').strip()}")
     try:
         yield where
     finally:

@@ -84,7 +84,8 @@ def pread_full(sys: Syscalls, handle: FileHandle, views: list[memoryview], offse
 
 
 def _transfer_full(
-    op: Callable[[int, list, int], int], verb: str, stalled: str, handle: FileHandle, views: list[memoryview], offset: int
+    op: Callable[[int, list, int], int], verb: str, stalled: str, handle: FileHandle, views: list[memoryview],
+    offset: int,
 ) -> None:
     total = sum(len(v) for v in views)
     done = 0
