@@ -13,9 +13,10 @@ def test_every_kind_of_buffer_is_read_and_its_pages_counted(tmp_path, benchmark_
     module = benchmark_script("page_contiguity")
     out = tmp_path / "contiguity.json"
     assert module.main(["--dir", str(tmp_path), "--size", str(4 << 20), "--tensor-size", str(1 << 20),
-                        "--block-size", str(256 << 10), "--rounds", "2", "--json", str(out)]) == 0
+                        "--block-size", str(256 << 10), "--rounds", "2", "--scatter", str(8 << 20),
+                        "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert [row["buffer"] for row in report["rows"]] == list(module.KINDS)
+    assert [row["buffer"] for row in report["rows"]] == list(module.KINDS) and report["scatter"] == 8 << 20
     for row in report["rows"]:
         assert len(row["runs"]) == 2 and row["min"] > 0 and len(row["physical_runs"]) == 4
         assert all(r is None or 1 <= r <= 256 for r in row["physical_runs"])  # 1 MiB is 256 pages
