@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.train_cli import DEMO_SIZE_OPTIONS, add_demo_size_arguments, demo_config
 from tiered import StoreConfig
 
 MiB = 1024 * 1024
@@ -33,11 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--demo", action="store_true", help="the GPT of `tiered train --demo` (sizes below)")
     source.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json, or a directory holding "
                         "one (needs transformers; the model is built from it on the meta device)")
-    p.add_argument("--layers", type=int, default=6, help="--demo: layers")
-    p.add_argument("--embd", type=int, default=384, help="--demo: width")
-    p.add_argument("--heads", type=int, default=6, help="--demo: attention heads")
-    p.add_argument("--vocab", type=int, default=512, help="--demo: vocabulary")
-    p.add_argument("--seq", type=int, default=128, help="--demo: sequence length")
+    add_demo_size_arguments(p)
     p.add_argument("--ds-config", metavar="PATH", help="take tiers and settings from a DeepSpeed JSON config "
                    "(EngineConfig.from_deepspeed); the budget flags below still set the store's budgets")
     p.add_argument("--dir", default=".", help="where the swap files would go: its free space is checked "
@@ -64,7 +61,7 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
     """Run ``tiered estimate``; return 0 when the model fits, 1 when it does not, 2 on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("layers", "embd", "heads", "vocab", "seq", "world_size"):
+    for name in (*DEMO_SIZE_OPTIONS, "world_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("host_mib", "device_mib", "prefetch_mib", "nvme_gib"):
@@ -117,11 +114,10 @@ def _disk_check(need: int, store: StoreConfig, directory: str) -> DiskCheck:
 
 def _model(args: argparse.Namespace) -> nn.Module:
     if args.demo:
-        from engine.demo import GPT, GPTConfig
+        from engine.demo import GPT
 
         with torch.device("meta"):
-            return GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_embd=args.embd,
-                                 n_head=args.heads))
+            return GPT(demo_config(args))
     try:
         import transformers
     except ImportError as exc:

@@ -10,9 +10,12 @@ import os
 import shutil
 import sys
 import time
-from typing import Optional, Sequence, TextIO
+from typing import TYPE_CHECKING, Optional, Sequence, TextIO
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.demo import GPTConfig
 
 MiB = 1024 * 1024
 #: A file the demo leaves in its directory, so a rerun may clear what an earlier run left.
@@ -49,11 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="tiered-demo", help="directory for the swap files and manifest (default: "
                    "./tiered-demo); use a directory on your NVMe disk")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--embd", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seq", type=int, default=128)
+    add_demo_size_arguments(p)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -71,13 +70,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: The demo GPT's size options, shared with ``tiered estimate --demo`` so both mean the same model.
+DEMO_SIZE_OPTIONS = ("layers", "embd", "heads", "vocab", "seq")
+
+
+def add_demo_size_arguments(p: argparse.ArgumentParser) -> None:
+    """``--layers``, ``--embd``, ``--heads``, ``--vocab`` and ``--seq``, defaulting to the demo's GPT."""
+    p.add_argument("--layers", type=int, default=6, help="demo GPT: transformer blocks")
+    p.add_argument("--embd", type=int, default=384, help="demo GPT: width")
+    p.add_argument("--heads", type=int, default=6, help="demo GPT: attention heads")
+    p.add_argument("--vocab", type=int, default=512, help="demo GPT: vocabulary")
+    p.add_argument("--seq", type=int, default=128, help="demo GPT: sequence length")
+
+
+def demo_config(args: argparse.Namespace) -> GPTConfig:
+    """The demo GPT's configuration from the options :func:`add_demo_size_arguments` added."""
+    from engine.demo import GPTConfig
+
+    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_embd=args.embd, n_head=args.heads)
+
+
 def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> int:
     """Run ``tiered train``; return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.demo:
         parser.error("only the built-in demo exists so far: run `tiered train --demo` (see --help for its sizes)")
-    for name in ("steps", "layers", "embd", "heads", "vocab", "seq", "batch"):
+    for name in ("steps", *DEMO_SIZE_OPTIONS, "batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     for name in ("host_mib", "device_mib", "prefetch_mib"):
@@ -131,9 +150,9 @@ def _prepare(path: str) -> str:
 def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
     import engine
     import tiered
-    from engine.demo import GPT, BigramStream, GPTConfig
+    from engine.demo import GPT, BigramStream
 
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_embd=args.embd, n_head=args.heads)
+    cfg = demo_config(args)
     n = cfg.num_params
     state_bytes = n * (4 + 4 + 12)  # fp32 parameter, gradient, master + two moments
     budget = (args.host_mib + args.device_mib) * MiB
