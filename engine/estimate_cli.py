@@ -18,6 +18,7 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.train_cli import DEMO_SIZE_OPTIONS, add_demo_size_arguments, demo_config
 from tiered import StoreConfig
+from tiered.bench.system import nearest_existing_directory
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -103,9 +104,7 @@ class DiskCheck:
 
 
 def _disk_check(need: int, store: StoreConfig, directory: str) -> DiskCheck:
-    existing = os.path.abspath(directory)
-    while not os.path.isdir(existing):  # a directory the store would create: its nearest existing parent
-        existing = os.path.dirname(existing)
+    existing = nearest_existing_directory(directory)
     free = shutil.disk_usage(existing).free
     files = store.swap_files_per_dir * len(store.nvme_paths or (store.path,))
     slack = files * store.swap_grow_bytes

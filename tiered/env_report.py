@@ -18,7 +18,7 @@ from typing import Optional, Sequence, TextIO
 
 import torch
 
-from tiered.bench.system import DROP_CACHES, filesystem_of
+from tiered.bench.system import DROP_CACHES, filesystem_of, nearest_existing_directory
 from tiered.config import ALIGNMENT, StoreConfig
 from tiered.io.aligned import AlignedBuffer
 from tiered.io.crc import CRC32_IMPL
@@ -64,9 +64,7 @@ def collect(directory: str) -> list[Check]:
 
 def _directory_checks(directory: str) -> list[Check]:
     path = os.path.abspath(directory)
-    probe_dir = path
-    while not os.path.isdir(probe_dir):
-        probe_dir = os.path.dirname(probe_dir)
+    probe_dir = nearest_existing_directory(path)
     where = path if probe_dir == path else f"{path} (absent; probed its parent {probe_dir})"
     kind = filesystem_of(probe_dir) or "unknown"
     in_memory = kind in ("tmpfs", "ramfs")
