@@ -36,6 +36,7 @@ class BackwardTracker:
         self._pager = pager
         self._tasks: dict[int, list[ParamHandle]] = {}
         self._outside: list[ParamHandle] = []  # unpacked outside backward (a user reading grad_fn._saved_*)
+        self._post_backward_hooks: list[Any] = []
 
     def hold(self, handle: ParamHandle) -> None:
         """Backward needs ``handle`` until its gradient is final or the backward ends."""
@@ -59,12 +60,22 @@ class BackwardTracker:
 
     def reset(self) -> None:
         """Release every backward hold (a new step starts outside backward: whatever is left belongs
-        to a backward that failed, or to saved tensors unpacked outside backward)."""
+        to a backward that failed, or to saved tensors unpacked outside backward), and remove the last
+        step's post-backward hooks."""
         with self._pager.lock:
             tasks, self._tasks = self._tasks, {}
             outside, self._outside = self._outside, []
             for held in [*tasks.values(), outside]:
                 self.release(held)
+            hooks, self._post_backward_hooks = self._post_backward_hooks, []
+        for hook in hooks:
+            hook.remove()
+
+    def add_post_backward_hook(self, hook: Any) -> None:
+        """Keep a module's post-backward hook until the next step. Removing it then frees a graph that
+        never ran backward: the hook's closure holds the graph's nodes and the nodes hold the hook, a
+        cycle through C++ that Python's garbage collector cannot see."""
+        self._post_backward_hooks.append(hook)
 
     def _task_done(self, task: int) -> None:
         with self._pager.lock:
@@ -98,13 +109,16 @@ class SavedParamHooks:
     def pack(self, tensor: torch.Tensor) -> Any:
         """Tag a saved alias of a managed parameter with its handle; leave other tensors alone."""
         if tensor.layout is not torch.strided or tensor.device.type == "meta":
-            return tensor
+            return tensor.detach()
         try:
             storage_id = tensor.untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):  # tensors without plain storage (subclasses)
-            return tensor
+            return tensor.detach()
         handle = self._by_storage.get(storage_id)
-        return tensor if handle is None else _SavedParam(handle, tensor)
+        # Detached: a saved output keeps its grad_fn, which holds what pack returns; returning the
+        # tensor itself would make a cycle through C++ that keeps a graph never run backward alive.
+        # Autograd attaches the grad_fn again on unpack.
+        return tensor.detach() if handle is None else _SavedParam(handle, tensor.detach())
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Materialize the parameter a tagged tensor aliases, then return the tensor."""
@@ -131,7 +145,9 @@ def register_module_post_backward(
     tensors = [t for t in _tensors(inputs) if t.requires_grad and t.grad_fn is not None]
     if not tensors or not handles:
         return None
-    return register_multi_grad_hook(tensors, lambda _grads: tracker.release(handles), mode="all")
+    hook = register_multi_grad_hook(tensors, lambda _grads: tracker.release(handles), mode="all")
+    tracker.add_post_backward_hook(hook)
+    return hook
 
 
 def register_grad_final_hooks(

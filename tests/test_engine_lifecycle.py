@@ -143,3 +143,60 @@ def test_state_dict_and_load_state_dict_on_a_wrapped_model(tmp_path):
         model.load_state_dict(other.state_dict(), assign=True)
     eng.unwrap()
     assert_same_params(model, other)
+
+
+class _Marker:
+    """An object a graph holds (in a custom Function's ctx): alive exactly as long as the graph."""
+
+
+class _Mark(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, marker):
+        ctx.marker = marker
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _MarkedGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = TinyGPT()
+        self.markers: list = []
+
+    def forward(self, idx):
+        import weakref
+
+        marker = _Marker()
+        self.markers.append(weakref.ref(marker))
+        gpt = self.gpt
+        x = gpt.wte(idx) + gpt.wpe(torch.arange(idx.shape[1]))
+        x = _Mark.apply(x, marker)  # at the bottom of the graph: every node above holds it
+        for block in gpt.blocks:
+            x = block(x)
+        return gpt.lm_head(gpt.ln_f(x))
+
+
+def test_a_graph_never_run_backward_is_freed(tmp_path):
+    """A forward with gradients whose output is dropped (an evaluation loss outside no_grad) must not
+    keep its graph: the saved-tensor hooks and the post-backward hooks each made a cycle through
+    C++ that the garbage collector cannot break, and every such forward leaked its activations."""
+    import gc
+
+    torch.manual_seed(0)
+    model = _MarkedGPT()
+    eng = engine.wrap(model, config=engine_config(tmp_path))
+    try:
+        out = model(gpt_tokens(seed=0))
+        gc.collect()
+        assert model.markers[0]() is not None  # the graph is alive while its output is
+        del out
+        gc.collect()
+        with torch.no_grad():
+            model(gpt_tokens(seed=1))  # the next step removes the last one's post-backward hooks
+        gc.collect()
+        assert model.markers[0]() is None
+    finally:
+        eng.close()
