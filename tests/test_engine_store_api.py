@@ -1,4 +1,4 @@
-"""SyncStore.get_future / put_future: the non-blocking calls the engine's hooks use."""
+"""SyncStore.get_future / put_future / delete_future: the non-blocking calls the engine's hooks use."""
 
 from __future__ import annotations
 
@@ -48,6 +48,18 @@ def test_errors_arrive_through_the_future(sync_store):
         sync_store.sync.get_future("b", out=torch.empty(5)).result()
 
 
+def test_delete_future_removes_the_key_durably(tmp_path):
+    config = store_config(tmp_path)
+    with tiered.TieredStore.open(config) as store:
+        store.sync.put("a", torch.ones(1024), tier="nvme")
+        future = store.sync.delete_future("a")
+        assert future.result() is None and "a" not in store
+        with pytest.raises(tiered.KeyNotFoundError):
+            store.sync.delete_future("a").result()
+    with tiered.TieredStore.open(config) as store:  # the delete was committed
+        assert "a" not in store
+
+
 def test_calls_after_close_raise_at_once(tmp_path):
     store = tiered.TieredStore.open(store_config(tmp_path))
     store.sync.close()
@@ -55,3 +67,5 @@ def test_calls_after_close_raise_at_once(tmp_path):
         store.sync.get_future("a")
     with pytest.raises(tiered.StoreClosedError):
         store.sync.put_future("a", torch.ones(1))
+    with pytest.raises(tiered.StoreClosedError):
+        store.sync.delete_future("a")

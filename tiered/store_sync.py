@@ -88,6 +88,10 @@ class SyncStore:
         """Blocking :meth:`TieredStore.delete`."""
         self._store._call_sync(self._store._delete, key)
 
+    def delete_future(self, key: str) -> "concurrent.futures.Future[None]":
+        """Start :meth:`TieredStore.delete` and return at once; the future raises ``KeyError`` for a missing key."""
+        return self._store._submit(self._store._delete, key)
+
     def pin(self, key: str, tier: "Tier | str | None" = None) -> None:
         """Blocking :meth:`TieredStore.pin`."""
         self._store._call_sync(self._store._pin, key, tier)
