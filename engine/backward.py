@@ -1,10 +1,11 @@
 """Backward: bring saved parameters back before the nodes that use them run, and release them
 once their gradient is final, their module's backward is over, or backward ends.
 
-- ``SavedParamHooks``: ``saved_tensors_hooks`` active during the wrapped forward. A saved tensor
+- ``SavedTensorHooks``: ``saved_tensors_hooks`` active during the wrapped forward. A saved tensor
   whose storage is a managed parameter's (the parameter, or a view such as the ``W.t()`` linear
   saves) is packed with its handle; unpack materializes the parameter again and returns the same
-  tensor, which sees the refilled storage.
+  tensor, which sees the refilled storage. With ``EngineConfig.activation_tier``, other saved
+  tensors go to the store (``engine.saved_activations``).
 - ``BackwardTracker``: per autograd graph task, what backward holds; at the task's end (a callback
   queued on the autograd engine) it releases them, and at the end of the outermost backward it
   drops prefetched parameters so an optimizer step that follows sees no stale copies.
@@ -22,6 +23,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from engine.handle import ParamHandle
 from engine.pager import Pager
+from engine.saved_activations import SavedActivation, SavedActivations
 
 
 def in_backward() -> bool:
@@ -95,19 +97,29 @@ class _SavedParam:
         self.version = handle.version
 
 
-class SavedParamHooks:
-    """Pack/unpack hooks that re-materialize parameters saved for backward."""
+class SavedTensorHooks:
+    """Pack/unpack hooks that re-materialize parameters saved for backward, and move other saved
+    tensors through the store when ``activations`` is given."""
 
-    def __init__(self, by_storage: dict[int, ParamHandle], tracker: BackwardTracker) -> None:
+    def __init__(
+        self, by_storage: dict[int, ParamHandle], tracker: BackwardTracker,
+        activations: Optional[SavedActivations] = None,
+    ) -> None:
         self._by_storage = by_storage
         self._tracker = tracker
+        self._activations = activations
+
+    def begin_forward(self, model: torch.nn.Module) -> None:
+        """The wrapped model's forward starts a step."""
+        if self._activations is not None:
+            self._activations.begin_forward(model)
 
     def context(self) -> saved_tensors_hooks:
         """A fresh ``saved_tensors_hooks`` context with these hooks."""
         return saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        """Tag a saved alias of a managed parameter with its handle; leave other tensors alone."""
+        """Tag a saved alias of a managed parameter with its handle; offload other tensors or leave them."""
         if tensor.layout is not torch.strided or tensor.device.type == "meta":
             return tensor.detach()
         try:
@@ -118,10 +130,15 @@ class SavedParamHooks:
         # Detached: a saved output keeps its grad_fn, which holds what pack returns; returning the
         # tensor itself would make a cycle through C++ that keeps a graph never run backward alive.
         # Autograd attaches the grad_fn again on unpack.
-        return tensor.detach() if handle is None else _SavedParam(handle, tensor.detach())
+        if handle is not None:
+            return _SavedParam(handle, tensor.detach())
+        return tensor.detach() if self._activations is None else self._activations.pack(tensor)
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        """Materialize the parameter a tagged tensor aliases, then return the tensor."""
+        """Materialize the parameter a tagged tensor aliases, then return the tensor (or the offloaded one)."""
+        if type(packed) is SavedActivation:
+            assert self._activations is not None
+            return self._activations.unpack(packed)
         if type(packed) is _SavedParam:
             handle = packed.handle
             self._tracker.hold(handle)

@@ -57,6 +57,17 @@ class EngineConfig:
     #: (``engine.LossScaling()``: dynamic, DeepSpeed's defaults). Needs ``eng.backward(loss)``
     #: in place of ``loss.backward()``. DeepSpeed's ``fp16`` section maps here.
     loss_scaling: Optional[LossScaling] = None
+    #: Where tensors saved for backward (activations) go during forward: None keeps them in memory
+    #: as plain PyTorch does; "host" or "nvme" puts each saved storage of at least
+    #: ``activation_min_bytes`` in that tier of the store and reads it back, ahead of need, in
+    #: backward (docs/training.md, "Activations in the store"). DeepSpeed's
+    #: ``activation_checkpointing.cpu_checkpointing`` maps to "host".
+    activation_tier: Optional[str] = None
+    #: Saved storages smaller than this stay in memory (each offload costs a put, a get and a delete).
+    activation_min_bytes: int = 1 * MiB
+    #: Most bytes of saved tensors held in memory for puts not yet finished (forward waits beyond it),
+    #: and most bytes read back ahead of their use (backward).
+    activation_window_bytes: int = 64 * MiB
     #: Resume from the store's own state at ``store.path`` (after a crash, or a clean close):
     #: parameters, fp32 master weights, Adam moments and step counts of the last completed
     #: ``engine.AdamW`` step. False starts afresh, discarding any training state the store holds.
@@ -71,6 +82,9 @@ class EngineConfig:
         _check_int("prefetch_bytes", self.prefetch_bytes, minimum=0)
         _check_int("optimizer_group_bytes", self.optimizer_group_bytes, minimum=1)
         _check_int("optimizer_prefetch_groups", self.optimizer_prefetch_groups, minimum=0)
+        _check_choice("activation_tier", self.activation_tier, (*STATE_TIERS, None))
+        _check_int("activation_min_bytes", self.activation_min_bytes, minimum=1)
+        _check_int("activation_window_bytes", self.activation_window_bytes, minimum=1)
         if not isinstance(self.compress_optimizer, bool):
             raise ValueError(f"EngineConfig.compress_optimizer must be True or False, got {self.compress_optimizer!r}")
         if self.max_grad_norm is not None:
@@ -109,7 +123,7 @@ class EngineConfig:
         return config_from_deepspeed(cls, ds_config, store=store, **overrides)
 
 
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+def _check_choice(name: str, value: object, choices: tuple[Optional[str], ...]) -> None:
     if value not in choices:
         raise ValueError(f"EngineConfig.{name} must be one of {choices}, got {value!r}")
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine import checkpoint
-from engine.backward import BackwardTracker, SavedParamHooks, register_grad_final_hooks
+from engine.backward import BackwardTracker, SavedTensorHooks, register_grad_final_hooks
 from engine.collectives import Collectives, group_rank_and_world
 from engine.config import EngineConfig
 from engine.gathered import ParamsArg, check_modifier_rank, select_handles
@@ -26,6 +26,7 @@ from engine.layout import rank_store_config
 from engine.module_hooks import ForwardScope, ModuleHooks
 from engine.pager import Pager
 from engine.placement import InitFn, Placement, model_device
+from engine.saved_activations import SavedActivations, discard_activations
 from engine.shard_io import ShardIO
 from engine.state_dict_hooks import StateDictHooks
 from engine.stats import EngineCounters, EngineStats, MemoryMeter, bytes_out_by_tier
@@ -71,7 +72,13 @@ class Engine:
         self._counters = EngineCounters()
         self._pager = Pager(shard_io, meter, self._counters, config.prefetch_bytes, store.set_access_order)
         self._tracker = BackwardTracker(self._pager)
-        saved = SavedParamHooks(by_storage, self._tracker)
+        self._activations: Optional[SavedActivations] = None
+        if config.activation_tier is not None:
+            self._activations = SavedActivations(
+                store, config.activation_tier, min_bytes=config.activation_min_bytes,
+                window_bytes=config.activation_window_bytes,
+            )
+        saved = SavedTensorHooks(by_storage, self._tracker, self._activations)
         scope = ForwardScope(model, self._pager, self._tracker, saved, self._by_id, self._counters)
         self._module_hooks = [
             ModuleHooks(module, placement.by_module.get(module, []), scope) for module in model.modules()
@@ -262,7 +269,19 @@ class Engine:
             peak_materialized_bytes=self._meter.peak,
             wrap_peak_materialized_bytes=self._wrap_peak,
             store=store_stats,
+            **self._activation_stats(),
             **self._training_stats(),
+        )
+
+    def _activation_stats(self) -> dict[str, Any]:
+        a = self._activations
+        if a is None:
+            return {}
+        return dict(
+            activation_bytes_offloaded=a.bytes_offloaded,
+            activation_bytes_read=a.bytes_read,
+            activation_stall_seconds=a.stall_seconds,
+            activation_peak_write_bytes=a.peak_write_bytes,
         )
 
     def _training_stats(self) -> dict[str, Any]:
@@ -341,6 +360,8 @@ class Engine:
         self._tracker.reset()
         self._pager.drop_prefetched()
         self._pager.schedule.finish()
+        if self._activations is not None:
+            self._activations.close()
 
     def _shutdown(self) -> None:
         self._closed = True
@@ -429,6 +450,7 @@ def wrap(
             check_resumable(store)
         else:
             discard_training_state(store)  # this wrap's parameters replace the earlier run's
+        discard_activations(store)
         placement = Placement(
             model, device=device, shard_io=shard_io, meter=meter, rank=rank, world=world, source=source,
             init_fn=init_fn, dtype=_train_dtype(config), from_store=config.resume,

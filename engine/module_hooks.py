@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from engine.access_mode import ParamAccessMode
-from engine.backward import BackwardTracker, SavedParamHooks, in_backward, register_module_post_backward
+from engine.backward import BackwardTracker, SavedTensorHooks, in_backward, register_module_post_backward
 from engine.handle import ParamHandle
 from engine.pager import Pager
 from engine.stats import EngineCounters
@@ -39,7 +39,7 @@ class ForwardScope:
         root: torch.nn.Module,
         pager: Pager,
         tracker: BackwardTracker,
-        saved: SavedParamHooks,
+        saved: SavedTensorHooks,
         by_id: dict[int, ParamHandle],
         counters: EngineCounters,
     ) -> None:
@@ -66,6 +66,7 @@ class ForwardScope:
         if outermost:
             if hooks.module is self._root and not backward:
                 self._tracker.reset()
+                self._saved.begin_forward(self._root)
                 grad = torch.is_grad_enabled()
                 self._pager.begin_step(grad, wrap_around=not grad)
             self._open_contexts(saved=not backward)

@@ -69,6 +69,11 @@ class EngineStats:
     ``grad_bytes_offloaded`` (fp32 gradient shard bytes put to the store by backward). With
     ``EngineConfig.loss_scaling``: ``skipped_steps`` (steps dropped for an overflowing gradient, over
     the whole run, a resumed one included) and the current ``loss_scale`` (None without scaling).
+
+    With ``EngineConfig.activation_tier`` (0 otherwise): ``activation_bytes_offloaded`` (bytes of
+    saved storages put to the store), ``activation_bytes_read`` (read back for backward),
+    ``activation_stall_seconds`` (forward waiting for the write window, backward for reads) and
+    ``activation_peak_write_bytes`` (most bytes of saved tensors held for unfinished puts at once).
     """
 
     steps: int
@@ -92,6 +97,10 @@ class EngineStats:
     optimizer_bytes_written: int = 0
     optimizer_stall_seconds: float = 0.0
     grad_bytes_offloaded: int = 0
+    activation_bytes_offloaded: int = 0
+    activation_bytes_read: int = 0
+    activation_stall_seconds: float = 0.0
+    activation_peak_write_bytes: int = 0
     skipped_steps: int = 0
     loss_scale: Optional[float] = None
 

@@ -179,7 +179,8 @@ class _MarkedGPT(nn.Module):
         return gpt.lm_head(gpt.ln_f(x))
 
 
-def test_a_graph_never_run_backward_is_freed(tmp_path):
+@pytest.mark.parametrize("activation_tier", [None, "nvme"])
+def test_a_graph_never_run_backward_is_freed(tmp_path, activation_tier):
     """A forward with gradients whose output is dropped (an evaluation loss outside no_grad) must not
     keep its graph: the saved-tensor hooks and the post-backward hooks each made a cycle through
     C++ that the garbage collector cannot break, and every such forward leaked its activations."""
@@ -187,7 +188,7 @@ def test_a_graph_never_run_backward_is_freed(tmp_path):
 
     torch.manual_seed(0)
     model = _MarkedGPT()
-    eng = engine.wrap(model, config=engine_config(tmp_path))
+    eng = engine.wrap(model, config=engine_config(tmp_path).replace(activation_tier=activation_tier))
     try:
         out = model(gpt_tokens(seed=0))
         gc.collect()
