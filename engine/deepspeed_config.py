@@ -106,6 +106,10 @@ def _any(v: Any) -> Any:
     return v
 
 
+def _int_or_null(v: Any) -> Optional[int]:
+    return None if v is None else _int(1)(v)
+
+
 def _mapping_or_none(v: Any) -> Any:
     if v is not None and not isinstance(v, Mapping):
         raise _Bad("must be an object or null")
@@ -239,8 +243,23 @@ BF16: Schema = {
     "bf16_optimizer_states": Key(_bool, DEFAULT_ONLY, "Adam moments are fp32", False),
 }
 
+_CHECKPOINT_API = ("applies to deepspeed.checkpointing.checkpoint; use torch.utils.checkpoint, which the engine "
+                   "supports (docs/engine.md)")
+
+ACTIVATION_CHECKPOINTING: Schema = {
+    "cpu_checkpointing": Key(_bool, MAP, "activation_tier: true -> \"host\" (every saved tensor of at least "
+                             "activation_min_bytes goes to the store during forward, not only checkpoint inputs)"),
+    "partition_activations": Key(_bool, ACCEPT, "splits checkpoints across model-parallel ranks; the engine has no "
+                                 "model parallelism, so each rank's activations are its own"),
+    "contiguous_memory_optimization": Key(_bool, ACCEPT, _CHECKPOINT_API),
+    "number_checkpoints": Key(_int_or_null, ACCEPT, _CHECKPOINT_API),
+    "synchronize_checkpoint_boundary": Key(_bool, ACCEPT, _CHECKPOINT_API),
+    "profile": Key(_bool, ACCEPT, _LOGGING),
+}
+
 TOP: Schema = {
     "zero_optimization": ZERO,
+    "activation_checkpointing": ACTIVATION_CHECKPOINTING,
     "aio": AIO,
     "bf16": BF16,
     "bfloat16": BF16,
@@ -410,6 +429,8 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
     if "aio.block_size" in found:
         sto["block_size"] = found["aio.block_size"]
 
+    if found.get("activation_checkpointing.cpu_checkpointing"):
+        eng["activation_tier"] = "host"
     if "gradient_clipping" in found:
         eng["max_grad_norm"] = found["gradient_clipping"] or None  # DeepSpeed clips only when > 0
 

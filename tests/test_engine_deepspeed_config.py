@@ -63,6 +63,8 @@ def test_minimal_stage3_config_keeps_every_default(store):
     ({"bf16": {"enabled": False}}, {}, {}),
     ({"bfloat16": {"enabled": True}}, {"train_dtype": "bfloat16"}, {}),
     ({"gradient_clipping": 1.5}, {"max_grad_norm": 1.5}, {}),
+    ({"activation_checkpointing": {"cpu_checkpointing": True}}, {"activation_tier": "host"}, {}),
+    ({"activation_checkpointing": {"cpu_checkpointing": False}}, {}, {}),
     ({"gradient_clipping": 0}, {"max_grad_norm": None}, {}),
     ({"aio": {"block_size": 1048576}}, {}, {"block_size": 1048576}),
     # DeepSpeed's queue depth is per thread; each store thread holds one request at the disk.
@@ -102,7 +104,10 @@ def test_accepted_keys_change_nothing(store):
     top = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
            "steps_per_print": 10, "wall_clock_breakdown": False, "fp16": {"enabled": False, "loss_scale": 0},
            "aio": {"single_submit": False, "overlap_events": True, "use_gds": False},
-           "tensorboard": {"enabled": False}, "prescale_gradients": False, "zero_allow_untested_optimizer": True}
+           "tensorboard": {"enabled": False}, "prescale_gradients": False, "zero_allow_untested_optimizer": True,
+           "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": False,
+                                        "number_checkpoints": None, "synchronize_checkpoint_boundary": False,
+                                        "profile": False}}
     config = EngineConfig.from_deepspeed(ds(zero=zero, **top), store=store)
     assert config == EngineConfig(store=store, param_tier="nvme", optimizer_tier="nvme")
 
@@ -224,6 +229,9 @@ def test_schema_covers_every_key_of_the_installed_deepspeed():
     assert names(DeepSpeedZeroConfig) <= set(zero)
     assert names(DeepSpeedZeroOffloadParamConfig) <= set(zero["offload_param"])
     assert names(DeepSpeedZeroOffloadOptimizerConfig) <= set(zero["offload_optimizer"])
+    from deepspeed.runtime.activation_checkpointing import config as act
+    assert {getattr(act, n) for n in dir(act) if n.startswith("ACT_CHKPT_") and n != "ACT_CHKPT_DEFAULT"
+            and not n.endswith(("_DEFAULT", "_FORMAT"))} - {act.ACT_CHKPT} <= set(TOP["activation_checkpointing"])
     assert {getattr(aio, n) for n in dir(aio) if n.startswith("AIO_") and n.count("_") >= 2
             and not n.endswith(("_DEFAULT", "_FORMAT"))} <= set(TOP["aio"])
     # The defaults the mapping assumes for a half-given aio section are DeepSpeed's own.
