@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-tier", choices=("host", "nvme"), default="nvme")
     p.add_argument("--compress-optimizer", action="store_true", help="store master weights and Adam moments "
                    "with lossless byte-plane zstd")
+    p.add_argument("--activation-tier", choices=("host", "nvme"), default=None,
+                   help="move the tensors saved for backward to this tier of the store during forward "
+                        "(default: keep them in memory; docs/training.md, 'Activations in the store')")
     p.add_argument("--device", default=None, help="where forward and backward run: 'cpu', 'cuda', 'cuda:1' "
                    "(default: cuda when available, else cpu); the store's device tier lives there too")
     p.add_argument("--seed", type=int, default=0)
@@ -168,7 +171,8 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
                                device_bytes=args.device_mib * MiB, device=args.device, prefault_host=False)
     config = engine.EngineConfig(store=store, compute_device=args.device, param_tier=args.param_tier,
                                  optimizer_tier=args.optimizer_tier,
-                                 prefetch_bytes=args.prefetch_mib * MiB, compress_optimizer=args.compress_optimizer)
+                                 prefetch_bytes=args.prefetch_mib * MiB, compress_optimizer=args.compress_optimizer,
+                                 activation_tier=args.activation_tier)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay), config=config,
                       init_fn=_init_module(cfg))
     data = BigramStream(cfg.vocab_size, cfg.seq_len, args.batch, seed=args.seed)
@@ -236,8 +240,10 @@ def _init_module(cfg: "object"):
 
 
 def _stalled(stats: "object") -> float:
-    """Seconds spent waiting on the store: parameter fetches plus the optimizer step's I/O stalls."""
-    return stats.stall_seconds + stats.optimizer_stall_seconds  # type: ignore[attr-defined]
+    """Seconds spent waiting on the store: parameter fetches, the optimizer step's I/O stalls and
+    saved activations (with --activation-tier)."""
+    return (stats.stall_seconds + stats.optimizer_stall_seconds  # type: ignore[attr-defined]
+            + stats.activation_stall_seconds)  # type: ignore[attr-defined]
 
 
 def _report(stats: object, losses: list[float], floor: float, seconds: float, directory: str, keep: bool,
@@ -256,6 +262,10 @@ def _report(stats: object, losses: list[float], floor: float, seconds: float, di
               f" ({store.bytes_after_codec / store.bytes_before_codec:.3f})", file=out)
     print(f"  parameter stalls: {getattr(stats, 'stall_seconds', 0.0):.2f} s; prefetch hits "
           f"{getattr(stats, 'prefetch_hits', 0)}, misses {getattr(stats, 'prefetch_misses', 0)}", file=out)
+    offloaded = getattr(stats, "activation_bytes_offloaded", 0)
+    if offloaded:
+        print(f"  activations: {_gb(offloaded)} to the store during forward, {_gb(stats.activation_bytes_read)} "  # type: ignore[attr-defined]
+              f"read back in backward; {stats.activation_stall_seconds:.2f} s waiting", file=out)  # type: ignore[attr-defined]
     if keep:
         print(f"store kept in {directory}: `tiered inspect {os.path.join(directory, 'store')}` lists it", file=out)
 

@@ -38,6 +38,16 @@ def test_train_demo_learns_and_reports_where_the_data_went(tmp_path):
     assert gc.get_freeze_count() == frozen  # the demo's gc.freeze() is undone when it returns
 
 
+def test_train_demo_with_activations_in_the_store(tmp_path):
+    out = io.StringIO()
+    code = train_main(["--demo", "--dir", str(tmp_path / "demo"), "--steps", "3", "--layers", "2", "--embd", "64",
+                       "--heads", "2", "--vocab", "512", "--seq", "128", "--batch", "16", "--host-mib", "1",
+                       "--prefetch-mib", "1", "--activation-tier", "nvme"], out=out)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "activations:" in text and "to the store during forward" in text  # the logits alone are 4 MiB
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_train_demo_computes_on_the_gpu(tmp_path):
     out = io.StringIO()
