@@ -147,8 +147,10 @@ class SavedActivations:
             return None
         ref, stored = hit
         alive = ref()
-        # The storage is the same one only while a tensor on it is alive; unchanged only at the same version.
-        if alive is None or stored.dead or alive._version != stored.version or tensor._version != stored.version:
+        # The storage is the same one only while a tensor still on it is alive (an address can be reused
+        # once it is freed); unchanged only at the same version.
+        if (alive is None or stored.dead or alive.untyped_storage()._cdata != cdata
+                or alive._version != stored.version or tensor._version != stored.version):
             del self._by_storage[cdata]
             return None
         return stored

@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import copy
 import gc
+import pathlib
+import shutil
+import tempfile
+from typing import Optional
 
+import hypothesis.strategies as st
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
@@ -235,3 +242,75 @@ def test_close_deletes_activations_of_a_graph_still_alive(tmp_path):
 def test_config_refuses_bad_values(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         engine_config(tmp_path).replace(**{field: value})
+
+
+class ActivationMachine(RuleBasedStateMachine):
+    """Random forwards, backwards (with and without retain_graph), dropped graphs and zero_grads on a
+    wrapped model with its activations in the store, each mirrored on a plain copy: gradients equal
+    after every backward, and once every graph is gone the store holds no activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = tempfile.mkdtemp(prefix="activation-machine-")
+        torch.manual_seed(0)
+        self.model = TinyGPT()
+        self.ref = copy.deepcopy(self.model)
+        self.graphs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.eng: Optional[engine.Engine] = None
+
+    @initialize(tier=st.sampled_from(TIERS), window=st.sampled_from([4 * KiB, 64 * KiB, 1024 * KiB]))
+    def wrap(self, tier: str, window: int) -> None:
+        self.eng = engine.wrap(self.model, config=offload_config(pathlib.Path(self.tmp), tier, window=window))
+
+    @rule(seed=st.integers(0, 3))
+    def forward(self, seed: int) -> None:
+        x = gpt_tokens(seed=seed)
+        out, want = self.model(x), self.ref(x)
+        assert torch.equal(out, want)
+        self.graphs.append((out.pow(2).mean(), want.pow(2).mean()))
+
+    @precondition(lambda self: self.graphs)
+    @rule(data=st.data(), retain=st.booleans())
+    def backward(self, data: st.DataObject, retain: bool) -> None:
+        i = data.draw(st.integers(0, len(self.graphs) - 1))
+        loss, ref_loss = self.graphs[i]
+        loss.backward(retain_graph=retain)
+        ref_loss.backward(retain_graph=retain)
+        assert_same_grads(self.model, self.ref)
+        if not retain:
+            del self.graphs[i]
+
+    @precondition(lambda self: self.graphs)
+    @rule(data=st.data())
+    def drop(self, data: st.DataObject) -> None:
+        del self.graphs[data.draw(st.integers(0, len(self.graphs) - 1))]
+
+    @rule()
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.ref.zero_grad(set_to_none=True)
+
+    def teardown(self) -> None:
+        try:
+            if self.eng is not None:
+                self.graphs.clear()
+                gc.collect()
+                self.forward(0)  # its forward collects every entry the dropped graphs let go of
+                self._last_backward()
+                assert activation_keys(self.eng) == []
+                self.eng.close()
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _last_backward(self) -> None:
+        loss, ref_loss = self.graphs.pop()
+        loss.backward()
+        ref_loss.backward()
+        assert_same_grads(self.model, self.ref)
+
+
+ActivationMachine.TestCase.settings = settings(
+    max_examples=12, stateful_step_count=10, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestActivationMachine = ActivationMachine.TestCase
