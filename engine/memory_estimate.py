@@ -269,13 +269,16 @@ def _apply_budgets(placed: dict[str, int], budgets: dict[str, Optional[int]]) ->
 
 
 def _problems(config: EngineConfig, parts: Iterable[_Part], budgets: dict[str, Optional[int]]) -> list[str]:
-    """What is certain to fail: a tier with no budget that parameters must go to, and any entry
-    larger than its tier's whole budget (the store refuses it; for a gradient, mid-backward)."""
+    """What is certain to fail: a tier with no budget that parameters or activations must go to, and
+    any entry larger than its tier's whole budget (the store refuses it; for a gradient, mid-backward)."""
     found = []
     if config.param_tier in ("device", "host") and budgets[config.param_tier] == 0:
         found.append(f"EngineConfig.param_tier is {config.param_tier!r} but the store's {config.param_tier}_bytes "
                      "is 0; give that tier a budget or choose another param_tier")
         return found
+    if config.activation_tier == "host" and budgets["host"] == 0:
+        found.append("EngineConfig.activation_tier is 'host' but the store's host_bytes is 0; give the host tier a "
+                     "budget or set activation_tier='nvme'")
     for part in parts:
         budget = budgets[part.tier]
         if part.entries and budget is not None and part.largest > budget:

@@ -105,6 +105,7 @@ class SavedActivations:
         self._skip_storages: set[int] = set()
         self._backward_tasks: set[int] = set()
         self._closed = False
+        self._warned = False
         self.bytes_offloaded = 0
         self.bytes_read = 0
         self.stall_seconds = 0.0
@@ -304,11 +305,14 @@ class SavedActivations:
         error = stored.put.exception()
         if error is not None:
             stored.failed = True
-            warnings.warn(
-                f"a saved activation ({stored.nbytes} bytes) could not be written to the store's {self._tier.value} "
-                f"tier ({type(error).__name__}: {error}); it stays in memory. Raise that tier's budget, or set "
-                "EngineConfig.activation_tier=None", RuntimeWarning, stacklevel=2,
-            )
+            if not self._warned:  # once: a full tier would otherwise warn for every saved tensor
+                self._warned = True
+                warnings.warn(
+                    f"a saved activation ({stored.nbytes} bytes) could not be written to the store's "
+                    f"{self._tier.value} tier ({type(error).__name__}: {error}); it stays in memory, as will any "
+                    "other that fails (not reported again). Raise that tier's budget, or set "
+                    "EngineConfig.activation_tier=None", RuntimeWarning, stacklevel=2,
+                )
             return  # flat and source stay: backward takes the bytes from memory
         if stored.source is not None and stored.source._version != stored.version:
             stored.modified = True

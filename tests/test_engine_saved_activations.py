@@ -235,6 +235,12 @@ def test_close_deletes_activations_of_a_graph_still_alive(tmp_path):
     del out
 
 
+def test_wrap_refuses_activations_for_a_host_tier_without_budget(tmp_path):
+    config = engine_config(tmp_path, host_bytes=0, tier="nvme").replace(activation_tier="host")
+    with pytest.raises(ValueError, match="activation_tier is 'host' but the store's host_bytes is 0"):
+        engine.wrap(TinyGPT(), config=config)
+
+
 @pytest.mark.parametrize("field, value", [
     ("activation_tier", "disk"), ("activation_tier", "device"), ("activation_min_bytes", 0),
     ("activation_window_bytes", 0), ("activation_window_bytes", 1.5),
