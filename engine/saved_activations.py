@@ -275,7 +275,12 @@ class SavedActivations:
 
     def collect(self, *, wait_deletes: bool) -> None:
         """Collect finished puts and released tokens; with ``wait_deletes``, wait until the store has
-        deleted every entry autograd let go of (and raise a failed delete's error)."""
+        deleted every entry autograd let go of (its put finished first; a failed delete raises)."""
+        if wait_deletes:
+            with self._lock:
+                self._collect_locked()
+                pending = [s.put for s in self._writing if s.dead and s.put is not None]
+            concurrent.futures.wait(pending)
         with self._lock:
             self._collect_locked()
             self._order = [s for s in self._order if not s.dead]
@@ -290,8 +295,15 @@ class SavedActivations:
             future.result()
 
     def _collect_locked(self) -> None:
-        while self._writing and self._writing[0].put.done():  # type: ignore[union-attr]
-            self._finish_put(self._writing.popleft())
+        # Every finished put, not only the oldest: puts to a full host tier finish out of order, and
+        # one slow put must not keep the entries behind it from being deleted.
+        if any(s.put.done() for s in self._writing):  # type: ignore[union-attr]
+            writing, self._writing = self._writing, collections.deque()
+            for stored in writing:
+                if stored.put.done():  # type: ignore[union-attr]
+                    self._finish_put(stored)
+                else:
+                    self._writing.append(stored)
         while self._released:
             stored = self._released.popleft()
             stored.tokens -= 1

@@ -316,7 +316,7 @@ class ActivationMachine(RuleBasedStateMachine):
 
 
 ActivationMachine.TestCase.settings = settings(
-    max_examples=12, stateful_step_count=10, deadline=None,
+    max_examples=25, stateful_step_count=10, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestActivationMachine = ActivationMachine.TestCase
