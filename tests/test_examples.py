@@ -23,14 +23,19 @@ def run_example(name: str, *args: str, cwd: str) -> str:
     return proc.stdout
 
 
-def test_train_demo_learns_and_reports_where_the_data_went(tmp_path):
-    frozen = gc.get_freeze_count()
+def _train_small_demo(tmp_path, *args: str) -> str:
+    """``tiered train --demo`` on a 2-layer, 64-wide GPT with 1 MiB budgets; its output (exit 0 asserted)."""
     out = io.StringIO()
-    code = train_main(["--demo", "--dir", str(tmp_path / "demo"), "--steps", "8", "--layers", "2", "--embd", "64",
-                       "--heads", "2", "--vocab", "128", "--seq", "32", "--batch", "4", "--host-mib", "1",
-                       "--prefetch-mib", "1", "--lr", "1e-2"], out=out)
+    code = train_main(["--demo", "--dir", str(tmp_path / "demo"), "--layers", "2", "--embd", "64", "--heads", "2",
+                       "--host-mib", "1", "--prefetch-mib", "1", *args], out=out)
     text = out.getvalue()
     assert code == 0, text
+    return text
+
+
+def test_train_demo_learns_and_reports_where_the_data_went(tmp_path):
+    frozen = gc.get_freeze_count()
+    text = _train_small_demo(tmp_path, "--steps", "8", "--vocab", "128", "--seq", "32", "--batch", "4", "--lr", "1e-2")
     losses = [float(line.split("loss")[1].split()[0]) for line in text.splitlines() if line.startswith("step")]
     assert len(losses) >= 2 and losses[-1] < losses[0]
     assert "where the data went" in text and "nvme" in text and "disk I/O" in text
@@ -39,23 +44,15 @@ def test_train_demo_learns_and_reports_where_the_data_went(tmp_path):
 
 
 def test_train_demo_with_activations_in_the_store(tmp_path):
-    out = io.StringIO()
-    code = train_main(["--demo", "--dir", str(tmp_path / "demo"), "--steps", "3", "--layers", "2", "--embd", "64",
-                       "--heads", "2", "--vocab", "512", "--seq", "128", "--batch", "16", "--host-mib", "1",
-                       "--prefetch-mib", "1", "--activation-tier", "nvme"], out=out)
-    text = out.getvalue()
-    assert code == 0, text
+    text = _train_small_demo(tmp_path, "--steps", "3", "--vocab", "512", "--seq", "128", "--batch", "16",
+                             "--activation-tier", "nvme")
     assert "activations:" in text and "to the store during forward" in text  # the logits alone are 4 MiB
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_train_demo_computes_on_the_gpu(tmp_path):
-    out = io.StringIO()
-    code = train_main(["--demo", "--dir", str(tmp_path / "demo"), "--steps", "8", "--layers", "2", "--embd", "64",
-                       "--heads", "2", "--vocab", "128", "--seq", "32", "--batch", "4", "--host-mib", "1",
-                       "--device-mib", "1", "--prefetch-mib", "1", "--lr", "1e-2", "--device", "cuda"], out=out)
-    text = out.getvalue()
-    assert code == 0, text
+    text = _train_small_demo(tmp_path, "--steps", "8", "--vocab", "128", "--seq", "32", "--batch", "4",
+                             "--device-mib", "1", "--lr", "1e-2", "--device", "cuda")
     assert "computing on cuda" in text
     losses = [float(line.split("loss")[1].split()[0]) for line in text.splitlines() if line.startswith("step")]
     assert len(losses) >= 2 and losses[-1] < losses[0]
