@@ -53,9 +53,13 @@ class Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} line")
 
 
 def _reset_peak() -> bool:
@@ -70,11 +74,7 @@ def _reset_peak() -> bool:
 
 def _peak_bytes() -> int:
     """The peak RSS since the last :func:`_reset_peak` (since the start where it was refused)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
+    return _status_bytes("VmHWM")
 
 
 def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
             def step_fn() -> None:
                 eng.step()
                 eng.zero_grad()
-        rss_start = _rss_bytes()
+        rss_start = _status_bytes("VmRSS")
         losses, seconds, backward_peaks, step_peaks = [], [], [], []
         phase_peaks = True
         for i in range(args.steps):

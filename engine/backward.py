@@ -123,16 +123,16 @@ class SavedTensorHooks:
         if tensor.layout is not torch.strided or tensor.device.type == "meta":
             return tensor.detach()
         try:
-            storage_id = tensor.untyped_storage()._cdata
+            storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without plain storage (subclasses)
             return tensor.detach()
-        handle = self._by_storage.get(storage_id)
+        handle = self._by_storage.get(storage._cdata)
         # Detached: a saved output keeps its grad_fn, which holds what pack returns; returning the
         # tensor itself would make a cycle through C++ that keeps a graph never run backward alive.
         # Autograd attaches the grad_fn again on unpack.
         if handle is not None:
             return _SavedParam(handle, tensor.detach())
-        return tensor.detach() if self._activations is None else self._activations.pack(tensor)
+        return tensor.detach() if self._activations is None else self._activations.pack(tensor, storage)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Materialize the parameter a tagged tensor aliases, then return the tensor (or the offloaded one)."""

@@ -119,11 +119,10 @@ class SavedActivations:
         self.collect(wait_deletes=False)
         self._skip_storages = {b.untyped_storage()._cdata for b in model.buffers() if b.device.type != "meta"}
 
-    def pack(self, tensor: torch.Tensor) -> Any:
-        """A token for ``tensor`` with its storage on the way to the store, or ``tensor`` detached when it
-        stays (detached: see ``SavedTensorHooks.pack``)."""
-        storage = _storage_of(tensor)
-        if storage is None or self._closed:
+    def pack(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> Any:
+        """A token for ``tensor`` (strided, not meta) with its ``storage`` on the way to the store, or
+        ``tensor`` detached when it stays (detached: see ``SavedTensorHooks.pack``)."""
+        if type(tensor) is not torch.Tensor or self._closed:  # subclasses keep their own semantics
             return tensor.detach()
         nbytes = storage.nbytes()
         cdata = storage._cdata
@@ -360,21 +359,9 @@ class SavedActivations:
         self.collect(wait_deletes=True)
         with self._lock:
             self._closed = True
-            keys = [s.key for s in self._order if not s.failed and s.put is not None and s.put.exception() is None]
+            keys = [s.key for s in self._order]  # delete_keys skips those never stored
             self._order, self._writing, self._by_storage = [], collections.deque(), {}
-        for key in keys:
-            if key in self._store:
-                self._store.sync.delete(key)
-
-
-def _storage_of(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
-    """The plain storage under ``tensor``, or None for tensors the engine leaves alone."""
-    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.device.type == "meta":
-        return None
-    try:
-        return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
+        delete_keys(self._store, keys)
 
 
 def discard_activations(store: TieredStore) -> None:
