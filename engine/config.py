@@ -68,6 +68,11 @@ class EngineConfig:
     #: Most bytes of saved tensors held in memory for puts not yet finished (forward waits beyond it),
     #: and most bytes read back ahead of their use (backward).
     activation_window_bytes: int = 64 * MiB
+    #: Micro-batches per optimizer step, counted by the engine as DeepSpeed counts them:
+    #: ``eng.backward(loss)`` divides the loss by it and ``eng.step()``, called after every
+    #: micro-batch, steps the optimizer (then zeroes the gradients) on every N-th call. 1 steps on
+    #: every call. DeepSpeed's ``gradient_accumulation_steps`` maps here.
+    gradient_accumulation_steps: int = 1
     #: Resume from the store's own state at ``store.path`` (after a crash, or a clean close):
     #: parameters, fp32 master weights, Adam moments and step counts of the last completed
     #: ``engine.AdamW`` step. False starts afresh, discarding any training state the store holds.
@@ -85,6 +90,7 @@ class EngineConfig:
         _check_choice("activation_tier", self.activation_tier, (*STATE_TIERS, None))
         _check_int("activation_min_bytes", self.activation_min_bytes, minimum=1)
         _check_int("activation_window_bytes", self.activation_window_bytes, minimum=1)
+        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
         if not isinstance(self.compress_optimizer, bool):
             raise ValueError(f"EngineConfig.compress_optimizer must be True or False, got {self.compress_optimizer!r}")
         if self.max_grad_norm is not None:

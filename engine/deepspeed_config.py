@@ -131,7 +131,8 @@ _PINNED = "the store pins its host pool and staging buffers whenever CUDA is pre
 _COMM = "the engine issues one collective per parameter shard; DeepSpeed's bucketing knob has no counterpart"
 _ZERO12 = "applies to ZeRO stages 1 and 2 only"
 _LOGGING = "DeepSpeed's own logging/monitoring; the engine reports through eng.stats()"
-_LOOP = "the training loop is yours: the engine has no data loader or batch; call eng.step() when you step"
+_ACCUMULATION = ("gradient_accumulation_steps (given, or train_batch_size / (train_micro_batch_size_per_gpu x "
+                 "world size), as DeepSpeed derives it)")
 _MODEL_SIDE = "changes how DeepSpeed patches or traces modules; the engine uses plain module hooks"
 _RESIDENT = ("the engine pages every parameter through the store; hot ones stay resident in its "
              "device/host tiers by the recorded access order (Belady eviction)")
@@ -267,9 +268,9 @@ TOP: Schema = {
     "gradient_clipping": Key(_number(), MAP, "max_grad_norm (0 -> None, no clipping)"),
     "optimizer": Key(_mapping_or_none, MAP, "validated here; build it with optimizer_from_deepspeed(ds)"),
     "scheduler": Key(_mapping_or_none, MAP, "validated here; build it with scheduler_from_deepspeed(ds, optimizer)"),
-    "train_batch_size": Key(_int(1), ACCEPT, _LOOP),
-    "train_micro_batch_size_per_gpu": Key(_int(1), ACCEPT, _LOOP),
-    "gradient_accumulation_steps": Key(_int(1), ACCEPT, _LOOP),
+    "train_batch_size": Key(_int(1), MAP, _ACCUMULATION),
+    "train_micro_batch_size_per_gpu": Key(_int(1), MAP, _ACCUMULATION),
+    "gradient_accumulation_steps": Key(_int(1), MAP, _ACCUMULATION),
     "steps_per_print": Key(_int(), ACCEPT, _LOGGING),
     "wall_clock_breakdown": Key(_bool, ACCEPT, _LOGGING),
     "memory_breakdown": Key(_bool, ACCEPT, _LOGGING),
@@ -429,6 +430,7 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
     if "aio.block_size" in found:
         sto["block_size"] = found["aio.block_size"]
 
+    _map_accumulation(found, eng, problems)
     if found.get("activation_checkpointing.cpu_checkpointing"):
         eng["activation_tier"] = "host"
     if "gradient_clipping" in found:
@@ -441,6 +443,38 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
     if found.get("scheduler") is not None:
         problems.extend(scheduler_problems(found["scheduler"]))
     return eng, sto
+
+
+def _map_accumulation(found: Mapping[str, Any], eng: dict[str, Any], problems: list[str]) -> None:
+    """``gradient_accumulation_steps``, or what DeepSpeed derives it from: train_batch_size =
+    micro batch x accumulation steps x world size (the default process group's, 1 without one)."""
+    batch = found.get("train_batch_size")
+    micro = found.get("train_micro_batch_size_per_gpu")
+    steps = found.get("gradient_accumulation_steps")
+    world = _world_size()
+    if steps is None and batch is not None and micro is not None:
+        steps, rest = divmod(batch, micro * world)
+        if rest or not steps:
+            problems.append(
+                f"train_batch_size: {batch} is not train_micro_batch_size_per_gpu ({micro}) x world size "
+                f"({world}) x a whole number of accumulation steps"
+            )
+            return
+    elif None not in (batch, micro, steps) and batch != micro * steps * world:
+        problems.append(
+            f"train_batch_size: {batch} must equal train_micro_batch_size_per_gpu ({micro}) x "
+            f"gradient_accumulation_steps ({steps}) x world size ({world}) = {micro * steps * world}"
+        )
+        return
+    if steps is not None:
+        eng["gradient_accumulation_steps"] = steps
+
+
+def _world_size() -> int:
+    """The default process group's size, as DeepSpeed reads it when it checks the batch sizes."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _map_loss_scaling(found: Mapping[str, Any], eng: dict[str, Any], problems: list[str]) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine import checkpoint
+from engine.accumulation import GradientAccumulation
 from engine.backward import BackwardTracker, SavedTensorHooks, register_grad_final_hooks
 from engine.collectives import Collectives, group_rank_and_world
 from engine.config import EngineConfig
@@ -86,6 +87,7 @@ class Engine:
         self._grad_hooks = register_grad_final_hooks(self._handles, self._on_grad_final)
         self._state_dict_hooks = StateDictHooks(placement.by_module, self._pager, shard_io, self._refresh_masters)
         self._optimizer = optimizer
+        self._accumulation = GradientAccumulation(config.gradient_accumulation_steps)
         self._training: Optional[Training] = None
         self._optimizer_hooks: Optional[TorchOptimizerHooks] = None
         if _is_engine_optimizer(optimizer):
@@ -142,32 +144,56 @@ class Engine:
         return scaler.scale if scaler is not None else None
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward(**kwargs)``, with the loss multiplied by :attr:`loss_scale` when
-        ``EngineConfig.loss_scaling`` is set (then this, not ``loss.backward()``, must be called;
-        the step divides the gradients by the same scale). DeepSpeed's ``model_engine.backward``."""
+        """``loss.backward(**kwargs)``, DeepSpeed's ``model_engine.backward``: the loss is divided by
+        ``EngineConfig.gradient_accumulation_steps`` and multiplied by :attr:`loss_scale` when
+        ``EngineConfig.loss_scaling`` is set (with either, this and not ``loss.backward()`` must be
+        called; the step divides the gradients by the same scale)."""
         self._check_open()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"eng.backward takes the loss tensor, got {type(loss).__name__}")
+        loss = self._accumulation.divide(loss)
         training = self._training
-        if training is None or training.scaler is None:
-            loss.backward(**kwargs)
-            return
-        scaled = loss * training.scaler.scale
-        training.scaled_backward = True
+        self._accumulation.in_engine_backward = True
         try:
-            scaled.backward(**kwargs)
+            if training is None or training.scaler is None:
+                loss.backward(**kwargs)
+                return
+            scaled = loss * training.scaler.scale
+            training.scaled_backward = True
+            try:
+                scaled.backward(**kwargs)
+            finally:
+                training.scaled_backward = False
         finally:
-            training.scaled_backward = False
+            self._accumulation.in_engine_backward = False
 
-    def step(self) -> None:
+    def step(self) -> bool:
         """One optimizer step: ``optimizer.step()``, so LR schedulers and step hooks see it. With
         ``engine.AdamW`` the gradient shards stream through the offloaded AdamW and the new
         parameters go to the store (docs/training.md); with a torch optimizer its hooks fetch the
-        parameters, torch updates them and they are written back."""
+        parameters, torch updates them and they are written back.
+
+        With ``EngineConfig.gradient_accumulation_steps = N > 1``, DeepSpeed's ``model_engine.step``:
+        call it after every micro-batch; every N-th call steps the optimizer and then zeroes the
+        gradients, the others only count. Returns True when the optimizer stepped (step an LR
+        scheduler then)."""
         self._check_open()
         if self._optimizer is None:
             raise RuntimeError("eng.step() needs an optimizer: pass optimizer=engine.AdamW(...) to engine.wrap")
+        accumulation = self._accumulation
+        if not accumulation.is_boundary():
+            accumulation.count_step()
+            return False
         self._optimizer.step()
+        accumulation.count_step()
+        if accumulation.managed:
+            self.zero_grad()
+        return True
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next :meth:`step` steps the optimizer (always, without gradient
+        accumulation). DeepSpeed's ``model_engine.is_gradient_accumulation_boundary()``."""
+        return self._accumulation.is_boundary()
 
     def gathered(
         self, params: ParamsArg = None, *, writeback: bool = False, modifier_rank: Optional[int] = None
@@ -216,6 +242,7 @@ class Engine:
         """``optimizer.zero_grad()``: with ``engine.AdamW`` the gradient shards in the store go;
         without an optimizer, the model's ``zero_grad``."""
         self._check_open()
+        self._accumulation.check_zero_grad()
         if self._optimizer is not None:
             self._optimizer.zero_grad(set_to_none=set_to_none)
         else:
@@ -342,6 +369,8 @@ class Engine:
         Multi-rank training reduce-scatters ``handle.param.grad`` and hands the gradient shard to
         the store here, before the backward hold is released.
         """
+        if self._optimizer is not None:
+            self._accumulation.check_final_grad()
         if self._training is not None:
             self._training.grads.offload(handle)  # to the store as an fp32 shard; param.grad = None
         elif handle.param.grad is not None:  # no engine optimizer: param.grad is the mean over ranks, as with DDP

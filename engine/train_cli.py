@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "./tiered-demo); use a directory on your NVMe disk")
     p.add_argument("--steps", type=int, default=30)
     add_demo_size_arguments(p)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
+                   "accumulation, counted by the engine as DeepSpeed counts it; default 1)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--host-mib", type=int, default=48, help="host memory budget of the store (MiB)")
@@ -99,9 +101,9 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
     args = parser.parse_args(argv)
     if not args.demo:
         parser.error("only the built-in demo exists so far: run `tiered train --demo` (see --help for its sizes)")
-    for name in ("steps", *DEMO_SIZE_OPTIONS, "batch"):
+    for name in ("steps", *DEMO_SIZE_OPTIONS, "batch", "grad_accum"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("host_mib", "device_mib", "prefetch_mib"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -172,7 +174,7 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
     config = engine.EngineConfig(store=store, compute_device=args.device, param_tier=args.param_tier,
                                  optimizer_tier=args.optimizer_tier,
                                  prefetch_bytes=args.prefetch_mib * MiB, compress_optimizer=args.compress_optimizer,
-                                 activation_tier=args.activation_tier)
+                                 activation_tier=args.activation_tier, gradient_accumulation_steps=args.grad_accum)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay), config=config,
                       init_fn=_init_module(cfg))
     data = BigramStream(cfg.vocab_size, cfg.seq_len, args.batch, seed=args.seed)
@@ -188,15 +190,20 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
     start = time.perf_counter()
     try:
         for step in range(1, args.steps + 1):
-            x, y = (t.to(args.device) for t in data.batch(step - 1))
-            loss = model(x, y)
-            eng.backward(loss)
-            eng.step()
-            eng.zero_grad()
-            losses.append(loss.item())
+            loss_sum = 0.0
+            for micro in range(args.grad_accum):  # eng.step() steps AdamW on the last of them
+                x, y = (t.to(args.device) for t in data.batch((step - 1) * args.grad_accum + micro))
+                loss = model(x, y)
+                eng.backward(loss)
+                stepped = eng.step()
+                loss_sum += loss.item()
+            assert stepped
+            if args.grad_accum == 1:  # with accumulation the engine zeroes the gradients itself
+                eng.zero_grad()
+            losses.append(loss_sum / args.grad_accum)
             elapsed = time.perf_counter() - start
             stats = eng.stats()
-            line = StepLine(step, args.steps, losses[-1], step * x.numel() / elapsed,
+            line = StepLine(step, args.steps, losses[-1], step * args.grad_accum * x.numel() / elapsed,
                             stats.store.bytes_read + stats.store.bytes_written, min(1.0, _stalled(stats) / elapsed))
             if tty:
                 out.write("\r" + line.render())

@@ -101,8 +101,7 @@ def test_accepted_keys_change_nothing(store):
         "allgather_partitions": True, "allgather_bucket_size": 5e8, "load_from_fp32_weights": True,
         "round_robin_gradients": False, "ignore_unused_parameters": True, "zero_quantized_weights": False,
     }
-    top = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
-           "steps_per_print": 10, "wall_clock_breakdown": False, "fp16": {"enabled": False, "loss_scale": 0},
+    top = {"steps_per_print": 10, "wall_clock_breakdown": False, "fp16": {"enabled": False, "loss_scale": 0},
            "aio": {"single_submit": False, "overlap_events": True, "use_gds": False},
            "tensorboard": {"enabled": False}, "prescale_gradients": False, "zero_allow_untested_optimizer": True,
            "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": False,
@@ -110,6 +109,29 @@ def test_accepted_keys_change_nothing(store):
                                         "profile": False}}
     config = EngineConfig.from_deepspeed(ds(zero=zero, **top), store=store)
     assert config == EngineConfig(store=store, param_tier="nvme", optimizer_tier="nvme")
+
+
+@pytest.mark.parametrize("batch,expected", [
+    ({"gradient_accumulation_steps": 8}, 8),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 8),  # derived, as DeepSpeed does at world 1
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8}, 8),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 4}, 4),
+    ({"train_batch_size": 32}, 1),  # nothing to derive it from
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"}, 1),
+])
+def test_gradient_accumulation_steps_given_or_derived(store, batch, expected):
+    assert EngineConfig.from_deepspeed(ds(**batch), store=store).gradient_accumulation_steps == expected
+
+
+@pytest.mark.parametrize("batch,expected", [
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "is not train_micro_batch_size_per_gpu (4)"),
+    ({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 4}, "is not train_micro_batch_size_per_gpu (4)"),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4},
+     "must equal train_micro_batch_size_per_gpu (4) x gradient_accumulation_steps (4) x world size (1) = 16"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps: must be"),
+])
+def test_inconsistent_batch_sizes_are_named(store, batch, expected):
+    assert expected in problems_of(ds(**batch), store)
 
 
 def test_auto_values_are_treated_as_unset(store):

@@ -298,6 +298,27 @@ def _adamw_rank(rank: int, root: str) -> dict[str, Any]:
     result["clipped_losses"] = _train(clipped, eng, rank, range(3))
     eng.close()
     result["fp16"] = _fp16_run(rank, root)
+    result["accumulation"] = _accumulation_run(rank, root)
+    return result
+
+
+def _accumulation_run(rank: int, root: str) -> dict[str, Any]:
+    """The DeepSpeed loop (eng.backward, eng.step per micro-batch) with gradient_accumulation_steps
+    derived from a DeepSpeed config at world size 2: train_batch_size 8 = 2 per rank x 2 ranks x 2."""
+    base = _adamw_config(root, "accum")
+    ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    derived = engine.EngineConfig.from_deepspeed(ds, store=base.store).gradient_accumulation_steps
+    model = new_model()
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=WD),
+                      config=base.replace(gradient_accumulation_steps=derived))
+    losses, stepped = [], []
+    for micro in range(4):
+        loss = loss_of(model(half(batch(micro), rank)))
+        eng.backward(loss)
+        stepped.append(eng.step())
+        losses.append(loss.item())
+    result = dict(derived=derived, losses=losses, stepped=stepped, state_dict=eng.state_dict())
+    eng.close()
     return result
 
 
@@ -364,6 +385,44 @@ def _oracle_adamw(steps: int, clip: float | None = None) -> tuple[list[list[floa
             opt.step()
             opt.zero_grad()
         return losses, model
+
+
+def _oracle_accumulation() -> tuple[list[list[float]], nn.Module]:
+    """Two windows of two micro-batches: each micro-batch's gradients of loss / 2 averaged over
+    the ranks, summed over the window, then one torch.optim.AdamW step."""
+    with one_thread():
+        model = new_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        losses: list[list[float]] = [[] for _ in range(WORLD)]
+        for window in range(2):
+            summed: dict[str, torch.Tensor] = {}
+            for micro in (2 * window, 2 * window + 1):
+                grads = []
+                for rank in range(WORLD):
+                    loss = loss_of(model(half(batch(micro), rank)))
+                    (loss / 2).backward()
+                    losses[rank].append(loss.item())
+                    grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+                    model.zero_grad()
+                for n in grads[0]:
+                    mean = (grads[0][n] + grads[1][n]) / 2
+                    summed[n] = summed[n] + mean if n in summed else mean
+            for n, p in model.named_parameters():
+                p.grad = summed[n]
+            opt.step()
+            opt.zero_grad()
+        return losses, model
+
+
+def test_world2_gradient_accumulation_matches_one_process(trained):
+    _, runs = trained
+    want, model = _oracle_accumulation()
+    for rank, run in enumerate(runs):
+        res = run["adamw"]["accumulation"]
+        assert res["derived"] == 2 and res["stepped"] == [False, True, False, True]
+        assert res["losses"] == want[rank]
+        for name, value in model.state_dict().items():
+            assert torch.equal(res["state_dict"][name], value), name
 
 
 def test_world2_adamw_training_matches_one_process(trained):

@@ -49,6 +49,15 @@ def test_train_demo_with_activations_in_the_store(tmp_path):
     assert "activations:" in text and "to the store during forward" in text  # the logits alone are 4 MiB
 
 
+def test_train_demo_with_gradient_accumulation(tmp_path):
+    text = _train_small_demo(tmp_path, "--steps", "6", "--vocab", "128", "--seq", "32", "--batch", "2",
+                             "--grad-accum", "3", "--lr", "1e-2")
+    steps = [line for line in text.splitlines() if line.startswith("step")]
+    assert steps[-1].split()[1] == "6/6"  # six optimizer steps of three micro-batches each
+    losses = [float(line.split("loss")[1].split()[0]) for line in steps]
+    assert losses[-1] < losses[0]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_train_demo_computes_on_the_gpu(tmp_path):
     text = _train_small_demo(tmp_path, "--steps", "8", "--vocab", "128", "--seq", "32", "--batch", "4",
