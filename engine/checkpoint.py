@@ -109,10 +109,10 @@ def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overw
     partial = path + PARTIAL_SUFFIX
     io = parts.io
     rank = io.rank
-    error = _attempt(lambda: _between_steps(parts, "save a checkpoint"))
+    error = attempt(lambda: check_between_steps(parts, "save a checkpoint"))
     if rank == 0 and error is None:
-        error = _attempt(lambda: _prepare_partial(path, partial, overwrite))
-    _agree(io, error, "preparing the checkpoint directory")
+        error = attempt(lambda: _prepare_partial(path, partial, overwrite))
+    agree(io, error, "preparing the checkpoint directory")
 
     written: Any = None
     try:
@@ -120,13 +120,13 @@ def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overw
         error = None
     except Exception as exc:  # noqa: BLE001 - every rank hears of it below
         error = exc
-    files = _gather(io, written if error is None else None)
+    files = gather_objects(io, written if error is None else None)
     complete = all(f is not None for f in files)
     if rank == 0 and error is None and complete:
-        error = _attempt(lambda: _finish_save(parts, path, partial, files, overwrite))
+        error = attempt(lambda: _finish_save(parts, path, partial, files, overwrite))
     if rank == 0 and (error is not None or not complete):
         shutil.rmtree(partial, ignore_errors=True)  # what a failed save wrote (the published checkpoint stays)
-    _agree(io, error, "writing the checkpoint", failed=[r for r, f in enumerate(files) if f is None])
+    agree(io, error, "writing the checkpoint", failed=[r for r, f in enumerate(files) if f is None])
 
 
 def _prepare_partial(path: str, partial: str, overwrite: bool) -> None:
@@ -184,7 +184,7 @@ def _finish_save(parts: EngineParts, path: str, partial: str, files: list[Any], 
         json.dump(metadata, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(partial)
+    fsync_dir(partial)
     old = path + OLD_SUFFIX
     replacing = os.path.exists(path)
     if replacing:
@@ -198,7 +198,7 @@ def _finish_save(parts: EngineParts, path: str, partial: str, files: list[Any], 
         if replacing:
             os.rename(old, path)  # put the previous checkpoint back
         raise
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
     if replacing:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -214,7 +214,7 @@ def _recover_interrupted_overwrite(path: str) -> None:
     except OSError:
         if not os.path.isdir(path):  # else another rank put it back first
             raise
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
 
 
 def _metadata(parts: EngineParts, files: list[Any]) -> dict[str, Any]:
@@ -261,7 +261,7 @@ def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_
 
     def check() -> None:
         nonlocal reader, metadata
-        _between_steps(parts, "load a checkpoint")
+        check_between_steps(parts, "load a checkpoint")
         _recover_interrupted_overwrite(path)
         metadata = _read_metadata(path)
         _check_metadata(parts, metadata, load_optimizer)
@@ -278,10 +278,10 @@ def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_
         _check_rank_file(parts, metadata, reader, load_optimizer)
 
     try:
-        _agree(io, _attempt(check), f"checking checkpoint {path!r}")
+        agree(io, attempt(check), f"checking checkpoint {path!r}")
         with parts.pager.lock:
             parts.pager.drop_prefetched()  # their values are about to change
-        _agree(io, _attempt(lambda: _load_rank_file(parts, metadata, reader, load_optimizer)),
+        agree(io, attempt(lambda: _load_rank_file(parts, metadata, reader, load_optimizer)),
                f"loading checkpoint {path!r}")
     finally:
         if reader is not None:
@@ -453,7 +453,8 @@ def _restore_hyperparameters(optimizer: Any, saved: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _between_steps(parts: EngineParts, what: str) -> None:
+def check_between_steps(parts: EngineParts, what: str) -> None:
+    """RuntimeError naming ``what`` if a parameter is in use (the model's forward or backward runs)."""
     with parts.pager.lock:
         busy = [h.name for h in parts.handles if h.held]
         if busy:
@@ -526,26 +527,27 @@ class _BoundedPuts:
             raise first
 
 
-def _attempt(fn: Callable[[], Any]) -> Optional[BaseException]:
+def attempt(fn: Callable[[], Any]) -> Optional[BaseException]:
     """Run ``fn``; return its exception (to share with the other ranks) or None."""
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 - handed to _agree, which raises it
+    except Exception as exc:  # noqa: BLE001 - handed to agree, which raises it
         return exc
     return None
 
 
-def _gather(io: ShardIO, obj: Any) -> list[Any]:
+def gather_objects(io: ShardIO, obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` in one process)."""
     if io.collectives is None:
         return [obj]
     comm = io.collectives
     return comm.run(comm.all_gather_object, obj)
 
 
-def _agree(io: ShardIO, error: Optional[BaseException], doing: str, failed: Sequence[int] = ()) -> None:
+def agree(io: ShardIO, error: Optional[BaseException], doing: str, failed: Sequence[int] = ()) -> None:
     """Raise on every rank if any rank failed: this rank's own error as it is, else a CheckpointError
     naming the ranks that failed and why."""
-    messages = _gather(io, None if error is None else f"{type(error).__name__}: {error}")
+    messages = gather_objects(io, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
     bad = {r: m for r, m in enumerate(messages) if m is not None}
@@ -555,7 +557,8 @@ def _agree(io: ShardIO, error: Optional[BaseException], doing: str, failed: Sequ
         raise CheckpointError(f"{doing} failed on another rank: {detail}")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make the directory's entries (renames, new files) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -580,5 +583,6 @@ def _jsonable(value: Any, what: str) -> Any:
 
 
 __all__ = [
-    "CheckpointError", "EngineParts", "consolidated_state_dict", "load_checkpoint", "rank_file", "save_checkpoint",
+    "CheckpointError", "EngineParts", "agree", "attempt", "check_between_steps", "consolidated_state_dict",
+    "fsync_dir", "gather_objects", "load_checkpoint", "rank_file", "save_checkpoint",
 ]

@@ -134,6 +134,7 @@ _LOGGING = "DeepSpeed's own logging/monitoring; the engine reports through eng.s
 _ACCUMULATION = ("gradient_accumulation_steps (given, or train_batch_size / (train_micro_batch_size_per_gpu x "
                  "world size), as DeepSpeed derives it)")
 _MODEL_SIDE = "changes how DeepSpeed patches or traces modules; the engine uses plain module hooks"
+_CONSOLIDATED = "eng.state_dict() and eng.save_weights(dir) always consolidate"
 _RESIDENT = ("the engine pages every parameter through the store; hot ones stay resident in its "
              "device/host tiers by the recorded access order (Belady eviction)")
 
@@ -175,8 +176,8 @@ ZERO: Schema = {
     "stage3_max_reuse_distance": Key(_int(), ACCEPT, _RESIDENT),
     "stage3_param_persistence_threshold": Key(_int(), ACCEPT, _RESIDENT),
     "stage3_model_persistence_threshold": Key(_int(), ACCEPT, _RESIDENT),
-    "stage3_gather_16bit_weights_on_model_save": Key(_bool, ACCEPT, "eng.state_dict() always consolidates"),
-    "stage3_gather_fp16_weights_on_model_save": Key(_bool, ACCEPT, "eng.state_dict() always consolidates"),
+    "stage3_gather_16bit_weights_on_model_save": Key(_bool, ACCEPT, _CONSOLIDATED),
+    "stage3_gather_fp16_weights_on_model_save": Key(_bool, ACCEPT, _CONSOLIDATED),
     "stage3_module_granularity_threshold": Key(_int(None), ACCEPT, _MODEL_SIDE),
     "stage3_use_all_reduce_for_fetch_params": Key(_bool, ACCEPT, _COMM),
     "stage3_allgather_sequential": Key(_bool, ACCEPT, _COMM),

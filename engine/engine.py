@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from engine import checkpoint
+from engine import checkpoint, export
 from engine.accumulation import GradientAccumulation
 from engine.backward import BackwardTracker, SavedTensorHooks, register_grad_final_hooks
 from engine.collectives import Collectives, group_rank_and_world
@@ -254,6 +254,20 @@ class Engine:
         the training dtype. With several ranks every rank must call it and each gets the whole dict."""
         self._check_open()
         return checkpoint.consolidated_state_dict(self._model, self._handles, self._io)
+
+    def save_weights(
+        self, path: "str | os.PathLike[str]", *, max_shard_bytes: int = export.DEFAULT_MAX_SHARD_BYTES,
+        dtype: Optional[torch.dtype] = None,
+    ) -> list[str]:
+        """Write the model's weights to the directory ``path`` in Hugging Face's safetensors layout
+        (``model.safetensors``, or shards of at most ``max_shard_bytes`` and
+        ``model.safetensors.index.json``), one parameter at a time: memory never holds the whole
+        model, unlike :meth:`state_dict`. ``from_pretrained(path)`` loads them once the model's
+        ``config.json`` is there, and so does ``engine.wrap(model, state_dict=path)``. Floating
+        tensors are cast to ``dtype`` when given (default: the training dtype). Every rank calls
+        it; rank 0 writes. Returns the files written. DeepSpeed's ``save_16bit_model``."""
+        self._check_open()
+        return export.save_weights(self._checkpoint_parts(), path, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
     def save_checkpoint(self, path: "str | os.PathLike[str]", *, overwrite: bool = False) -> None:
         """Save a sharded checkpoint to the directory ``path``, atomically: one safetensors file per

@@ -92,7 +92,7 @@ class SafetensorsWriter:
         names = [s.name for s in specs]
         if len(set(names)) != len(names) or "__metadata__" in names:
             raise ValueError(f"tensor names must be unique and not '__metadata__': {names}")
-        self.order = sorted(specs, key=lambda s: -s.dtype.itemsize)  # stable: ties keep the caller's order
+        self.order = self.order_of(specs)
         header: dict[str, object] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -115,6 +115,12 @@ class SafetensorsWriter:
         except BaseException:
             self._file.close()
             raise
+
+    @staticmethod
+    def order_of(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
+        """The order a writer of ``specs`` lays them out (and :meth:`write` takes them) in: largest
+        item size first, ties in the given order."""
+        return sorted(specs, key=lambda s: -s.dtype.itemsize)  # sorted is stable
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next tensor's bytes; ``name``, dtype and shape must match the next spec."""
@@ -146,7 +152,10 @@ class SafetensorsWriter:
 
     def abort(self) -> None:
         """Close the file without checks (the caller removes it)."""
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            pass  # flushing the buffer failed (a full disk, say); the file is closed all the same
 
 
 class SafetensorsReader:

@@ -290,7 +290,8 @@ def _adamw_rank(rank: int, root: str) -> dict[str, Any]:
     eng.save_checkpoint(os.path.join(root, "ckpt"))
     losses += _train(model, eng, rank, range(3, 6))
     result = dict(losses=losses, state_dict=eng.state_dict(),
-                  grad_keys=[k for k in eng.store.keys() if k.startswith("grad/")])
+                  grad_keys=[k for k in eng.store.keys() if k.startswith("grad/")],
+                  weight_files=eng.save_weights(os.path.join(root, "weights"), max_shard_bytes=4000))
     eng.close()
     clipped = new_model()
     eng = engine.wrap(clipped, optimizer=engine.AdamW(lr=LR, weight_decay=WD),
@@ -439,6 +440,19 @@ def test_world2_adamw_training_matches_one_process(trained):
         # clipping: the global norm sums per-shard squares over ranks (rounding differs from torch's order)
         torch.testing.assert_close(res["clipped_losses"], want_clipped[rank], rtol=1e-6, atol=0)
     assert runs[0]["adamw"]["clipped_losses"] != runs[0]["adamw"]["losses"][:3]  # the clip was active
+
+
+def test_world2_save_weights_gathers_every_parameter_and_rank0_writes(trained):
+    from safetensors.torch import load_file
+
+    root, runs = trained
+    files = runs[0]["adamw"]["weight_files"]
+    assert files == runs[1]["adamw"]["weight_files"] and len(files) > 2 and files[-1].endswith(".index.json")
+    assert sorted(os.listdir(root / "weights")) == sorted(os.path.basename(f) for f in files)
+    saved = {k: v for f in files[:-1] for k, v in load_file(f).items()}
+    whole = runs[0]["adamw"]["state_dict"]
+    assert set(whole) - set(saved) == {"lm_head.weight"}  # tied to wte.weight, written once
+    assert all(torch.equal(v, whole[k]) for k, v in saved.items())
 
 
 def test_world2_loss_scaling_skips_and_scales_on_every_rank_alike(trained):

@@ -1,0 +1,183 @@
+"""Export a wrapped model's weights in Hugging Face's safetensors layout, one tensor at a time.
+
+``eng.state_dict()`` consolidates the whole model in memory, which a model larger than memory
+cannot afford. :func:`save_weights` gathers one parameter at a time (across ranks at world size
+> 1) and streams it into the file it belongs to, so memory holds one parameter at a time, never
+the model. The layout is the one ``save_pretrained`` writes and ``from_pretrained`` reads:
+
+    <dir>/model.safetensors                       everything, when it fits in one shard
+    <dir>/model-00001-of-00003.safetensors        otherwise shards of at most max_shard_bytes
+    <dir>/model.safetensors.index.json            {"metadata": {"total_size"}, "weight_map"}
+
+Tensors are named as in ``model.state_dict()``; a tied parameter is written once, under its first
+name (``save_pretrained`` drops the tied names too, and ``from_pretrained`` ties them again).
+
+Publishing order, so that a crash never leaves a loadable mix of two saves: every file is
+written to ``<name>.partial`` and fsynced; then the previous save's ``model.safetensors`` and
+index are removed, the new files renamed into place, the index (or the single file) last, and
+shards of the previous save that this one does not overwrite are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from engine.checkpoint import EngineParts, agree, attempt, check_between_steps, fsync_dir
+from engine.safetensors_stream import SafetensorsWriter, TensorSpec, dtype_name
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+#: ``save_pretrained``'s default ``max_shard_size`` ("5GB").
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+#: What ``from_pretrained`` requires in a safetensors file's metadata.
+_HF_METADATA = {"format": "pt"}
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_PARTIAL = ".partial"
+
+
+def save_weights(
+    parts: EngineParts, path: "str | os.PathLike[str]", *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: Optional[torch.dtype] = None,
+) -> list[str]:
+    """Write the model's weights to the directory ``path`` (created if missing); return the files
+    written, index last. Collective: every rank calls it, rank 0 writes."""
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    directory = os.path.abspath(os.fspath(path))
+    io = parts.io
+    tensors = _tensors(parts, dtype)  # the same on every rank: its errors need no agreement
+    shards = _split(tensors, max_shard_bytes)
+    names = _file_names(len(shards))
+    files = [os.path.join(directory, n) for n in [*names, *([INDEX_FILE] if len(names) > 1 else [])]]
+    writing = io.rank == 0
+    error = attempt(lambda: check_between_steps(parts, "save weights"))
+    if writing and error is None:
+        error = attempt(lambda: os.makedirs(directory, exist_ok=True))
+    agree(io, error, "preparing the weights directory")
+
+    writers: list[SafetensorsWriter] = []
+    for name, shard in zip(names, shards):
+        if error is not None and io.collectives is None:
+            break  # alone, nothing else waits for this rank's reads: stop at the first error
+        specs = [spec for spec, _ in shard]
+        read = dict(shard)
+        writer: Optional[SafetensorsWriter] = None
+        if writing and error is None:
+            try:
+                writer = SafetensorsWriter(os.path.join(directory, name + _PARTIAL), specs, _HF_METADATA)
+                writers.append(writer)
+            except Exception as exc:  # noqa: BLE001 - this rank keeps gathering; agree() raises it
+                error = exc
+        for spec in SafetensorsWriter.order_of(specs):  # every rank gathers in the order rank 0 writes
+            value = read[spec]()
+            if writer is not None and error is None:
+                try:
+                    writer.write(spec.name, value)
+                except Exception as exc:  # noqa: BLE001 - as above
+                    error = exc
+            del value
+        if writer is not None and error is None:
+            error = attempt(writer.close)
+    if writing and error is None:
+        error = attempt(lambda: _publish(directory, names, shards))
+    if writing and error is not None:
+        for writer in writers:
+            writer.abort()
+        for name in [*names, INDEX_FILE]:  # a writer that failed to start may have left its file too
+            _remove(os.path.join(directory, name + _PARTIAL))
+    agree(io, error, "saving weights")
+    return files
+
+
+Reader = Callable[[], torch.Tensor]
+
+
+def _tensors(parts: EngineParts, dtype: Optional[torch.dtype]) -> list[tuple[TensorSpec, Reader]]:
+    """``model.state_dict()``'s tensors in order, each tied parameter once, with a reader each."""
+    by_id = {id(h.param): h for h in parts.handles}
+    seen: set[int] = set()
+    out: list[tuple[TensorSpec, Reader]] = []
+    extra = []
+    for name, value in parts.model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            extra.append(name)
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        handle = by_id.get(id(value))
+        target = dtype if dtype is not None and value.dtype.is_floating_point else value.dtype
+        dtype_name(target)  # ValueError now, for a dtype safetensors lacks, before anything is written
+        spec = TensorSpec(name, target, tuple(value.shape))
+        if handle is not None:
+            out.append((spec, _param_reader(parts, handle, target)))
+        else:
+            out.append((spec, _buffer_reader(value, target)))
+    if extra:
+        raise ValueError(f"safetensors holds tensors only; these state_dict entries are not tensors: {extra}")
+    return out
+
+
+def _param_reader(parts: EngineParts, handle: Any, dtype: torch.dtype) -> Reader:
+    return lambda: parts.io.read_copy(handle).detach().to("cpu", dtype)
+
+
+def _buffer_reader(value: torch.Tensor, dtype: torch.dtype) -> Reader:
+    return lambda: value.detach().to("cpu", dtype)
+
+
+def _split(tensors: list[tuple[TensorSpec, Reader]], max_bytes: int) -> list[list[tuple[TensorSpec, Reader]]]:
+    """Consecutive shards of at most ``max_bytes`` each (a larger tensor gets a shard of its own),
+    as ``save_pretrained`` splits them."""
+    shards: list[list[tuple[TensorSpec, Reader]]] = [[]]
+    size = 0
+    for item in tensors:
+        nbytes = item[0].nbytes
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    return shards
+
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _publish(directory: str, names: Sequence[str], shards: Sequence[Sequence[tuple[TensorSpec, Reader]]]) -> None:
+    """Rename the fsynced ``.partial`` files into place (see the module docstring for the order)."""
+    for old in (INDEX_FILE, SINGLE_FILE):
+        _remove(os.path.join(directory, old))
+    fsync_dir(directory)
+    for name in names:
+        os.replace(os.path.join(directory, name + _PARTIAL), os.path.join(directory, name))
+    if len(names) > 1:
+        weight_map = {spec.name: name for name, shard in zip(names, shards) for spec, _ in shard}
+        total = sum(spec.nbytes for shard in shards for spec, _ in shard)
+        index = os.path.join(directory, INDEX_FILE)
+        with open(index + _PARTIAL, "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(index + _PARTIAL, index)
+    stale = [f for f in os.listdir(directory) if _SHARD_NAME.fullmatch(f) and f not in names]
+    for name in stale:
+        _remove(os.path.join(directory, name))
+    fsync_dir(directory)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
