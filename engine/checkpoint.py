@@ -36,6 +36,7 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.handle import ParamHandle
 from engine.pager import Pager
+from engine.progress import byte_progress
 from engine.safetensors_stream import SafetensorsFormatError, SafetensorsReader, SafetensorsWriter, TensorSpec
 from engine.shard_io import ShardIO
 
@@ -159,10 +160,14 @@ def _write_rank_file(parts: EngineParts, file: str) -> dict[str, Any]:
         sources.append((TensorSpec("buffer/" + name, buf.dtype, tuple(buf.shape)), _value(buf)))
     getters = {spec.name: get for spec, get in sources}
     writer = SafetensorsWriter(file, [spec for spec, _ in sources], {"format": FORMAT, "rank": str(parts.io.rank)})
+    bar = byte_progress("saving checkpoint", sum(spec.nbytes for spec in writer.order), enabled=parts.config.progress,
+                        rank=parts.io.rank)
     try:
-        for spec in writer.order:
-            writer.write(spec.name, getters[spec.name]())
-        writer.close()
+        with bar:
+            for spec in writer.order:
+                writer.write(spec.name, getters[spec.name]())
+                bar.advance(spec.nbytes)
+            writer.close()
     except BaseException:
         writer.abort()
         raise
@@ -403,19 +408,25 @@ def _load_rank_file(parts: EngineParts, metadata: dict[str, Any], reader: Option
     assert reader is not None
     store, config = parts.io.store, parts.config
     crcs = metadata["files"][rank_file(parts.io.rank)]["crc32"]
+    optimizer = metadata["optimizer"] if load_optimizer else None
+    # (tensor in the file, store key, tier, compress): parameter shards, then optimizer state
+    loads: list[tuple[str, str, str, Optional[bool]]] = [
+        ("param/" + h.name, h.key, config.param_tier, None) for h in _unique(parts.handles)
+    ]
+    if parts.training is not None and optimizer is not None:
+        for name in optimizer["with_state"]:
+            for state, key in zip(_STATE_NAMES, parts.training.staging_keys(name)):
+                loads.append((f"optim/{name}/{state}", key, config.optimizer_tier, config.compress_optimizer))
+    bar = byte_progress("loading checkpoint", sum(reader.specs[name].nbytes for name, *_ in loads),
+                        enabled=config.progress, rank=parts.io.rank)
     puts = _BoundedPuts(store, LOAD_INFLIGHT_BYTES)
     try:
-        for handle in _unique(parts.handles):
-            puts.put(handle.key, _read_checked(reader, "param/" + handle.name, crcs), config.param_tier, None)
-        optimizer = metadata["optimizer"] if load_optimizer else None
-        if parts.training is not None:
-            training = parts.training
-            if optimizer is not None:
-                for name in optimizer["with_state"]:
-                    for state, key in zip(_STATE_NAMES, training.staging_keys(name)):
-                        puts.put(key, _read_checked(reader, f"optim/{name}/{state}", crcs).reshape(-1),
-                                 config.optimizer_tier, config.compress_optimizer)
-        puts.wait()
+        with bar:
+            for name, key, tier, compress in loads:
+                tensor = _read_checked(reader, name, crcs)
+                puts.put(key, tensor.reshape(-1), tier, compress)  # store entries are flat
+                bar.advance(reader.specs[name].nbytes)
+            puts.wait()
     finally:
         puts.wait(raise_errors=False)
     with torch.no_grad():

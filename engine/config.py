@@ -73,6 +73,9 @@ class EngineConfig:
     #: micro-batch, steps the optimizer (then zeroes the gradients) on every N-th call. 1 steps on
     #: every call. DeepSpeed's ``gradient_accumulation_steps`` maps here.
     gradient_accumulation_steps: int = 1
+    #: Draw a progress bar on stderr for wrap, checkpoints and ``save_weights`` when they move at
+    #: least 256 MiB (rank 0, and only when stderr is a terminal).
+    progress: bool = True
     #: Resume from the store's own state at ``store.path`` (after a crash, or a clean close):
     #: parameters, fp32 master weights, Adam moments and step counts of the last completed
     #: ``engine.AdamW`` step. False starts afresh, discarding any training state the store holds.
@@ -107,6 +110,8 @@ class EngineConfig:
                 "EngineConfig.loss_scaling must be an engine.LossScaling or None, "
                 f"got {type(self.loss_scaling).__name__}"
             )
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"EngineConfig.progress must be True or False, got {self.progress!r}")
         if not isinstance(self.resume, bool):
             raise ValueError(f"EngineConfig.resume must be True or False, got {self.resume!r}")
 

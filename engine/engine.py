@@ -27,6 +27,7 @@ from engine.layout import rank_store_config
 from engine.module_hooks import ForwardScope, ModuleHooks
 from engine.pager import Pager
 from engine.placement import InitFn, Placement, model_device
+from engine.progress import byte_progress
 from engine.saved_activations import SavedActivations, discard_activations
 from engine.shard_io import ShardIO
 from engine.state_dict_hooks import StateDictHooks
@@ -499,7 +500,10 @@ def wrap(
             init_fn=init_fn, dtype=_train_dtype(config), from_store=config.resume,
         )
         try:
-            placement.run()
+            bar = byte_progress("wrap: parameters to the store", placement.total_bytes(),
+                                enabled=config.progress and not config.resume, rank=rank)
+            with bar:
+                placement.run(on_placed=bar.advance)
             engine = Engine(model, config, store, placement, meter, shard_io, optimizer)
             try:
                 engine._start_training(config.resume)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from engine.checkpoint import EngineParts, agree, attempt, check_between_steps, fsync_dir
+from engine.progress import byte_progress
 from engine.safetensors_stream import SafetensorsWriter, TensorSpec, dtype_name
 
 SINGLE_FILE = "model.safetensors"
@@ -63,28 +64,21 @@ def save_weights(
     agree(io, error, "preparing the weights directory")
 
     writers: list[SafetensorsWriter] = []
-    for name, shard in zip(names, shards):
-        if error is not None and io.collectives is None:
-            break  # alone, nothing else waits for this rank's reads: stop at the first error
-        specs = [spec for spec, _ in shard]
-        read = dict(shard)
-        writer: Optional[SafetensorsWriter] = None
-        if writing and error is None:
-            try:
-                writer = SafetensorsWriter(os.path.join(directory, name + _PARTIAL), specs, _HF_METADATA)
-                writers.append(writer)
-            except Exception as exc:  # noqa: BLE001 - this rank keeps gathering; agree() raises it
-                error = exc
-        for spec in SafetensorsWriter.order_of(specs):  # every rank gathers in the order rank 0 writes
-            value = read[spec]()
-            if writer is not None and error is None:
+    bar = byte_progress("saving weights", sum(spec.nbytes for spec, _ in tensors), enabled=parts.config.progress,
+                        rank=io.rank)
+    with bar:
+        for name, shard in zip(names, shards):
+            if error is not None and io.collectives is None:
+                break  # alone, nothing else waits for this rank's reads: stop at the first error
+            writer: Optional[SafetensorsWriter] = None
+            if writing and error is None:
                 try:
-                    writer.write(spec.name, value)
-                except Exception as exc:  # noqa: BLE001 - as above
+                    writer = SafetensorsWriter(os.path.join(directory, name + _PARTIAL), [s for s, _ in shard],
+                                               _HF_METADATA)
+                    writers.append(writer)
+                except Exception as exc:  # noqa: BLE001 - this rank keeps gathering; agree() raises it
                     error = exc
-            del value
-        if writer is not None and error is None:
-            error = attempt(writer.close)
+            error = _write_shard(shard, writer, error, bar.advance)
     if writing and error is None:
         error = attempt(lambda: _publish(directory, names, shards))
     if writing and error is not None:
@@ -97,6 +91,27 @@ def save_weights(
 
 
 Reader = Callable[[], torch.Tensor]
+
+
+def _write_shard(
+    shard: list[tuple[TensorSpec, Reader]], writer: Optional[SafetensorsWriter], error: Optional[BaseException],
+    advance: Callable[[int], None],
+) -> Optional[BaseException]:
+    """Read every tensor of ``shard`` (collective at world size > 1, so on every rank, in the order
+    the writer lays them out) and write it when this rank writes; return the first error."""
+    read = dict(shard)
+    for spec in SafetensorsWriter.order_of(read):
+        value = read[spec]()
+        if writer is not None and error is None:
+            try:
+                writer.write(spec.name, value)
+            except Exception as exc:  # noqa: BLE001 - the caller's agree() raises it on every rank
+                error = exc
+        advance(spec.nbytes)
+        del value
+    if writer is not None and error is None:
+        error = attempt(writer.close)
+    return error
 
 
 def _tensors(parts: EngineParts, dtype: Optional[torch.dtype]) -> list[tuple[TensorSpec, Reader]]:

@@ -84,8 +84,17 @@ class Placement:
         self.by_module: dict[nn.Module, list[ParamHandle]] = {}
         self.was_materialized: set[int] = set()  # ids of parameters that had data before wrap
 
-    def run(self) -> None:
-        """Place every parameter; raise ValueError for unusable weights (nothing is left half-written)."""
+    def total_bytes(self) -> int:
+        """Bytes of the parameters to place, each tied parameter once, in the dtype they are stored in."""
+        total = 0
+        for param in {id(p): p for p in self._model.parameters()}.values():
+            cast = self._dtype is not None and param.is_floating_point()
+            total += param.numel() * (self._dtype.itemsize if cast else param.element_size())  # type: ignore[union-attr]
+        return total
+
+    def run(self, on_placed: Optional[Callable[[int], None]] = None) -> None:
+        """Place every parameter; raise ValueError for unusable weights (nothing is left half-written).
+        ``on_placed(nbytes)`` is called as each module's new parameters are in the store."""
         if self._source is not None:
             known = {n for names in self._names.values() for n in names}
             known.update(name for name, _ in self._model.named_buffers(remove_duplicate=False))
@@ -114,11 +123,14 @@ class Placement:
                 self.was_materialized.add(id(param))
                 self._storage_users[param.untyped_storage()._cdata] += 1
         for name, module in self._model.named_modules():
-            self._place_module(name, module)
+            placed = self._place_module(name, module)
+            if on_placed is not None and placed:
+                on_placed(placed)
 
     # ------------------------------------------------------------------ one module
 
-    def _place_module(self, prefix: str, module: nn.Module) -> None:
+    def _place_module(self, prefix: str, module: nn.Module) -> int:
+        """Place ``module``'s own parameters and buffers; return the bytes of parameters new to the store."""
         mine: list[ParamHandle] = []
         new: list[ParamHandle] = []
         missing: list[str] = []  # tensors on meta that the weight source does not set
@@ -145,14 +157,16 @@ class Placement:
             self._init(prefix, module, missing)
         if self._source is not None:
             self._load(prefix, module, rewrite)
+        placed = sum(h.layout.nbytes for h in new)
         if self._from_store:
             for handle in rewrite:
                 self._check_stored(handle)
                 handle.free(self._meter)
-            return
+            return placed
         wait_all([self._io.write(h) for h in rewrite])
         for handle in rewrite:  # only once written: a failed placement keeps the values in the parameters
             handle.free(self._meter)
+        return placed
 
     def _adopt(self, param: nn.Parameter) -> ParamHandle:
         """Give ``param`` exclusive contiguous storage on the compute device and a handle."""
