@@ -27,7 +27,6 @@ import json
 import math
 import os
 import shutil
-import zlib
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -37,8 +36,10 @@ from engine.config import EngineConfig
 from engine.handle import ParamHandle
 from engine.pager import Pager
 from engine.progress import byte_progress
+from engine.read_ahead import read_ahead
 from engine.safetensors_stream import SafetensorsFormatError, SafetensorsReader, SafetensorsWriter, TensorSpec
 from engine.shard_io import ShardIO
+from tiered.io.crc import crc32
 
 FORMAT = "tiered-engine-checkpoint"
 VERSION = 1
@@ -164,8 +165,8 @@ def _write_rank_file(parts: EngineParts, file: str) -> dict[str, Any]:
                         rank=parts.io.rank)
     try:
         with bar:
-            for spec in writer.order:
-                writer.write(spec.name, getters[spec.name]())
+            for spec, value in zip(writer.order, read_ahead([getters[s.name] for s in writer.order])):
+                writer.write(spec.name, value)
                 bar.advance(spec.nbytes)
             writer.close()
     except BaseException:
@@ -502,7 +503,8 @@ def _value(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
 def _read_checked(reader: SafetensorsReader, name: str, crcs: Mapping[str, int]) -> torch.Tensor:
     tensor = reader.read(name)
     want = crcs.get(name)
-    got = zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    got = crc32([data], len(data))
     if want is None or got != want:
         raise CheckpointError(f"{reader.path!r}: tensor {name!r} is damaged (CRC-32 {got:#010x}, expected {want})")
     return tensor

@@ -29,6 +29,7 @@ import torch
 
 from engine.checkpoint import EngineParts, agree, attempt, check_between_steps, fsync_dir
 from engine.progress import byte_progress
+from engine.read_ahead import read_ahead
 from engine.safetensors_stream import SafetensorsWriter, TensorSpec, dtype_name
 
 SINGLE_FILE = "model.safetensors"
@@ -100,8 +101,8 @@ def _write_shard(
     """Read every tensor of ``shard`` (collective at world size > 1, so on every rank, in the order
     the writer lays them out) and write it when this rank writes; return the first error."""
     read = dict(shard)
-    for spec in SafetensorsWriter.order_of(read):
-        value = read[spec]()
+    order = SafetensorsWriter.order_of(read)
+    for spec, value in zip(order, read_ahead([read[s] for s in order])):
         if writer is not None and error is None:
             try:
                 writer.write(spec.name, value)

@@ -17,10 +17,13 @@ import json
 import math
 import os
 import struct
-import zlib
 from typing import BinaryIO, Iterable, Mapping, Optional
 
 import torch
+
+from tiered.io.crc import crc32
+from tiered.errors import TransferError
+from tiered.io.bulk import RangeReader, SequentialWriter
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -34,7 +37,6 @@ for _name, _attr in (("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("
 _NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
 #: Header bytes a reader accepts (the safetensors library's own limit is 100 MB).
 MAX_HEADER_BYTES = 100_000_000
-_COPY_CHUNK = 64 << 20
 
 
 class SafetensorsFormatError(ValueError):
@@ -109,11 +111,11 @@ class SafetensorsWriter:
         self.crc32: dict[str, int] = {}
         self.nbytes = 8 + len(raw) + offset
         self._next = 0
-        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._file = SequentialWriter(path, size_hint=self.nbytes)  # O_DIRECT: the page cache is slower
         try:
             self._file.write(struct.pack("<Q", len(raw)) + raw)
         except BaseException:
-            self._file.close()
+            self._file.abort()
             raise
 
     @staticmethod
@@ -133,29 +135,22 @@ class SafetensorsWriter:
                 f"{tuple(tensor.shape)}"
             )
         data = tensor_bytes(tensor)
-        self.crc32[name] = zlib.crc32(data)
+        self.crc32[name] = crc32([data], len(data))
         self._file.write(data)
         self._next += 1
 
     def close(self) -> None:
-        """Check that every tensor was written, flush and fsync the file, close it."""
-        try:
-            if self._next != len(self.order):
-                missing = [s.name for s in self.order[self._next:]]
-                raise ValueError(f"{self.path}: closed before these tensors were written: {missing}")
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            size = self._file.tell()
-            assert size == self.nbytes, (size, self.nbytes)
-        finally:
-            self._file.close()
+        """Check that every tensor was written, write out and fsync the file, close it."""
+        if self._next != len(self.order):
+            self._file.abort()
+            missing = [s.name for s in self.order[self._next:]]
+            raise ValueError(f"{self.path}: closed before these tensors were written: {missing}")
+        assert self._file.nbytes == self.nbytes, (self._file.nbytes, self.nbytes)
+        self._file.close()
 
     def abort(self) -> None:
-        """Close the file without checks (the caller removes it)."""
-        try:
-            self._file.close()
-        except OSError:
-            pass  # flushing the buffer failed (a full disk, say); the file is closed all the same
+        """Close the file without checks or errors (the caller removes it)."""
+        self._file.abort()
 
 
 class SafetensorsReader:
@@ -198,6 +193,7 @@ class SafetensorsReader:
                 raise SafetensorsFormatError(
                     f"{path}: {size} bytes, but the header describes {self._data_start + end} (truncated or padded)"
                 )
+            self._ranges = RangeReader(path)  # tensors: O_DIRECT, parallel (a cold buffered read is slow)
         except BaseException:
             self._file.close()
             raise
@@ -208,19 +204,18 @@ class SafetensorsReader:
         if spec is None:
             raise KeyError(f"{self.path} has no tensor {name!r}")
         begin, stop = self._offsets[name]
-        raw = torch.empty(stop - begin, dtype=torch.uint8)
-        view = memoryview(raw.numpy())
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._file.fileno(), [view[done : done + _COPY_CHUNK]], self._data_start + begin + done)
-            if n <= 0:
-                raise SafetensorsFormatError(f"{self.path}: short read of {name!r} ({done} of {len(view)} bytes)")
-            done += n
+        try:
+            raw = self._ranges.read(self._data_start + begin, stop - begin)
+        except TransferError as exc:
+            raise SafetensorsFormatError(f"{self.path}: reading {name!r} failed: {exc}") from exc
+        if (self._data_start + begin) % spec.dtype.itemsize:
+            raw = raw.clone()  # a file that does not align its tensors (not one written here or by safetensors)
         return raw.view(spec.dtype).reshape(spec.shape)
 
     def close(self) -> None:
         """Close the file."""
         self._file.close()
+        self._ranges.close()
 
     def __enter__(self) -> "SafetensorsReader":
         return self

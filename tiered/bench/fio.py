@@ -48,9 +48,13 @@ class Fio:
                 f"one {self.nbytes // MiB} MiB "
                 "file; writes with end_fsync=1 and overwrite=1, reads with zero_buffers=1")
 
-    def write(self) -> Run:
-        """One sequential write of the whole file, fsync'ed at the end (durable, like a put)."""
-        return self._job("write")
+    def write(self, *, fresh: bool = False) -> Run:
+        """One sequential write of the whole file, fsync'ed at the end (durable, like a put).
+        ``fresh``: into a new file (allocated as it is written, as a checkpoint file is), not over
+        the blocks of the last one."""
+        if fresh:
+            self.close()
+        return self._job("write", overwrite=not fresh)
 
     def read(self) -> Run:
         """One sequential read of the whole file (O_DIRECT: the page cache is bypassed)."""
@@ -61,15 +65,15 @@ class Fio:
         if os.path.exists(self.path):
             os.unlink(self.path)
 
-    def _job(self, rw: str) -> Run:
+    def _job(self, rw: str, overwrite: bool = True) -> Run:
         try:
-            out = self._run_fio(rw)
+            out = self._run_fio(rw, overwrite)
         except RuntimeError:
             if not self.direct:
                 raise
             self.direct = False  # tmpfs and some others refuse O_DIRECT: measure buffered, and say so
             self.note = "fio could not use O_DIRECT in this directory; its figures are buffered I/O"
-            out = self._run_fio(rw)
+            out = self._run_fio(rw, overwrite)
         job = out["jobs"][0][rw]
         seconds = job["runtime"] / 1000.0
         nbytes = int(job["io_bytes"])
@@ -78,7 +82,7 @@ class Fio:
         return Run(value=nbytes / seconds / 1e9, seconds=seconds, nbytes=nbytes, ops=int(job.get("total_ios", 0)),
                    detail={"bw_bytes": job.get("bw_bytes"), "direct": self.direct})
 
-    def _run_fio(self, rw: str) -> dict:
+    def _run_fio(self, rw: str, overwrite: bool = True) -> dict:
         cmd = [
             "fio", "--name=tiered-bench", f"--filename={_escape(self.path)}", f"--size={self.nbytes}",
             f"--bs={self.block_size}", f"--iodepth={self.queue_depth}", "--ioengine=libaio",
@@ -92,7 +96,7 @@ class Fio:
         if rw == "write":
             # overwrite=1: fio lays the file out fully before the first timed write, so every run
             # overwrites allocated blocks (its fastest case; the store's median run reuses extents too)
-            cmd += ["--end_fsync=1", "--overwrite=1"]
+            cmd += ["--end_fsync=1", f"--overwrite={int(overwrite)}"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         parsed = _parse(proc.stdout)
         if proc.returncode != 0 or parsed is None:

@@ -36,13 +36,14 @@ class FileHandle:
             self.fd = -1
 
 
-def open_file(path: str, *, direct: bool, create: bool = True) -> FileHandle:
-    """Open ``path`` read-write with mode 0600, with O_DIRECT when asked and the filesystem allows.
+def open_file(path: str, *, direct: bool, create: bool = True, read_only: bool = False) -> FileHandle:
+    """Open ``path`` read-write with mode 0600 (``read_only``: an existing file, for reading), with
+    O_DIRECT when asked and the filesystem allows.
 
     Returns a handle whose ``direct`` says what was obtained; the caller decides how to warn.
     """
-    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
-    if create:
+    flags = (os.O_RDONLY if read_only else os.O_RDWR) | getattr(os, "O_CLOEXEC", 0)
+    if create and not read_only:
         flags |= os.O_CREAT
     if direct and hasattr(os, "O_DIRECT"):
         try:

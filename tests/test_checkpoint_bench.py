@@ -1,0 +1,23 @@
+"""benchmarks/checkpoint_bench.py runs every contender on a small model, finds every tensor read back
+equal and writes its JSON (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def test_every_contender_runs_and_round_trips(tmp_path, benchmark_script, capsys):
+    module = benchmark_script("checkpoint_bench")
+    out = tmp_path / "checkpoint.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    assert module.main(["--dir", str(scratch), "--layers", "2", "--width", "512", "--rounds", "2",
+                        "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["verified"] is True and report["bytes"] == 2 * 512 * 512 * 4
+    rows = {r["contender"]: r for r in report["rows"]}
+    assert set(module.CONTENDERS) <= set(rows)
+    assert all(len(r["runs"]) == 2 and r["median"] > 0 for r in rows.values())
+    assert "| tiered save_checkpoint |" in capsys.readouterr().out
+    assert os.listdir(scratch) == []  # the store, checkpoint, exports and torch file are removed
