@@ -40,6 +40,7 @@ from engine.read_ahead import read_ahead
 from engine.safetensors_stream import SafetensorsFormatError, SafetensorsReader, SafetensorsWriter, TensorSpec
 from engine.shard_io import ShardIO
 from tiered.io.crc import crc32
+from tiered.io.futures import wait_all
 
 FORMAT = "tiered-engine-checkpoint"
 VERSION = 1
@@ -530,14 +531,7 @@ class _BoundedPuts:
 
     def wait(self, raise_errors: bool = True) -> None:
         pending, self._pending, self._bytes = self._pending, [], 0
-        first = None
-        for future, _ in pending:
-            try:
-                future.result()
-            except BaseException as exc:  # noqa: BLE001 - the first is raised after all finished
-                first = first or exc
-        if first is not None and raise_errors:
-            raise first
+        wait_all((future for future, _ in pending), raise_errors=raise_errors)
 
 
 def attempt(fn: Callable[[], Any]) -> Optional[BaseException]:

@@ -16,8 +16,9 @@ from typing import Callable, Hashable, Iterable, Sequence
 from engine.handle import HandleState, ParamHandle
 from engine.param_buffers import ParamBuffers
 from engine.schedule import Schedule
-from engine.shard_io import ShardIO, wait_all
+from engine.shard_io import ShardIO
 from engine.stats import EngineCounters, MemoryMeter
+from tiered.io.futures import wait_all
 
 
 class Pager:

@@ -25,9 +25,10 @@ from torch import nn
 
 from engine.handle import HandleState, ParamHandle
 from engine.layout import ShardLayout, is_dense, param_key
-from engine.shard_io import ShardIO, wait_all
+from engine.shard_io import ShardIO
 from engine.stats import MemoryMeter
 from engine.weights import WeightSource
+from tiered.io.futures import wait_all
 
 InitFn = Callable[[nn.Module], None]
 

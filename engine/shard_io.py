@@ -182,13 +182,3 @@ def _on_device_of(tensor: torch.Tensor, fn: Callable[..., T]) -> Callable[..., T
     return call
 
 
-def wait_all(futures: "list[concurrent.futures.Future]") -> None:
-    """Wait for every future, then raise the first error (so none is left running unobserved)."""
-    first: "BaseException | None" = None
-    for future in futures:
-        try:
-            future.result()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below after the others finished
-            first = first or exc
-    if first is not None:
-        raise first

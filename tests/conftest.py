@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tiered
+from small_filesystems import mounted
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -71,3 +72,9 @@ def benchmark_script(monkeypatch) -> Callable[[str], types.ModuleType]:
     the folder goes on sys.path for the test)."""
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     return importlib.import_module
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A freshly mounted 2 MiB tmpfs (skipped where this process may not mount)."""
+    yield from mounted("tmpfs", tmp_path, mib=2)

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from small_filesystems import fill, mounted
+from small_filesystems import fill
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import engine
@@ -101,11 +101,6 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
     finally:
         eng.close()
 
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A freshly mounted 2 MiB tmpfs (skipped where this process may not mount)."""
-    yield from mounted("tmpfs", tmp_path, mib=2)
 
 
 def test_a_full_disk_keeps_the_previous_save_and_leaves_no_partial_files(tmp_path, small_tmpfs):

@@ -7,7 +7,7 @@ import os
 import random
 
 import pytest
-from small_filesystems import fill, mounted
+from small_filesystems import fill
 
 from tiered.errors import TransferError
 from tiered.io.bulk import RangeReader, SequentialWriter
@@ -68,11 +68,6 @@ def test_range_reader_returns_any_range(tmp_path):
         with pytest.raises(ValueError, match="outside the file"):
             reader.read(len(data) - 1, 2)
 
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A freshly mounted 2 MiB tmpfs (skipped where this process may not mount)."""
-    yield from mounted("tmpfs", tmp_path, mib=2)
 
 
 def test_buffered_the_same_bytes(tmp_path):

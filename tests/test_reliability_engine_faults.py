@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 from engine_models import TinyGPT, gpt_tokens, store_config
-from small_filesystems import fill, mounted
+from small_filesystems import fill
 
 import engine
 import tiered
@@ -162,11 +162,6 @@ def test_a_transient_eio_in_step_is_rolled_back_at_once(tmp_path):
 
 # ------------------------------------------------------------------- a real full filesystem
 
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A freshly mounted 2 MiB tmpfs (skipped where this process may not mount)."""
-    yield from mounted("tmpfs", tmp_path, mib=2)
 
 
 def test_a_full_disk_under_the_swap_files_fails_the_step_cleanly(tmp_path, small_tmpfs):

@@ -25,6 +25,7 @@ from tiered.config import ALIGNMENT
 from tiered.errors import TransferError
 from tiered.io.aligned import AlignedBuffer, round_up
 from tiered.io.files import FileHandle, Syscalls, open_file, pread_full, pwrite_full
+from tiered.io.futures import wait_all
 from tiered.io.host_memory import empty_aligned
 
 #: Bytes per staging chunk (one write syscall each).
@@ -121,17 +122,9 @@ class SequentialWriter:
             previous.result()
 
     def _wait_all(self, raise_errors: bool = True) -> None:
-        first: Optional[BaseException] = None
-        for i, future in enumerate(self._pending):
-            if future is None:
-                continue
-            self._pending[i] = None
-            try:
-                future.result()
-            except BaseException as exc:  # noqa: BLE001 - the first is raised after all finished
-                first = first or exc
-        if first is not None and raise_errors:
-            raise first
+        pending = [f for f in self._pending if f is not None]
+        self._pending = [None] * len(self._pending)
+        wait_all(pending, raise_errors=raise_errors)
 
     def _release(self) -> None:
         self._pool.shutdown(wait=True)
