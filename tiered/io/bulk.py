@@ -159,7 +159,8 @@ class RangeReader:
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tiered-rangeread")
 
     def read(self, offset: int, length: int) -> torch.Tensor:
-        """The bytes ``[offset, offset + length)``; TransferError when the file ends before them."""
+        """The bytes ``[offset, offset + length)``: ValueError for a range outside the file,
+        TransferError when a read fails or the file shrank while it was read."""
         if offset < 0 or length < 0 or offset + length > self.size:
             raise ValueError(
                 f"{self.path}: range [{offset}, {offset + length}) is outside the file ({self.size} bytes)"
@@ -173,8 +174,7 @@ class RangeReader:
             self._pool.submit(self._read_chunk, view[at - start : min(at + self._chunk, end) - start], at)
             for at in range(start, end, self._chunk)
         ]
-        for future in futures:
-            future.result()
+        wait_all(futures)
         return out[offset - start : offset - start + length]
 
     def _read_chunk(self, view: memoryview, at: int) -> None:
