@@ -95,3 +95,24 @@ def test_store_example(tmp_path):
 def test_deepspeed_example_maps_and_refuses_a_typo(tmp_path):
     out = run_example("deepspeed_config.py", cwd=str(tmp_path))
     assert "param_tier='nvme'" in out and "did you mean 'stage3_prefetch_bucket_size'" in out
+
+
+def test_hugging_face_example_trains_exports_and_reloads(tmp_path):
+    out = run_example("hf_gpt2.py", "--dir", str(tmp_path / "run"), "--steps", "2", "--export",
+                      str(tmp_path / "tuned"), cwd=str(tmp_path))
+    assert "step 1: loss" in out
+    exported = out.rsplit("from_pretrained computes loss ", 1)[1]
+    plain, engine_loss = exported.split(" (engine: ")
+    assert plain == engine_loss.split(")")[0]  # the reloaded plain model computes the engine's loss
+    assert sorted(os.listdir(tmp_path / "tuned")) == ["config.json", "model.safetensors"]
+
+
+def test_torchrun_example_trains_on_two_ranks(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.join(ROOT, "examples", "torchrun_two_ranks.py"), "--dir", str(tmp_path / "run"), "--steps", "2"],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step 1: loss" in proc.stdout
+    assert sorted(os.listdir(tmp_path / "run")) == ["rank0", "rank1"]  # one store per rank
