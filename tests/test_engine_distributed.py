@@ -300,6 +300,13 @@ def _adamw_rank(rank: int, root: str) -> dict[str, Any]:
     eng.close()
     result["fp16"] = _fp16_run(rank, root)
     result["accumulation"] = _accumulation_run(rank, root)
+    model = new_model()
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=WD),
+                      config=_adamw_config(root, "act", activation_tier="nvme", activation_min_bytes=1024))
+    result["activation_losses"] = _train(model, eng, rank, range(3))
+    result["activations_offloaded"] = eng.stats().activation_bytes_offloaded
+    result["activation_keys_left"] = [k for k in eng.store.keys() if k.startswith("activation/")]
+    eng.close()
     return result
 
 
@@ -413,6 +420,14 @@ def _oracle_accumulation() -> tuple[list[list[float]], nn.Module]:
             opt.step()
             opt.zero_grad()
         return losses, model
+
+
+def test_world2_activations_in_each_ranks_store_change_no_loss(trained):
+    _, runs = trained
+    for run in runs:
+        res = run["adamw"]
+        assert res["activations_offloaded"] > 0 and res["activation_keys_left"] == []
+        assert res["activation_losses"] == res["losses"][:3]  # the same run with activations in memory
 
 
 def test_world2_gradient_accumulation_matches_one_process(trained):
