@@ -76,6 +76,9 @@ class EngineConfig:
     #: Draw a progress bar on stderr for wrap, checkpoints and ``save_weights`` when they move at
     #: least 256 MiB (rank 0, and only when stderr is a terminal).
     progress: bool = True
+    #: Cast floating tensors among the model's forward inputs to ``train_dtype`` before each forward
+    #: (FSDP2's ``cast_forward_inputs``; DeepSpeed's ``fp16.auto_cast`` maps here). Needs ``train_dtype``.
+    cast_forward_inputs: bool = False
     #: Resume from the store's own state at ``store.path`` (after a crash, or a clean close):
     #: parameters, fp32 master weights, Adam moments and step counts of the last completed
     #: ``engine.AdamW`` step. False starts afresh, discarding any training state the store holds.
@@ -109,6 +112,15 @@ class EngineConfig:
             raise TypeError(
                 "EngineConfig.loss_scaling must be an engine.LossScaling or None, "
                 f"got {type(self.loss_scaling).__name__}"
+            )
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise ValueError(
+                f"EngineConfig.cast_forward_inputs must be True or False, got {self.cast_forward_inputs!r}"
+            )
+        if self.cast_forward_inputs and self.train_dtype is None:
+            raise ValueError(
+                "EngineConfig.cast_forward_inputs casts inputs to train_dtype, which is None: set "
+                "train_dtype='float16' or 'bfloat16' too"
             )
         if not isinstance(self.progress, bool):
             raise ValueError(f"EngineConfig.progress must be True or False, got {self.progress!r}")

@@ -232,7 +232,7 @@ FP16: Schema = {
     "hysteresis": Key(_int(1), MAP, "LossScaling.hysteresis"),
     "consecutive_hysteresis": Key(_bool, MAP, "LossScaling.consecutive_hysteresis"),
     "min_loss_scale": Key(_number(), MAP, "LossScaling.min_scale"),
-    "auto_cast": Key(_bool, DEFAULT_ONLY, "inputs are not cast: wrap casts the parameters to float16", False),
+    "auto_cast": Key(_bool, MAP, "cast_forward_inputs: floating forward inputs cast to float16"),
     "fp16_master_weights_and_grads": Key(_bool, DEFAULT_ONLY, "master weights and gradients are fp32", False),
 }
 
@@ -412,6 +412,8 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
         else:
             eng["train_dtype"] = "float16"
             _map_loss_scaling(found, eng, problems)
+            if found.get("fp16.auto_cast"):
+                eng["cast_forward_inputs"] = True
     element_bytes = 2 if eng.get("train_dtype") in ("bfloat16", "float16") else 4
     if f"{z}.stage3_prefetch_bucket_size" in found:
         eng["prefetch_bytes"] = found[f"{z}.stage3_prefetch_bucket_size"] * element_bytes

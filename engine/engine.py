@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.gathered import ParamsArg, check_modifier_rank, select_handles
 from engine.gathered import gathered as gathered_block
 from engine.handle import HandleState, ParamHandle
+from engine.input_cast import InputCast
 from engine.layout import rank_store_config
 from engine.module_hooks import ForwardScope, ModuleHooks
 from engine.pager import Pager
@@ -89,6 +90,9 @@ class Engine:
         self._state_dict_hooks = StateDictHooks(placement.by_module, self._pager, shard_io, self._refresh_masters)
         self._optimizer = optimizer
         self._accumulation = GradientAccumulation(config.gradient_accumulation_steps)
+        self._input_cast: Optional[InputCast] = None
+        if config.cast_forward_inputs:
+            self._input_cast = InputCast(model, getattr(torch, config.train_dtype))  # type: ignore[arg-type]
         self._training: Optional[Training] = None
         self._optimizer_hooks: Optional[TorchOptimizerHooks] = None
         if _is_engine_optimizer(optimizer):
@@ -425,6 +429,8 @@ class Engine:
         self._state_dict_hooks.remove()
         if self._optimizer_hooks is not None:
             self._optimizer_hooks.remove()
+        if self._input_cast is not None:
+            self._input_cast.remove()
 
     def _start_training(self, resume: bool) -> None:
         """Fresh: commit an empty step record. Resume: take up the store's (Training.start)."""

@@ -111,6 +111,14 @@ def test_accepted_keys_change_nothing(store):
     assert config == EngineConfig(store=store, param_tier="nvme", optimizer_tier="nvme")
 
 
+def test_fp16_auto_cast_casts_forward_inputs(store):
+    config = EngineConfig.from_deepspeed(ds(fp16={"enabled": True, "auto_cast": True}), store=store)
+    assert config.cast_forward_inputs and config.train_dtype == "float16"
+    assert not EngineConfig.from_deepspeed(ds(fp16={"enabled": True}), store=store).cast_forward_inputs
+    off = EngineConfig.from_deepspeed(ds(fp16={"enabled": False, "auto_cast": True}), store=store)
+    assert not off.cast_forward_inputs and off.train_dtype is None
+
+
 @pytest.mark.parametrize("batch,expected", [
     ({"gradient_accumulation_steps": 8}, 8),
     ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 8),  # derived, as DeepSpeed does at world 1
@@ -189,7 +197,6 @@ def test_every_unknown_key_is_named_with_its_path(store):
 
 
 @pytest.mark.parametrize("fragment,path,expected", [
-    ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast", "only false is accepted"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled", "conflicts with bf16"),
     ({"fp16": {"enabled": True, "min_loss_scale": 3}}, "fp16", "power of two"),
     ({"zero": {"offload_optimizer": {"ratio": 0.5}}}, "zero_optimization.offload_optimizer.ratio", "partial"),
