@@ -125,9 +125,7 @@ def test_fp16_loss_scaling_divides_then_scales(tmp_path):
                     p.copy_(master)
             assert scales[window] == ref.scaler.get_scale(), window
         assert eng.stats().skipped_steps > 0  # the scale started high enough to overflow
-        live = {s.name: s for s in eng._training.live_shards()}
-        for (name, _), master in zip(ref.model.named_parameters(), ref.masters):
-            assert torch.equal(eng.store.sync.get(live[name].master_key), master.detach().reshape(-1)), name
+        ref.assert_masters_equal(eng)
     finally:
         eng.close()
 

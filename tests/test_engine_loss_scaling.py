@@ -59,6 +59,12 @@ class Reference:
                 p.copy_(master)
         return loss.item()
 
+    def assert_masters_equal(self, eng: engine.Engine) -> None:
+        """The engine's fp32 master weights in the store are this reference's, bit for bit."""
+        live = {s.name: s for s in eng._training.live_shards()}
+        for (name, _), master in zip(self.model.named_parameters(), self.masters):
+            assert torch.equal(eng.store.sync.get(live[name].master_key), master.detach().reshape(-1)), name
+
 
 def train(eng: engine.Engine, model: torch.nn.Module, steps: range) -> tuple[list[float], list[float]]:
     losses, scales = [], []
@@ -97,9 +103,7 @@ def test_fp16_loss_scaling_equals_grad_scaler(tmp_path, max_grad_norm):
         assert stats.skipped_steps == halvings > 0 and growths > 0, scales
         assert stats.optimizer_steps == 14 - halvings == eng.completed_steps
         assert stats.loss_scale == scales[-1]
-        live = {s.name: s for s in eng._training.live_shards()}
-        for (name, _), master in zip(ref.model.named_parameters(), ref.masters):
-            assert torch.equal(eng.store.sync.get(live[name].master_key), master.detach().reshape(-1)), name
+        ref.assert_masters_equal(eng)
     finally:
         eng.close()
 
