@@ -112,6 +112,7 @@ def test_torchrun_example_trains_on_two_ranks(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          os.path.join(ROOT, "examples", "torchrun_two_ranks.py"), "--dir", str(tmp_path / "run"), "--steps", "2"],
         cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # torchrun's own temporary directories go here, not /tmp
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step 1: loss" in proc.stdout
