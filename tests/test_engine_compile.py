@@ -13,7 +13,8 @@ from engine_models import TinyGPT, gpt_tokens
 from test_engine_training import LR, assert_trained_equal, training_config
 
 
-def test_compiled_wrapped_model_trains_as_plain_pytorch(tmp_path):
+def test_compiled_wrapped_model_trains_as_plain_pytorch(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # torch's cache, else in /tmp
     torch.manual_seed(0)
     model = TinyGPT()
     ref = copy.deepcopy(model)
