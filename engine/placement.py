@@ -87,11 +87,11 @@ class Placement:
 
     def total_bytes(self) -> int:
         """Bytes of the parameters to place, each tied parameter once, in the dtype they are stored in."""
-        total = 0
-        for param in {id(p): p for p in self._model.parameters()}.values():
-            cast = self._dtype is not None and param.is_floating_point()
-            total += param.numel() * (self._dtype.itemsize if cast else param.element_size())  # type: ignore[union-attr]
-        return total
+        return sum(p.numel() * self._stored_dtype(p).itemsize for p in self._model.parameters())  # tied once
+
+    def _stored_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        """The dtype ``tensor`` is placed in: the training dtype for floating tensors, when there is one."""
+        return self._dtype if self._dtype is not None and tensor.is_floating_point() else tensor.dtype
 
     def run(self, on_placed: Optional[Callable[[int], None]] = None) -> None:
         """Place every parameter; raise ValueError for unusable weights (nothing is left half-written).
@@ -171,7 +171,7 @@ class Placement:
 
     def _adopt(self, param: nn.Parameter) -> ParamHandle:
         """Give ``param`` exclusive contiguous storage on the compute device and a handle."""
-        dtype = self._dtype if self._dtype is not None and param.is_floating_point() else param.dtype
+        dtype = self._stored_dtype(param)
         nbytes = param.numel() * dtype.itemsize
         if param.device.type == "meta":
             fresh = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=self._device), param.requires_grad)
@@ -211,7 +211,7 @@ class Placement:
                 continue
             moved = self._moved_buffers.get(id(buf))
             if moved is None:
-                dtype = self._dtype if self._dtype is not None and buf.is_floating_point() else buf.dtype
+                dtype = self._stored_dtype(buf)
                 if buf.device.type == "meta":
                     meta.append(_join(prefix, name))
                     moved = torch.empty_like(buf, dtype=dtype, device=self._device)
