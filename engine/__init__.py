@@ -8,6 +8,7 @@ parameters just before it runs and release them after (docs/engine.md).
 
 from typing import Any
 
+from engine.checkpoint_export import checkpoint_state_dict, export_checkpoint
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineClosedError, wrap
 from engine.layout import ShardLayout, param_key
@@ -18,7 +19,8 @@ from engine.stats import EngineStats
 
 __all__ = [
     "AdamW", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "LossScaling", "MemoryEstimate",
-    "ReleasedParameterError", "ShardLayout", "estimate_memory", "param_key", "wrap",
+    "ReleasedParameterError", "ShardLayout", "checkpoint_state_dict", "estimate_memory", "export_checkpoint",
+    "param_key", "wrap",
 ]
 
 

@@ -18,16 +18,19 @@ last, fsyncs, renames the directory to ``<dir>`` and fsyncs its parent; so ``<di
 not exist or is complete. Every rank must call save and load (they are collective at world size
 > 1), between steps. Errors found on any rank (a mismatch, a missing file, an I/O error) are
 raised on every rank, so no rank is left waiting in a collective.
+
+A checkpoint loads at any world size: each rank reads the saved shards that overlap its own
+(``engine.checkpoint_files``, which also reads checkpoints without an engine for
+``engine.checkpoint_export``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -37,29 +40,17 @@ from engine.handle import ParamHandle
 from engine.pager import Pager
 from engine.progress import byte_progress
 from engine.read_ahead import read_ahead
-from engine.safetensors_stream import SafetensorsFormatError, SafetensorsReader, SafetensorsWriter, TensorSpec
+from engine.checkpoint_files import (
+    FORMAT, METADATA_FILE, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, CheckpointFiles, rank_file,
+    tensor_name,
+)
+from engine.safetensors_stream import SafetensorsWriter, TensorSpec
 from engine.shard_io import ShardIO
-from tiered.io.crc import crc32
 from tiered.io.futures import wait_all
 
-FORMAT = "tiered-engine-checkpoint"
-VERSION = 1
-METADATA_FILE = "metadata.json"
-PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
 #: Bytes of puts in flight while a checkpoint is loaded into the store.
 LOAD_INFLIGHT_BYTES = 256 << 20
-_STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the engine loading it, is incomplete or is damaged; or saving
-    failed on some rank. The message says which and what to do."""
-
-
-def rank_file(rank: int) -> str:
-    """The file name of ``rank``'s part of a checkpoint."""
-    return f"rank{rank}.safetensors"
 
 
 @dataclasses.dataclass
@@ -151,12 +142,12 @@ def _write_rank_file(parts: EngineParts, file: str) -> dict[str, Any]:
     sources: list[tuple[TensorSpec, Callable[[], torch.Tensor]]] = []
     for handle in _unique(parts.handles):
         info = store.info(handle.key)
-        sources.append((TensorSpec("param/" + handle.name, info.dtype, tuple(info.shape)),
+        sources.append((TensorSpec(tensor_name(handle.name), info.dtype, tuple(info.shape)),
                         _store_reader(store, handle.key)))
     for name, keys in _live_state_keys(parts).items():
-        for state, key in zip(_STATE_NAMES, keys):
+        for state, key in zip(STATE_NAMES, keys):
             info = store.info(key)
-            sources.append((TensorSpec(f"optim/{name}/{state}", info.dtype, tuple(info.shape)),
+            sources.append((TensorSpec(tensor_name(name, state), info.dtype, tuple(info.shape)),
                             _store_reader(store, key)))
     for name, buf in parts.model.named_buffers():
         sources.append((TensorSpec("buffer/" + name, buf.dtype, tuple(buf.shape)), _value(buf)))
@@ -234,7 +225,8 @@ def _metadata(parts: EngineParts, files: list[Any]) -> dict[str, Any]:
             "shard_numel": layout.shard_numel, "padded_numel": layout.padded_numel,
             "trainable": handle.trainable,
         })
-    buffers = [{"name": n, "shape": list(b.shape), "dtype": _dtype_str(b.dtype)}
+    in_state_dict = set(parts.model.state_dict(keep_vars=True))  # not a non-persistent buffer (an export skips those)
+    buffers = [{"name": n, "shape": list(b.shape), "dtype": _dtype_str(b.dtype), "persistent": n in in_state_dict}
                for n, b in parts.model.named_buffers()]
     optimizer = None
     if parts.training is not None:
@@ -260,78 +252,36 @@ def _metadata(parts: EngineParts, files: list[Any]) -> dict[str, Any]:
 def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_optimizer: bool = True) -> None:
     """Load the checkpoint at ``path`` into ``parts``' store (parameters, buffers and, with
     ``load_optimizer``, the optimizer state, step counts and hyperparameters). Checks the
-    checkpoint against the engine first and changes nothing when they disagree."""
+    checkpoint against the engine first and changes nothing when they disagree.
+
+    The checkpoint may have been saved at another world size: each rank then reads the saved
+    shards that overlap its own (``engine.checkpoint_files``), which needs every saved rank's file
+    where the ranks can read it. Buffers come from the same rank's file, or rank 0's where the
+    checkpoint has fewer ranks."""
     path = os.path.abspath(os.fspath(path))
     io = parts.io
-    reader: Optional[SafetensorsReader] = None
-    metadata: dict[str, Any] = {}
+    files: Optional[CheckpointFiles] = None
 
     def check() -> None:
-        nonlocal reader, metadata
+        nonlocal files
         check_between_steps(parts, "load a checkpoint")
         _recover_interrupted_overwrite(path)
-        metadata = _read_metadata(path)
-        _check_metadata(parts, metadata, load_optimizer)
-        file = os.path.join(path, rank_file(io.rank))
-        expected = metadata["files"].get(rank_file(io.rank))
-        if not os.path.isfile(file):
-            raise CheckpointError(f"the checkpoint has no file {rank_file(io.rank)} for rank {io.rank} in {path!r}")
-        if expected is None or os.path.getsize(file) != expected.get("bytes"):
-            raise CheckpointError(f"{file!r} is not the file the checkpoint's metadata describes (its size differs)")
-        try:
-            reader = SafetensorsReader(file)
-        except SafetensorsFormatError as exc:
-            raise CheckpointError(f"{file!r} is damaged: {exc}") from exc
-        _check_rank_file(parts, metadata, reader, load_optimizer)
+        files = CheckpointFiles(path)
+        _check_metadata(parts, files.metadata, load_optimizer)
+        _check_files(parts, files, load_optimizer)
 
     try:
         agree(io, attempt(check), f"checking checkpoint {path!r}")
+        assert files is not None
         with parts.pager.lock:
             parts.pager.drop_prefetched()  # their values are about to change
-        agree(io, attempt(lambda: _load_rank_file(parts, metadata, reader, load_optimizer)),
-               f"loading checkpoint {path!r}")
+        agree(io, attempt(lambda: _load_files(parts, files, load_optimizer)), f"loading checkpoint {path!r}")
     finally:
-        if reader is not None:
-            reader.close()
-
-
-def _read_metadata(path: str) -> dict[str, Any]:
-    file = os.path.join(path, METADATA_FILE)
-    if not os.path.isfile(file):
-        hint = " (a save that did not finish leaves only a .partial directory)" if os.path.isdir(
-            path + PARTIAL_SUFFIX) else ""
-        raise CheckpointError(f"{path!r} is not a checkpoint: it has no {METADATA_FILE}{hint}")
-    try:
-        with open(file, encoding="utf-8") as f:
-            metadata = json.load(f)
-    except ValueError as exc:
-        raise CheckpointError(f"{file!r} is not valid JSON: {exc}") from exc
-    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
-        raise CheckpointError(f"{file!r} is not the metadata of an engine checkpoint")
-    if metadata.get("version") != VERSION:
-        raise CheckpointError(
-            f"{file!r} has checkpoint version {metadata.get('version')!r}; this engine reads version {VERSION}"
-        )
-    kinds = {"world_size": int, "params": list, "buffers": list, "files": dict, "optimizer": (dict, type(None))}
-    for key, kind in kinds.items():
-        if not isinstance(metadata.get(key), kind) or (key == "optimizer" and metadata[key] is not None and not all(
-                k in metadata[key] for k in ("step", "shard_steps", "param_groups", "with_state"))):
-            raise CheckpointError(f"{file!r} is malformed: {key!r} is missing or of the wrong type")
-    for entry, needs in [(p, {"name", "shape", "dtype", "stride"}) for p in metadata["params"]] + [
-            (b, {"name", "shape", "dtype"}) for b in metadata["buffers"]]:
-        if not isinstance(entry, dict) or not needs <= set(entry):
-            raise CheckpointError(f"{file!r} is malformed: {entry!r} is not a parameter or buffer record")
-    return metadata
+        if files is not None:
+            files.close()
 
 
 def _check_metadata(parts: EngineParts, metadata: dict[str, Any], load_optimizer: bool) -> None:
-    world = parts.io.world
-    if metadata["world_size"] != world:
-        raise CheckpointError(
-            f"the checkpoint was saved by {metadata['world_size']} rank(s) but this engine runs on {world}: load it "
-            f"with {metadata['world_size']} processes (each rank holds a different shard), or consolidate the "
-            "weights with eng.state_dict() and pass them to engine.wrap(state_dict=...)"
-        )
     saved = {p["name"]: p for p in metadata["params"]}
     mine = {h.name: h for h in _unique(parts.handles)}
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
@@ -386,58 +336,75 @@ def _check_metadata(parts: EngineParts, metadata: dict[str, Any], load_optimizer
             )
 
 
-def _check_rank_file(parts: EngineParts, metadata: dict[str, Any], reader: SafetensorsReader,
-                     load_optimizer: bool) -> None:
-    wanted = {"param/" + h.name: (h.layout.dtype, (h.layout.shard_numel,)) for h in _unique(parts.handles)}
-    wanted.update({"buffer/" + n: (b.dtype, tuple(b.shape)) for n, b in parts.model.named_buffers()})
-    if load_optimizer and metadata["optimizer"] is not None:
-        layouts = {h.name: h.layout for h in _unique(parts.handles)}
-        for name in metadata["optimizer"]["with_state"]:
-            for state in _STATE_NAMES:
-                wanted[f"optim/{name}/{state}"] = (torch.float32, (layouts[name].shard_numel,))
-    for name, (dtype, shape) in wanted.items():
-        spec = reader.specs.get(name)
+def _loads(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool
+           ) -> list[tuple[ParamHandle, Optional[str], str, str, Optional[bool]]]:
+    """What this rank loads: (handle, optimizer state or None for the parameter, store key, tier,
+    compress), parameter shards first."""
+    config = parts.config
+    unique = _unique(parts.handles)
+    loads: list[tuple[ParamHandle, Optional[str], str, str, Optional[bool]]] = [
+        (h, None, h.key, config.param_tier, None) for h in unique
+    ]
+    optimizer = files.optimizer if load_optimizer else None
+    if parts.training is not None and optimizer is not None:
+        by_name = {h.name: h for h in unique}
+        for name in optimizer["with_state"]:
+            if name not in by_name:
+                raise CheckpointError(f"{files.path!r}: the optimizer has state for {name!r}, not a parameter")
+            for state, key in zip(STATE_NAMES, parts.training.staging_keys(name)):
+                loads.append((by_name[name], state, key, config.optimizer_tier, config.compress_optimizer))
+    return loads
+
+
+def _buffer_rank(parts: EngineParts, files: CheckpointFiles) -> int:
+    return parts.io.rank if parts.io.rank < files.world_size else 0
+
+
+def _check_files(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool) -> None:
+    """Every tensor this rank will read is in the saved files it will read, with the expected dtype and size."""
+    for handle, state, *_ in _loads(parts, files, load_optimizer):
+        layout = handle.layout
+        ranks = files.ranks_holding(handle.name, layout.shard_offset, layout.shard_offset + layout.shard_numel)
+        files.check_shards(handle.name, state, layout.dtype if state is None else torch.float32, ranks)
+    reader = files.reader(_buffer_rank(parts, files))
+    for name, buf in parts.model.named_buffers():
+        spec = reader.specs.get("buffer/" + name)
         if spec is None:
-            raise CheckpointError(f"{reader.path!r} has no tensor {name!r}")
-        if spec.dtype != dtype or math.prod(spec.shape) != math.prod(shape):
+            raise CheckpointError(f"{reader.path!r} has no tensor {'buffer/' + name!r}")
+        if spec.dtype != buf.dtype or spec.shape != tuple(buf.shape):
             raise CheckpointError(
-                f"{reader.path!r}: {name!r} is {spec.dtype} {spec.shape}, this engine expects {dtype} {shape}"
+                f"{reader.path!r}: buffer {name!r} is {spec.dtype} {spec.shape}, the model's {buf.dtype} "
+                f"{tuple(buf.shape)}"
             )
 
 
-def _load_rank_file(parts: EngineParts, metadata: dict[str, Any], reader: Optional[SafetensorsReader],
-                    load_optimizer: bool) -> None:
-    assert reader is not None
+def _load_files(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool) -> None:
     store, config = parts.io.store, parts.config
-    crcs = metadata["files"][rank_file(parts.io.rank)]["crc32"]
-    optimizer = metadata["optimizer"] if load_optimizer else None
-    # (tensor in the file, store key, tier, compress): parameter shards, then optimizer state
-    loads: list[tuple[str, str, str, Optional[bool]]] = [
-        ("param/" + h.name, h.key, config.param_tier, None) for h in _unique(parts.handles)
-    ]
-    if parts.training is not None and optimizer is not None:
-        for name in optimizer["with_state"]:
-            for state, key in zip(_STATE_NAMES, parts.training.staging_keys(name)):
-                loads.append((f"optim/{name}/{state}", key, config.optimizer_tier, config.compress_optimizer))
-    bar = byte_progress("loading checkpoint", sum(reader.specs[name].nbytes for name, *_ in loads),
+    loads = _loads(parts, files, load_optimizer)
+    bar = byte_progress("loading checkpoint", sum(h.layout.shard_numel * 4 if s else h.layout.shard_nbytes
+                                                  for h, s, *_ in loads),
                         enabled=config.progress, rank=parts.io.rank)
     puts = _BoundedPuts(store, LOAD_INFLIGHT_BYTES)
     try:
         with bar:
-            for name, key, tier, compress in loads:
-                tensor = _read_checked(reader, name, crcs)
-                puts.put(key, tensor.reshape(-1), tier, compress)  # store entries are flat
-                bar.advance(reader.specs[name].nbytes)
+            for handle, state, key, tier, compress in loads:
+                layout = handle.layout
+                shard = files.read_elements(handle.name, layout.shard_offset,
+                                            layout.shard_offset + layout.shard_numel, state)
+                puts.put(key, shard, tier, compress)
+                bar.advance(shard.numel() * shard.element_size())
             puts.wait()
     finally:
         puts.wait(raise_errors=False)
+    rank = _buffer_rank(parts, files)
     with torch.no_grad():
         for name, buf in parts.model.named_buffers():
-            buf.copy_(_read_checked(reader, "buffer/" + name, crcs))
+            buf.copy_(files.buffer(name, rank))
+    optimizer = files.optimizer if load_optimizer else None
     if parts.training is not None:
         if optimizer is not None:
             _restore_hyperparameters(parts.optimizer, optimizer)
-            _restore_loss_scale(parts.training, optimizer.get("loss_scale"), reader.path)
+            _restore_loss_scale(parts.training, optimizer.get("loss_scale"), files.path)
             parts.training.commit_staged(optimizer["step"], optimizer["shard_steps"])
         else:  # weights only: the optimizer starts afresh from them
             parts.training.commit_staged(parts.training.completed_steps, {})
@@ -499,16 +466,6 @@ def _store_reader(store: Any, key: str) -> Callable[[], torch.Tensor]:
 
 def _value(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: tensor.detach()
-
-
-def _read_checked(reader: SafetensorsReader, name: str, crcs: Mapping[str, int]) -> torch.Tensor:
-    tensor = reader.read(name)
-    want = crcs.get(name)
-    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-    got = crc32([data], len(data))
-    if want is None or got != want:
-        raise CheckpointError(f"{reader.path!r}: tensor {name!r} is damaged (CRC-32 {got:#010x}, expected {want})")
-    return tensor
 
 
 class _BoundedPuts:

@@ -1,7 +1,7 @@
-"""The ``tiered`` console command: the store's commands (bench, inspect, fsck) plus ``train`` and
-``estimate``.
+"""The ``tiered`` console command: the store's commands (bench, inspect, fsck) plus ``train``,
+``estimate`` and ``export``.
 
-It lives in the engine because those two need the engine and the store never imports it.
+It lives in the engine because those need the engine and the store never imports it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from tiered.cli import main as store_main
 
 TRAIN_USAGE = "  train         train a GPT-style model with parameters and optimizer states on NVMe (--demo)"
 ESTIMATE_USAGE = "  estimate      memory and disk a model needs per tier under a config, before allocating any"
+EXPORT_USAGE = "  export        a training checkpoint's weights as Hugging Face safetensors files (zero_to_fp32)"
 
 
 def _train(argv: Sequence[str]) -> int:
@@ -27,10 +28,17 @@ def _estimate(argv: Sequence[str]) -> int:
     return main(list(argv))
 
 
+def _export(argv: Sequence[str]) -> int:
+    from engine.export_cli import main
+
+    return main(list(argv))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Dispatch ``tiered <command> ...``; return the exit status."""
-    commands = {"train": _train, "estimate": _estimate, **COMMANDS}
-    usage = USAGE.replace("commands:\n", "commands:\n" + TRAIN_USAGE + "\n" + ESTIMATE_USAGE + "\n", 1)
+    commands = {"train": _train, "estimate": _estimate, "export": _export, **COMMANDS}
+    engine_usage = "".join(line + "\n" for line in (TRAIN_USAGE, ESTIMATE_USAGE, EXPORT_USAGE))
+    usage = USAGE.replace("commands:\n", "commands:\n" + engine_usage, 1)
     return store_main(argv, commands=commands, usage=usage)
 
 

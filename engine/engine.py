@@ -282,9 +282,10 @@ class Engine:
         checkpoint.save_checkpoint(self._checkpoint_parts(), path, overwrite=overwrite)
 
     def load_checkpoint(self, path: "str | os.PathLike[str]", *, load_optimizer: bool = True) -> None:
-        """Load a checkpoint saved by :meth:`save_checkpoint` (same world size, same model): weights,
-        buffers and, with ``load_optimizer``, the ``engine.AdamW`` state, step counts and
-        hyperparameters. Raises ``engine.checkpoint.CheckpointError`` naming any mismatch."""
+        """Load a checkpoint saved by :meth:`save_checkpoint` (same model, any world size: each rank
+        reads the saved shards overlapping its own): weights, buffers and, with ``load_optimizer``,
+        the ``engine.AdamW`` state, step counts and hyperparameters. Raises
+        ``engine.checkpoint.CheckpointError`` naming any mismatch."""
         self._check_open()
         checkpoint.load_checkpoint(self._checkpoint_parts(), path, load_optimizer=load_optimizer)
 

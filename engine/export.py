@@ -48,38 +48,64 @@ def save_weights(
 ) -> list[str]:
     """Write the model's weights to the directory ``path`` (created if missing); return the files
     written, index last. Collective: every rank calls it, rank 0 writes."""
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    check_export_arguments(max_shard_bytes, dtype)
     directory = os.path.abspath(os.fspath(path))
     io = parts.io
     tensors = _tensors(parts, dtype)  # the same on every rank: its errors need no agreement
-    shards = _split(tensors, max_shard_bytes)
-    names = _file_names(len(shards))
-    files = [os.path.join(directory, n) for n in [*names, *([INDEX_FILE] if len(names) > 1 else [])]]
     writing = io.rank == 0
     error = attempt(lambda: check_between_steps(parts, "save weights"))
     if writing and error is None:
         error = attempt(lambda: os.makedirs(directory, exist_ok=True))
     agree(io, error, "preparing the weights directory")
-
-    writers: list[SafetensorsWriter] = []
     bar = byte_progress("saving weights", sum(spec.nbytes for spec, _ in tensors), enabled=parts.config.progress,
                         rank=io.rank)
     with bar:
-        for name, shard in zip(names, shards):
-            if error is not None and io.collectives is None:
-                break  # alone, nothing else waits for this rank's reads: stop at the first error
-            writer: Optional[SafetensorsWriter] = None
-            if writing and error is None:
-                try:
-                    writer = SafetensorsWriter(os.path.join(directory, name + _PARTIAL), [s for s, _ in shard],
-                                               _HF_METADATA)
-                    writers.append(writer)
-                except Exception as exc:  # noqa: BLE001 - this rank keeps gathering; agree() raises it
-                    error = exc
-            error = _write_shard(shard, writer, error, bar.advance)
+        files, error = write_weights(directory, tensors, max_shard_bytes, writing=writing,
+                                     alone=io.collectives is None, advance=bar.advance)
+    agree(io, error, "saving weights")
+    return files
+
+
+def check_export_arguments(max_shard_bytes: int, dtype: Optional[torch.dtype]) -> None:
+    """ValueError / TypeError for a ``max_shard_bytes`` or ``dtype`` an export cannot use."""
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+
+
+Reader = Callable[[], torch.Tensor]
+
+
+def write_weights(
+    directory: str, tensors: list[tuple[TensorSpec, Reader]], max_shard_bytes: int, *, writing: bool = True,
+    alone: bool = True, advance: Callable[[int], None] = lambda n: None,
+) -> tuple[list[str], Optional[BaseException]]:
+    """Read every tensor of ``tensors`` in order and, when ``writing``, write them into ``directory``
+    (which exists) in the layout of the module docstring and publish the files. Returns the files
+    (index last) and the first error, after removing what a failed write left. Unless ``alone``,
+    the readers are collective, so every tensor is read even after an error."""
+    shards = _split(tensors, max_shard_bytes)
+    names = _file_names(len(shards))
+    files = [os.path.join(directory, n) for n in [*names, *([INDEX_FILE] if len(names) > 1 else [])]]
+    writers: list[SafetensorsWriter] = []
+    error: Optional[BaseException] = None
+    for name, shard in zip(names, shards):
+        if error is not None and alone:
+            break  # nothing else waits for this process's reads: stop at the first error
+        writer: Optional[SafetensorsWriter] = None
+        if writing and error is None:
+            try:
+                writer = SafetensorsWriter(os.path.join(directory, name + _PARTIAL), [s for s, _ in shard],
+                                           _HF_METADATA)
+                writers.append(writer)
+            except Exception as exc:  # noqa: BLE001 - the reads go on (collective); the caller raises it
+                error = exc
+        try:
+            error = _write_shard(shard, writer, error, advance)
+        except Exception as exc:  # noqa: BLE001 - a tensor could not be read: clean up below, the caller raises
+            error = exc
+            break
     if writing and error is None:
         error = attempt(lambda: _publish(directory, names, shards))
     if writing and error is not None:
@@ -87,11 +113,7 @@ def save_weights(
             writer.abort()
         for name in [*names, INDEX_FILE]:  # a writer that failed to start may have left its file too
             _remove(os.path.join(directory, name + _PARTIAL))
-    agree(io, error, "saving weights")
-    return files
-
-
-Reader = Callable[[], torch.Tensor]
+    return files, error
 
 
 def _write_shard(

@@ -489,9 +489,65 @@ def test_world2_checkpoint_resumes_in_new_processes(trained):
         resumed = torch.load(root / f"resume{rank}.pt", weights_only=False)
         assert resumed == run["adamw"]["losses"][3:]  # the same curve, bit for bit
 
-    with engine.wrap(new_model(), config=engine_config(root / "one")) as eng:  # one process, two-rank checkpoint
-        with pytest.raises(engine.checkpoint.CheckpointError, match=r"saved by 2 rank\(s\) but this engine runs on 1"):
-            eng.load_checkpoint(root / "ckpt", load_optimizer=False)
+
+def _train_as_two_ranks(model: nn.Module, eng: engine.Engine, steps: range) -> list[float]:
+    """What the two ranks compute, in one process: each step's two halves are the micro-batches of
+    gradient_accumulation_steps=2, so the gradient is g0 / 2 + g1 / 2, the ranks' mean bit for bit."""
+    losses = []
+    for step in steps:
+        for rank in range(WORLD):
+            loss = loss_of(model(half(batch(step), rank)))
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+    return losses
+
+
+def _grown_rank(rank: int, root: str) -> None:
+    """Two ranks, each starting from other values, load a checkpoint one process saved after step 3."""
+    torch.manual_seed(1 + rank)
+    model = TinyGPT(**GPT_SIZES)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=0.5), config=_adamw_config(root, "grown"))
+    eng.load_checkpoint(os.path.join(root, "ckpt-one"))
+    losses = _train(model, eng, rank, range(3, 6))
+    eng.close()
+    torch.save(losses, os.path.join(root, f"grown{rank}.pt"))
+
+
+def test_world2_checkpoint_loads_in_one_process_and_back(trained):
+    """Checkpoints reshard on load: the two-rank checkpoint resumes in one process, and a one-process
+    checkpoint in two ranks, each continuing the two-rank run's curve bit for bit (weights,
+    optimizer moments and step counts all moved to the other layout)."""
+    root, runs = trained
+    want = [[run["adamw"]["losses"][s] for run in runs] for s in range(6)]  # per step, per rank
+    one = _adamw_config(root, "one", gradient_accumulation_steps=WORLD)
+    with one_thread():
+        torch.manual_seed(7)
+        model = TinyGPT(**GPT_SIZES)  # other values: everything must come from the checkpoint
+        eng = engine.wrap(model, optimizer=engine.AdamW(lr=0.5), config=one)
+        eng.load_checkpoint(root / "ckpt")
+        assert eng.completed_steps == 3
+        loaded = eng.state_dict()
+        losses = _train_as_two_ranks(model, eng, range(3, 6))
+        final = eng.state_dict()
+        eng.close()
+    assert losses == [x for step in want[3:] for x in step]
+    for name, value in runs[0]["adamw"]["state_dict"].items():
+        assert torch.equal(final[name], value), name
+    offline = engine.checkpoint_state_dict(root / "ckpt")  # no engine, no process group: zero_to_fp32
+    assert offline.keys() == loaded.keys() and all(torch.equal(offline[k], v) for k, v in loaded.items())
+
+    with one_thread():
+        model = new_model()
+        eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=WD),
+                          config=_adamw_config(root, "one-saving", gradient_accumulation_steps=WORLD))
+        losses = _train_as_two_ranks(model, eng, range(3))
+        eng.save_checkpoint(root / "ckpt-one")
+        eng.close()
+    assert losses == [x for step in want[:3] for x in step]
+    run_ranks(_grown_rank, str(root))
+    for rank, run in enumerate(runs):
+        assert torch.load(root / f"grown{rank}.pt", weights_only=False) == run["adamw"]["losses"][3:]
 
 
 def _mixed_resume_rank(rank: int, root: str) -> None:

@@ -1,0 +1,100 @@
+"""A checkpoint's weights without an engine, a model or a process group: DeepSpeed's ``zero_to_fp32``.
+
+:func:`checkpoint_state_dict` returns the consolidated ``{name: tensor}`` dict of a directory
+written by ``eng.save_checkpoint`` at any world size; :func:`export_checkpoint` streams the same
+tensors into Hugging Face's safetensors layout (``engine.export``), one tensor in memory at a
+time, so a checkpoint of a model larger than memory exports too. ``tiered export CKPT OUT`` is
+the command line.
+
+With ``master_weights`` (the default) a parameter the optimizer has stepped comes out as its fp32
+master weight, the value training continues from, not the training-dtype copy the model computes
+with (the two differ under bf16 or fp16 training); parameters without optimizer state (frozen, or
+a checkpoint saved without ``engine.AdamW``) come out in the dtype they were trained in.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from engine.checkpoint_files import CheckpointFiles, dtype_of
+from engine.export import DEFAULT_MAX_SHARD_BYTES, Reader, check_export_arguments, write_weights
+from engine.progress import byte_progress
+from engine.safetensors_stream import TensorSpec, dtype_name
+
+
+def checkpoint_state_dict(
+    path: "str | os.PathLike[str]", *, master_weights: bool = True, dtype: Optional[torch.dtype] = None,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint at ``path`` as a consolidated ``{name: tensor}`` dict on the CPU (every
+    parameter whole, under each of its tied names; every persistent buffer as rank 0 saved it),
+    which a plain model's ``load_state_dict`` accepts. Floating tensors are cast to ``dtype`` when given.
+    DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``; holds the whole model in memory."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    out: dict[str, torch.Tensor] = {}
+    with CheckpointFiles(path) as files:
+        for _, read, names in _sources(files, master_weights, dtype):
+            value = read()
+            for name in names:
+                out[name] = value
+    return out
+
+
+def export_checkpoint(
+    path: "str | os.PathLike[str]", out: "str | os.PathLike[str]", *, master_weights: bool = True,
+    dtype: Optional[torch.dtype] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True,
+) -> list[str]:
+    """Write the weights of the checkpoint at ``path`` to the directory ``out`` (created if
+    missing) as ``save_pretrained`` lays them out: ``model.safetensors``, or shards of at most
+    ``max_shard_bytes`` and ``model.safetensors.index.json``; a tied parameter once, under its first
+    name. One tensor in memory at a time. Returns the files written, index last. Add the model's
+    ``config.json`` (``model.config.save_pretrained(out)``) and ``from_pretrained(out)`` loads it.
+    ``progress`` draws a byte bar on a terminal for exports of 256 MiB or more."""
+    check_export_arguments(max_shard_bytes, dtype)
+    directory = os.path.abspath(os.fspath(out))
+    with CheckpointFiles(path) as files:
+        tensors: list[tuple[TensorSpec, Reader]] = [(spec, read) for spec, read, _ in
+                                                    _sources(files, master_weights, dtype)]
+        os.makedirs(directory, exist_ok=True)
+        bar = byte_progress("exporting checkpoint", sum(spec.nbytes for spec, _ in tensors), enabled=progress)
+        with bar:
+            written, error = write_weights(directory, tensors, max_shard_bytes, advance=bar.advance)
+    if error is not None:
+        raise error
+    return written
+
+
+def _sources(files: CheckpointFiles, master_weights: bool, dtype: Optional[torch.dtype]
+             ) -> list[tuple[TensorSpec, Reader, list[str]]]:
+    """Each parameter (master or training copy) and buffer of the checkpoint: its spec as
+    exported, a reader, and every name it goes by."""
+    out: list[tuple[TensorSpec, Reader, list[str]]] = []
+    for name, record in files.params.items():
+        state = "master" if master_weights and files.has_state(name) else None
+        saved = torch.float32 if state else dtype_of(record["dtype"])
+        target = dtype if dtype is not None and saved.is_floating_point else saved
+        dtype_name(target)  # ValueError now, for a dtype safetensors lacks, before anything is written
+        names = [str(n) for n in record.get("names") or [name]]
+        out.append((TensorSpec(name, target, tuple(record["shape"])), _param_reader(files, name, state, target), names))
+    for record in files.metadata["buffers"]:
+        if not record.get("persistent", True):
+            continue  # not in the model's state_dict (Llama's rotary inv_freq): rebuilt by the model itself
+        name = record["name"]
+        saved = dtype_of(record["dtype"])
+        target = dtype if dtype is not None and saved.is_floating_point else saved
+        out.append((TensorSpec(name, target, tuple(record["shape"])), _buffer_reader(files, name, target), [name]))
+    return out
+
+
+def _param_reader(files: CheckpointFiles, name: str, state: Optional[str], dtype: torch.dtype) -> Reader:
+    return lambda: files.whole(name, state).to(dtype)
+
+
+def _buffer_reader(files: CheckpointFiles, name: str, dtype: torch.dtype) -> Reader:
+    return lambda: files.buffer(name).to(dtype)
+
+
+__all__ = ["checkpoint_state_dict", "export_checkpoint"]

@@ -1,0 +1,62 @@
+"""``tiered export CKPT OUT``: a checkpoint's weights as Hugging Face safetensors files, without
+the model's code or a process group (DeepSpeed's ``zero_to_fp32.py CKPT OUT``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from engine.checkpoint_export import export_checkpoint
+from engine.checkpoint_files import CheckpointError, CheckpointFiles
+from engine.export import DEFAULT_MAX_SHARD_BYTES
+from tiered.bench.options import parse_size
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tiered export",
+        description="Write the weights of a checkpoint saved by eng.save_checkpoint (any world size) to OUT in "
+        "Hugging Face's layout: model.safetensors, or shards and model.safetensors.index.json. Parameters the "
+        "optimizer stepped come out as their fp32 master weights. Add the model's config.json to OUT and "
+        "from_pretrained(OUT) loads it.",
+    )
+    p.add_argument("checkpoint", help="the checkpoint directory (it holds metadata.json and rank*.safetensors)")
+    p.add_argument("out", help="the directory to write (created if missing)")
+    p.add_argument("--training-weights", action="store_true",
+                   help="export the training-dtype parameters instead of the fp32 master weights")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="cast every floating tensor to this dtype (default: as described above)")
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="largest file before the weights are split into shards, e.g. 2GiB (default: 5 GB, as "
+                   "save_pretrained)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``tiered export``; return the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        max_shard = DEFAULT_MAX_SHARD_BYTES if args.max_shard_size is None else parse_size(args.max_shard_size)
+        with CheckpointFiles(args.checkpoint) as files:
+            params, world = len(files.params), files.world_size
+            stepped = sum(files.has_state(name) for name in files.params)
+        written = export_checkpoint(args.checkpoint, args.out, master_weights=not args.training_weights,
+                                    dtype=_DTYPES.get(args.dtype), max_shard_bytes=max_shard)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"tiered export: {exc}", file=sys.stderr)
+        return 1
+    source = "training-dtype weights" if args.training_weights or not stepped else (
+        f"fp32 master weights of {stepped} of {params} parameters")
+    print(f"{args.checkpoint} (saved by {world} rank(s)): {params} parameters, {source}")
+    for file in written:
+        print(f"  wrote {file}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
