@@ -30,7 +30,7 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from engine.checkpoint_files import (
     FORMAT, METADATA_FILE, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, CheckpointFiles, rank_file,
     tensor_name,
 )
+from engine.checkpoint_paths import fsync_dir, resolve_checkpoint, tagged_path, write_latest
 from engine.safetensors_stream import SafetensorsWriter, TensorSpec
 from engine.shard_io import ShardIO
 from tiered.io.futures import wait_all
@@ -97,16 +98,25 @@ def consolidated_state_dict(model: nn.Module, handles: Sequence[ParamHandle], io
 # ---------------------------------------------------------------------------- save
 
 
-def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overwrite: bool = False) -> None:
-    """Write a sharded checkpoint of ``parts`` to the directory ``path`` (see the module docstring)."""
-    path = os.path.abspath(os.fspath(path))
-    partial = path + PARTIAL_SUFFIX
+def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overwrite: bool = False,
+                    tag: Optional[str] = None, client_state: Optional[Mapping[str, Any]] = None) -> None:
+    """Write a sharded checkpoint of ``parts`` to the directory ``path``, or to ``path/tag`` and
+    then point ``path/latest`` at it (``engine.checkpoint_paths``). ``client_state`` (JSON;
+    rank 0's is kept) goes into the metadata. See the module docstring."""
     io = parts.io
     rank = io.rank
-    error = attempt(lambda: check_between_steps(parts, "save a checkpoint"))
-    if rank == 0 and error is None:
-        error = attempt(lambda: _prepare_partial(path, partial, overwrite))
-    agree(io, error, "preparing the checkpoint directory")
+    checked: dict[str, Any] = {}
+
+    def prepare() -> None:
+        checked["path"] = tagged_path(path, tag)
+        checked["client"] = check_client_state(client_state)
+        check_between_steps(parts, "save a checkpoint")
+        if rank == 0:
+            _prepare_partial(checked["path"], checked["path"] + PARTIAL_SUFFIX, overwrite, tag is not None)
+
+    agree(io, attempt(prepare), "preparing the checkpoint directory")
+    directory, client = checked["path"], checked["client"]
+    partial = directory + PARTIAL_SUFFIX
 
     written: Any = None
     try:
@@ -117,14 +127,18 @@ def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overw
     files = gather_objects(io, written if error is None else None)
     complete = all(f is not None for f in files)
     if rank == 0 and error is None and complete:
-        error = attempt(lambda: _finish_save(parts, path, partial, files, overwrite))
+        error = attempt(lambda: _finish_save(parts, directory, partial, files, overwrite, client))
+        if error is None and tag is not None:
+            error = attempt(lambda: write_latest(os.path.dirname(directory), tag))
     if rank == 0 and (error is not None or not complete):
         shutil.rmtree(partial, ignore_errors=True)  # what a failed save wrote (the published checkpoint stays)
     agree(io, error, "writing the checkpoint", failed=[r for r, f in enumerate(files) if f is None])
 
 
-def _prepare_partial(path: str, partial: str, overwrite: bool) -> None:
+def _prepare_partial(path: str, partial: str, overwrite: bool, tagged: bool) -> None:
     parent = os.path.dirname(path)
+    if tagged and not os.path.isdir(parent) and os.path.isdir(os.path.dirname(parent)):
+        os.mkdir(parent)  # the directory of tagged checkpoints, on the first save into it
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"the checkpoint's parent directory {parent!r} does not exist; create it first")
     _recover_interrupted_overwrite(path)
@@ -167,7 +181,8 @@ def _write_rank_file(parts: EngineParts, file: str) -> dict[str, Any]:
     return {"bytes": writer.nbytes, "crc32": writer.crc32}
 
 
-def _finish_save(parts: EngineParts, path: str, partial: str, files: list[Any], overwrite: bool) -> None:
+def _finish_save(parts: EngineParts, path: str, partial: str, files: list[Any], overwrite: bool,
+                 client_state: dict[str, Any]) -> None:
     """Rank 0: check every rank's file is there (a shared filesystem), write the metadata, publish."""
     for rank, info in enumerate(files):
         file = os.path.join(partial, rank_file(rank))
@@ -176,7 +191,7 @@ def _finish_save(parts: EngineParts, path: str, partial: str, files: list[Any], 
                 f"rank {rank} wrote {rank_file(rank)} but rank 0 does not see it in {partial!r}: every rank must "
                 "save to a directory on a filesystem they all share"
             )
-    metadata = _metadata(parts, files)
+    metadata = _metadata(parts, files, client_state)
     meta_file = os.path.join(partial, METADATA_FILE)
     with open(meta_file, "w", encoding="utf-8") as f:
         json.dump(metadata, f, indent=1)
@@ -215,7 +230,7 @@ def _recover_interrupted_overwrite(path: str) -> None:
     fsync_dir(os.path.dirname(path))
 
 
-def _metadata(parts: EngineParts, files: list[Any]) -> dict[str, Any]:
+def _metadata(parts: EngineParts, files: list[Any], client_state: dict[str, Any]) -> dict[str, Any]:
     params = []
     for handle in _unique(parts.handles):
         layout = handle.layout
@@ -242,43 +257,67 @@ def _metadata(parts: EngineParts, files: list[Any]) -> dict[str, Any]:
     return {
         "format": FORMAT, "version": VERSION, "world_size": parts.io.world,
         "params": params, "buffers": buffers, "optimizer": optimizer,
-        "files": {rank_file(r): f for r, f in enumerate(files)},
+        "files": {rank_file(r): f for r, f in enumerate(files)}, "client_state": client_state,
     }
+
+
+def check_client_state(client_state: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """``client_state`` as the dict a checkpoint stores (JSON: numbers, strings, bools, None, lists
+    and dicts with string keys; a load gives tuples back as lists); TypeError naming what is not."""
+    if client_state is None:
+        return {}
+    if not isinstance(client_state, Mapping):
+        raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}")
+    try:
+        return json.loads(json.dumps(dict(client_state), allow_nan=True))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"client_state must be JSON (numbers, strings, lists, dicts with str keys): {exc}; convert tensors "
+            "with .tolist() or save them yourself"
+        ) from exc
 
 
 # ---------------------------------------------------------------------------- load
 
 
-def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_optimizer: bool = True) -> None:
+def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_optimizer: bool = True,
+                    tag: Optional[str] = None) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``parts``' store (parameters, buffers and, with
     ``load_optimizer``, the optimizer state, step counts and hyperparameters). Checks the
-    checkpoint against the engine first and changes nothing when they disagree.
+    checkpoint against the engine first and changes nothing when they disagree. ``path`` is the
+    checkpoint, or ``path/tag``, or the tag ``path/latest`` names (``engine.checkpoint_paths``).
+    Returns the ``client_state`` saved with it.
 
     The checkpoint may have been saved at another world size: each rank then reads the saved
     shards that overlap its own (``engine.checkpoint_files``), which needs every saved rank's file
     where the ranks can read it. Buffers come from the same rank's file, or rank 0's where the
     checkpoint has fewer ranks."""
-    path = os.path.abspath(os.fspath(path))
+    root = os.path.abspath(os.fspath(path))
     io = parts.io
     files: Optional[CheckpointFiles] = None
 
     def check() -> None:
         nonlocal files
         check_between_steps(parts, "load a checkpoint")
-        _recover_interrupted_overwrite(path)
-        files = CheckpointFiles(path)
+        if tag is None:
+            _recover_interrupted_overwrite(root)
+        directory = resolve_checkpoint(root, tag)
+        _recover_interrupted_overwrite(directory)
+        files = CheckpointFiles(directory)
         _check_metadata(parts, files.metadata, load_optimizer)
         _check_files(parts, files, load_optimizer)
 
     try:
-        agree(io, attempt(check), f"checking checkpoint {path!r}")
+        agree(io, attempt(check), f"checking checkpoint {root!r}")
         assert files is not None
         with parts.pager.lock:
             parts.pager.drop_prefetched()  # their values are about to change
-        agree(io, attempt(lambda: _load_files(parts, files, load_optimizer)), f"loading checkpoint {path!r}")
+        agree(io, attempt(lambda: _load_files(parts, files, load_optimizer)), f"loading checkpoint {files.path!r}")
+        client_state = files.metadata.get("client_state") or {}
     finally:
         if files is not None:
             files.close()
+    return client_state
 
 
 def _check_metadata(parts: EngineParts, metadata: dict[str, Any], load_optimizer: bool) -> None:
@@ -521,15 +560,6 @@ def agree(io: ShardIO, error: Optional[BaseException], doing: str, failed: Seque
         raise CheckpointError(f"{doing} failed on another rank: {detail}")
 
 
-def fsync_dir(path: str) -> None:
-    """Make the directory's entries (renames, new files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -548,5 +578,5 @@ def _jsonable(value: Any, what: str) -> Any:
 
 __all__ = [
     "CheckpointError", "EngineParts", "agree", "attempt", "check_between_steps", "consolidated_state_dict",
-    "fsync_dir", "gather_objects", "load_checkpoint", "rank_file", "save_checkpoint",
+    "check_client_state", "fsync_dir", "gather_objects", "load_checkpoint", "rank_file", "save_checkpoint",
 ]

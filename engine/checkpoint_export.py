@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from engine.checkpoint_files import CheckpointFiles, dtype_of
+from engine.checkpoint_paths import resolve_checkpoint
 from engine.export import DEFAULT_MAX_SHARD_BYTES, Reader, check_export_arguments, write_weights
 from engine.progress import byte_progress
 from engine.safetensors_stream import TensorSpec, dtype_name
@@ -27,15 +28,17 @@ from engine.safetensors_stream import TensorSpec, dtype_name
 
 def checkpoint_state_dict(
     path: "str | os.PathLike[str]", *, master_weights: bool = True, dtype: Optional[torch.dtype] = None,
+    tag: Optional[str] = None,
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint at ``path`` as a consolidated ``{name: tensor}`` dict on the CPU (every
-    parameter whole, under each of its tied names; every persistent buffer as rank 0 saved it),
-    which a plain model's ``load_state_dict`` accepts. Floating tensors are cast to ``dtype`` when given.
-    DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``; holds the whole model in memory."""
+    """The checkpoint at ``path`` (or ``path/tag``, or the tag ``path/latest`` names) as a
+    consolidated ``{name: tensor}`` dict on the CPU (every parameter whole, under each of its tied
+    names; every persistent buffer as rank 0 saved it), which a plain model's ``load_state_dict``
+    accepts. Floating tensors are cast to ``dtype`` when given. DeepSpeed's
+    ``get_fp32_state_dict_from_zero_checkpoint``; holds the whole model in memory."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
     out: dict[str, torch.Tensor] = {}
-    with CheckpointFiles(path) as files:
+    with CheckpointFiles(resolve_checkpoint(path, tag)) as files:
         for _, read, names in _sources(files, master_weights, dtype):
             value = read()
             for name in names:
@@ -46,8 +49,10 @@ def checkpoint_state_dict(
 def export_checkpoint(
     path: "str | os.PathLike[str]", out: "str | os.PathLike[str]", *, master_weights: bool = True,
     dtype: Optional[torch.dtype] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True,
+    tag: Optional[str] = None,
 ) -> list[str]:
-    """Write the weights of the checkpoint at ``path`` to the directory ``out`` (created if
+    """Write the weights of the checkpoint at ``path`` (found as :func:`checkpoint_state_dict`
+    finds it) to the directory ``out`` (created if
     missing) as ``save_pretrained`` lays them out: ``model.safetensors``, or shards of at most
     ``max_shard_bytes`` and ``model.safetensors.index.json``; a tied parameter once, under its first
     name. One tensor in memory at a time. Returns the files written, index last. Add the model's
@@ -55,7 +60,7 @@ def export_checkpoint(
     ``progress`` draws a byte bar on a terminal for exports of 256 MiB or more."""
     check_export_arguments(max_shard_bytes, dtype)
     directory = os.path.abspath(os.fspath(out))
-    with CheckpointFiles(path) as files:
+    with CheckpointFiles(resolve_checkpoint(path, tag)) as files:
         tensors: list[tuple[TensorSpec, Reader]] = [(spec, read) for spec, read, _ in
                                                     _sources(files, master_weights, dtype)]
         os.makedirs(directory, exist_ok=True)

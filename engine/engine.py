@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -274,20 +274,30 @@ class Engine:
         self._check_open()
         return export.save_weights(self._checkpoint_parts(), path, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
-    def save_checkpoint(self, path: "str | os.PathLike[str]", *, overwrite: bool = False) -> None:
+    def save_checkpoint(
+        self, path: "str | os.PathLike[str]", *, overwrite: bool = False, tag: Optional[str] = None,
+        client_state: Optional[Mapping[str, Any]] = None,
+    ) -> None:
         """Save a sharded checkpoint to the directory ``path``, atomically: one safetensors file per
-        rank (its parameter shards, ``engine.AdamW`` state and buffers) and ``metadata.json``. Every
-        rank calls it, between steps. docs/training.md, "Checkpoints"."""
+        rank (its parameter shards, ``engine.AdamW`` state and buffers) and ``metadata.json``. With
+        ``tag``, to ``path/tag``, and ``path/latest`` then names it (DeepSpeed's layout).
+        ``client_state``: a JSON dict of your own (epoch, data position, an LR scheduler's
+        ``state_dict()``) that :meth:`load_checkpoint` returns. Every rank calls it, between steps.
+        docs/training.md, "Checkpoints"."""
         self._check_open()
-        checkpoint.save_checkpoint(self._checkpoint_parts(), path, overwrite=overwrite)
+        checkpoint.save_checkpoint(self._checkpoint_parts(), path, overwrite=overwrite, tag=tag,
+                                   client_state=client_state)
 
-    def load_checkpoint(self, path: "str | os.PathLike[str]", *, load_optimizer: bool = True) -> None:
+    def load_checkpoint(
+        self, path: "str | os.PathLike[str]", *, load_optimizer: bool = True, tag: Optional[str] = None,
+    ) -> dict[str, Any]:
         """Load a checkpoint saved by :meth:`save_checkpoint` (same model, any world size: each rank
         reads the saved shards overlapping its own): weights, buffers and, with ``load_optimizer``,
-        the ``engine.AdamW`` state, step counts and hyperparameters. Raises
-        ``engine.checkpoint.CheckpointError`` naming any mismatch."""
+        the ``engine.AdamW`` state, step counts and hyperparameters. ``path`` is the checkpoint, or
+        ``path/tag``, or the tag ``path/latest`` names. Returns the saved ``client_state`` (``{}``
+        if none). Raises ``engine.checkpoint.CheckpointError`` naming any mismatch."""
         self._check_open()
-        checkpoint.load_checkpoint(self._checkpoint_parts(), path, load_optimizer=load_optimizer)
+        return checkpoint.load_checkpoint(self._checkpoint_parts(), path, load_optimizer=load_optimizer, tag=tag)
 
     def _checkpoint_parts(self) -> checkpoint.EngineParts:
         return checkpoint.EngineParts(

@@ -11,6 +11,7 @@ import torch
 
 from engine.checkpoint_export import export_checkpoint
 from engine.checkpoint_files import CheckpointError, CheckpointFiles
+from engine.checkpoint_paths import resolve_checkpoint
 from engine.export import DEFAULT_MAX_SHARD_BYTES
 from tiered.bench.options import parse_size
 
@@ -25,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
         "optimizer stepped come out as their fp32 master weights. Add the model's config.json to OUT and "
         "from_pretrained(OUT) loads it.",
     )
-    p.add_argument("checkpoint", help="the checkpoint directory (it holds metadata.json and rank*.safetensors)")
+    p.add_argument("checkpoint", help="the checkpoint directory (it holds metadata.json and rank*.safetensors), "
+                   "or the directory of tagged checkpoints whose 'latest' file names the one to export")
+    p.add_argument("--tag", default=None, help="export CHECKPOINT/TAG instead of the latest")
     p.add_argument("out", help="the directory to write (created if missing)")
     p.add_argument("--training-weights", action="store_true",
                    help="export the training-dtype parameters instead of the fp32 master weights")
@@ -42,17 +45,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         max_shard = DEFAULT_MAX_SHARD_BYTES if args.max_shard_size is None else parse_size(args.max_shard_size)
-        with CheckpointFiles(args.checkpoint) as files:
+        source = resolve_checkpoint(args.checkpoint, args.tag)
+        with CheckpointFiles(source) as files:
             params, world = len(files.params), files.world_size
             stepped = sum(files.has_state(name) for name in files.params)
-        written = export_checkpoint(args.checkpoint, args.out, master_weights=not args.training_weights,
+        written = export_checkpoint(source, args.out, master_weights=not args.training_weights,
                                     dtype=_DTYPES.get(args.dtype), max_shard_bytes=max_shard)
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"tiered export: {exc}", file=sys.stderr)
         return 1
-    source = "training-dtype weights" if args.training_weights or not stepped else (
+    weights = "training-dtype weights" if args.training_weights or not stepped else (
         f"fp32 master weights of {stepped} of {params} parameters")
-    print(f"{args.checkpoint} (saved by {world} rank(s)): {params} parameters, {source}")
+    print(f"{source} (saved by {world} rank(s)): {params} parameters, {weights}")
     for file in written:
         print(f"  wrote {file}")
     return 0

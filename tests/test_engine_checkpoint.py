@@ -239,6 +239,45 @@ class _Unsaveable(nn.Module):
         self.register_buffer("phase", torch.zeros(2, dtype=torch.complex128))
 
 
+def test_tagged_checkpoints_latest_and_client_state(tmp_path):
+    """DeepSpeed's layout: save(dir, tag=...) writes dir/<tag> and dir/latest; load(dir) takes the
+    latest and returns the client_state saved with it (here an LR scheduler's and an epoch)."""
+    model = model_with_seed(0)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=train_config(tmp_path / "a"))
+    scheduler = torch.optim.lr_scheduler.StepLR(eng.optimizer, step_size=1, gamma=0.5)
+    root = tmp_path / "ckpts"
+    states = {}
+    for step in (1, 2):
+        train(model, eng, range(step - 1, step))
+        scheduler.step()
+        eng.save_checkpoint(root, tag=f"step{step}", client_state={"epoch": step, "scheduler": scheduler.state_dict()})
+        states[step] = eng.state_dict()
+    assert sorted(os.listdir(root)) == ["latest", "step1", "step2"] and (root / "latest").read_text() == "step2"
+    with pytest.raises(TypeError, match=r"client_state must be JSON.*tolist"):
+        eng.save_checkpoint(root, tag="bad", client_state={"t": torch.ones(2)})
+    for tag in ("a/b", "latest", ""):
+        with pytest.raises(ValueError, match="tag"):
+            eng.save_checkpoint(root, tag=tag)
+    assert sorted(os.listdir(root)) == ["latest", "step1", "step2"]  # nothing written by the refusals
+    eng.close()
+
+    model = model_with_seed(1)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=0.5), config=train_config(tmp_path / "b"))
+    scheduler = torch.optim.lr_scheduler.StepLR(eng.optimizer, step_size=1, gamma=0.5)
+    client = eng.load_checkpoint(root)  # dir/latest -> step2
+    scheduler.load_state_dict(client["scheduler"])
+    assert client["epoch"] == 2 and eng.completed_steps == 2
+    assert scheduler.get_last_lr() == [LR * 0.25] and eng.optimizer.param_groups[0]["lr"] == LR * 0.25
+    assert all(torch.equal(v, states[2][k]) for k, v in eng.state_dict().items())
+    assert eng.load_checkpoint(root, tag="step1")["epoch"] == 1 and eng.completed_steps == 1
+    assert all(torch.equal(v, states[1][k]) for k, v in eng.state_dict().items())
+    eng.save_checkpoint(tmp_path / "plain")
+    assert eng.load_checkpoint(tmp_path / "plain") == {}  # saved without client_state
+    eng.close()
+    offline = engine.checkpoint_state_dict(root)  # the latest too
+    assert all(torch.equal(v, states[2][k]) for k, v in offline.items())
+
+
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
     model = _Unsaveable()
     with engine.wrap(model, config=engine_config(tmp_path / "a")) as eng:

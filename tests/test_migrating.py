@@ -32,4 +32,4 @@ def test_migrating_example_runs(index, tmp_path, capsys):
     if index == 3:
         assert "tensor([[1, 2, 3" in out
     if index == 0:
-        assert os.path.isfile(tmp_path / "model.pt") and os.path.isfile(tmp_path / "ckpt-step4" / "metadata.json")
+        assert os.path.isfile(tmp_path / "model.pt") and os.path.isfile(tmp_path / "ckpt" / "step4" / "metadata.json")
