@@ -304,6 +304,13 @@ class Engine:
             self._model, self._handles, self._io, self._pager, self._config, self._training, self._optimizer
         )
 
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The 2-norm of the whole gradient the last ``engine.AdamW`` step used (every parameter, every
+        rank; after loss-scale unscaling, before clipping): what ``clip_grad_norm_`` returns. Non-finite
+        for a step skipped for overflow; None before the first step or without ``engine.AdamW``.
+        DeepSpeed's name; also ``eng.stats().grad_norm``."""
+        return self._training.last_grad_norm if self._training is not None else None
+
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and the store's (see :class:`EngineStats`)."""
         store_stats = self._last_store_stats if self._closed else self._store.stats()
@@ -354,6 +361,7 @@ class Engine:
             grad_bytes_offloaded=self._training.grads.bytes_offloaded,
             skipped_steps=self._training.scaler.skipped_steps if self._training.scaler is not None else 0,
             loss_scale=self.loss_scale,
+            grad_norm=self._training.last_grad_norm,
         )
 
     def unwrap(self) -> nn.Module:

@@ -69,6 +69,7 @@ class EngineStats:
     ``grad_bytes_offloaded`` (fp32 gradient shard bytes put to the store by backward). With
     ``EngineConfig.loss_scaling``: ``skipped_steps`` (steps dropped for an overflowing gradient, over
     the whole run, a resumed one included) and the current ``loss_scale`` (None without scaling).
+    ``grad_norm``: the global gradient 2-norm of the last step (``eng.get_global_grad_norm()``).
 
     With ``EngineConfig.activation_tier`` (0 otherwise): ``activation_bytes_offloaded`` (bytes of
     saved storages put to the store), ``activation_bytes_read`` (read back for backward),
@@ -103,6 +104,7 @@ class EngineStats:
     activation_peak_write_bytes: int = 0
     skipped_steps: int = 0
     loss_scale: Optional[float] = None
+    grad_norm: Optional[float] = None
 
     @property
     def prefetch_hit_rate(self) -> float:

@@ -136,8 +136,10 @@ class Training:
         self.scaled_backward = False
         self.grads = GradOffload(
             shard_io, config.grad_tier, inflight_bytes=config.optimizer_group_bytes,
-            keep_norms=config.max_grad_norm is not None or self.scaler is not None, on_offload=self._on_offload,
+            keep_norms=True, on_offload=self._on_offload,  # for the global norm of every step (clipping or not)
         )
+        #: The global gradient 2-norm of the last step (unscaled, before clipping); None before the first.
+        self.last_grad_norm: Optional[float] = None
         self.record = StepRecord.empty([p.name for p in self._params]).replace(loss_scale=self._scaler_state())
         self.counters = TrainCounters()
         #: Tracing hook passed to every step's ``run_step`` (tests use it to stop a step half way).
@@ -298,10 +300,12 @@ class Training:
         grad_norm: Optional[torch.Tensor] = None
         grad_scale = 1.0
         scaler_before = self._scaler_state()
+        # Every rank takes part in the sum, so all of them agree on skipping.
+        stored_norm = total_norm([norms[p.name] for p in self._params if p.name in norms], self.all_reduce)
         if self.scaler is not None:
-            # Every rank takes part in the sum, so all of them agree on skipping.
-            grad_norm = total_norm([norms[p.name] for p in self._params if p.name in norms], self.all_reduce)
+            grad_norm = stored_norm
             if not bool(torch.isfinite(grad_norm)):
+                self.last_grad_norm = float(grad_norm)
                 self._skip_step()
                 return
             grad_scale = 1.0 / self.scaler.scale
@@ -336,6 +340,7 @@ class Training:
             self._rollback(exc)
             raise
         self.record = record
+        self.last_grad_norm = float(stored_norm) * grad_scale  # a power of two: exactly the unscaled norm
         delete_keys(self._store, [k for name in updated for k in optim_keys(name, previous.shards[name].slot)])
         self.counters.add(stats, time.perf_counter() - started)
 

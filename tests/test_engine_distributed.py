@@ -296,7 +296,8 @@ def _adamw_rank(rank: int, root: str) -> dict[str, Any]:
     clipped = new_model()
     eng = engine.wrap(clipped, optimizer=engine.AdamW(lr=LR, weight_decay=WD),
                       config=_adamw_config(root, "clip", max_grad_norm=CLIP))
-    result["clipped_losses"] = _train(clipped, eng, rank, range(3))
+    result["clipped_norms"] = []
+    result["clipped_losses"] = _train(clipped, eng, rank, range(3), result["clipped_norms"])
     eng.close()
     result["fp16"] = _fp16_run(rank, root)
     result["accumulation"] = _accumulation_run(rank, root)
@@ -361,19 +362,24 @@ def _resume_rank(rank: int, root: str) -> None:
     torch.save(losses, os.path.join(root, f"resume{rank}.pt"))
 
 
-def _train(model: nn.Module, eng: engine.Engine, rank: int, steps: range) -> list[float]:
+def _train(model: nn.Module, eng: engine.Engine, rank: int, steps: range,
+           norms: list[float | None] | None = None) -> list[float]:
     losses = []
     for step in steps:
         loss = loss_of(model(half(batch(step), rank)))
         loss.backward()
         eng.step()
+        if norms is not None:
+            norms.append(eng.get_global_grad_norm())
         eng.zero_grad()
         losses.append(loss.item())
     return losses
 
 
-def _oracle_adamw(steps: int, clip: float | None = None) -> tuple[list[list[float]], nn.Module]:
-    """Plain torch.optim.AdamW on the averaged gradients (clipped with clip_grad_norm_ if asked)."""
+def _oracle_adamw(steps: int, clip: float | None = None,
+                  norms: list[float] | None = None) -> tuple[list[list[float]], nn.Module]:
+    """Plain torch.optim.AdamW on the averaged gradients (clipped with clip_grad_norm_ if asked;
+    ``norms`` gets each step's total gradient norm)."""
     with one_thread():
         model = new_model()
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
@@ -388,8 +394,9 @@ def _oracle_adamw(steps: int, clip: float | None = None) -> tuple[list[list[floa
                 model.zero_grad()
             for n, p in model.named_parameters():
                 p.grad = (grads[0][n] + grads[1][n]) / 2
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
+            if norms is not None:
+                norms.append(norm.item())
             opt.step()
             opt.zero_grad()
         return losses, model
@@ -444,7 +451,8 @@ def test_world2_gradient_accumulation_matches_one_process(trained):
 def test_world2_adamw_training_matches_one_process(trained):
     _, runs = trained
     want, model = _oracle_adamw(6)
-    want_clipped, _ = _oracle_adamw(3, clip=CLIP)
+    want_norms: list[float] = []
+    want_clipped, _ = _oracle_adamw(3, clip=CLIP, norms=want_norms)
     for rank, run in enumerate(runs):
         res = run["adamw"]
         # engine.AdamW on reduce-scattered gradient shards == torch AdamW on the averaged gradients
@@ -454,6 +462,8 @@ def test_world2_adamw_training_matches_one_process(trained):
             assert torch.equal(res["state_dict"][name], value), name
         # clipping: the global norm sums per-shard squares over ranks (rounding differs from torch's order)
         torch.testing.assert_close(res["clipped_losses"], want_clipped[rank], rtol=1e-6, atol=0)
+        torch.testing.assert_close(res["clipped_norms"], want_norms, rtol=1e-6, atol=0)  # before clipping
+        assert res["clipped_norms"] == runs[0]["adamw"]["clipped_norms"]  # every rank the same all-reduced norm
     assert runs[0]["adamw"]["clipped_losses"] != runs[0]["adamw"]["losses"][:3]  # the clip was active
 
 

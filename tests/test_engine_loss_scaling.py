@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import warnings
 from typing import Optional
 
@@ -48,9 +49,9 @@ class Reference:
         for master, p in zip(self.masters, self.model.parameters()):
             master.grad = p.grad.float()
             p.grad = None
-        if self.max_grad_norm is not None:
-            self.scaler.unscale_(self.opt)
-            torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
+        self.scaler.unscale_(self.opt)
+        #: The unscaled gradient's norm (inf or NaN when it overflowed), clipped to max_grad_norm if given.
+        self.norm = torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm or float("inf")).item()
         self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad()
@@ -94,6 +95,8 @@ def test_fp16_loss_scaling_equals_grad_scaler(tmp_path, max_grad_norm):
             scales.append(scale)
             ref_losses.append(ref.step(i))
             ref_scales.append(ref.scaler.get_scale())
+            norm = eng.get_global_grad_norm()
+            assert norm == ref.norm or not (math.isfinite(norm) or math.isfinite(ref.norm)), (i, norm, ref.norm)
         assert losses == ref_losses
         assert scales == ref_scales
         stats = eng.stats()

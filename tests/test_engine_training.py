@@ -46,9 +46,11 @@ def train_both(
     weight_decay: float = 0.01,
     loss_fn: Callable[[nn.Module, int], torch.Tensor] = gpt_loss,
     scheduler: Optional[Callable[[torch.optim.Optimizer], object]] = None,
+    norms: Optional[list[tuple[Optional[float], float]]] = None,
 ) -> tuple[list[float], list[float], engine.Engine, nn.Module]:
     """Train ``model`` wrapped (engine.AdamW) and an unwrapped copy (torch.optim.AdamW) on the same
-    batches; returns both loss curves, the open engine and the reference model."""
+    batches; returns both loss curves, the open engine and the reference model. ``norms`` gets
+    each step's (eng.get_global_grad_norm(), the reference's total gradient norm)."""
     ref = copy.deepcopy(model)
     opt = engine.AdamW(lr=LR, weight_decay=weight_decay)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=weight_decay)
@@ -66,9 +68,10 @@ def train_both(
                 ref_loss.backward()
                 total += loss.item()
                 ref_total += ref_loss.item()
-            if config.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), config.max_grad_norm)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), config.max_grad_norm or float("inf"))
             eng.step()
+            if norms is not None:
+                norms.append((eng.get_global_grad_norm(), ref_norm.item()))
             eng.zero_grad()
             ref_opt.step()
             ref_opt.zero_grad()
@@ -115,8 +118,13 @@ def test_losses_equal_torch_adamw_over_ten_steps(tmp_path, param_tier, optimizer
 def test_gradient_accumulation_over_two_micro_batches(tmp_path):
     torch.manual_seed(1)
     model = TinyGPT()
-    losses, ref_losses, eng, ref = train_both(model, training_config(tmp_path), steps=5, micro=2)
+    with engine.wrap(copy.deepcopy(model), config=training_config(tmp_path / "plain")) as plain:
+        assert plain.get_global_grad_norm() is None  # no engine.AdamW
+    norms: list = []
+    losses, ref_losses, eng, ref = train_both(model, training_config(tmp_path), steps=5, micro=2, norms=norms)
     assert losses == ref_losses
+    assert all(got == want > 0 for got, want in norms), norms  # without clipping too: clip_grad_norm_'s norm
+    assert eng.stats().grad_norm == norms[-1][0]
     assert_trained_equal(model, eng, ref)
 
 
@@ -125,10 +133,12 @@ def test_global_norm_clipping_equals_clip_grad_norm(tmp_path, grad_tier):
     torch.manual_seed(2)
     model = TinyGPT()
     config = training_config(tmp_path, max_grad_norm=0.5, grad_tier=grad_tier)
-    losses, ref_losses, eng, ref = train_both(model, config, steps=6, micro=2)
+    norms: list = []
+    losses, ref_losses, eng, ref = train_both(model, config, steps=6, micro=2, norms=norms)
     last = eng._training.counters.last
     assert last is not None and last.clip_coef is not None and last.clip_coef < 1.0  # clipping was active
     assert losses == ref_losses
+    assert all(got == want > 0.5 for got, want in norms), norms  # the norm before clipping
     assert_trained_equal(model, eng, ref)
 
 
