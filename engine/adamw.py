@@ -46,6 +46,7 @@ class AdamW(torch.optim.Optimizer):
         self._step_fn: Optional[Callable[[], Any]] = None
         self._zero_grad_fn: Optional[Callable[[bool], None]] = None
         self._shard_steps: dict[str, int] = {}
+        self._state_in_store = False
 
     # ------------------------------------------------------------------ binding (engine side)
 
@@ -55,11 +56,13 @@ class AdamW(torch.optim.Optimizer):
         return self._step_fn is not None
 
     def _bind(self, params: Iterable[torch.nn.Parameter], step_fn: Callable[[], Any],
-              zero_grad_fn: Optional[Callable[[bool], None]] = None) -> None:
+              zero_grad_fn: Optional[Callable[[bool], None]] = None, *, state_in_store: bool = False) -> None:
         """Give the optimizer its parameters (one group) and the engine's step; called by wrap.
 
         ``step_fn()`` runs when ``step()`` is called (``eng.step()`` should call ``optimizer.step()``
         so LR schedulers and step hooks see it); ``zero_grad_fn(set_to_none)`` after ``zero_grad()``.
+        ``state_in_store``: the caller keeps the moments and their step counts (the engine's step
+        record), so :meth:`load_state_dict` may not change the counts.
         """
         if self.bound:
             raise RuntimeError("this engine.AdamW is already bound to a model; create one optimizer per wrap")
@@ -75,6 +78,7 @@ class AdamW(torch.optim.Optimizer):
         group["params"] = checked
         self._step_fn = step_fn
         self._zero_grad_fn = zero_grad_fn
+        self._state_in_store = state_in_store
 
     # ------------------------------------------------------------------ torch.optim.Optimizer API
 
@@ -106,13 +110,28 @@ class AdamW(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore hyperparameters and per-shard step counts saved by :meth:`state_dict`."""
+        """Restore hyperparameters and per-shard step counts saved by :meth:`state_dict`.
+
+        Once bound to an engine (``engine.wrap``), the step counts belong to the master weights and
+        moments in the store, which a state dict does not carry: one whose counts differ from the engine's (a
+        Hugging Face Trainer resuming its ``optimizer.pt``, say) is refused, since taking its counts
+        over other moments would train silently wrong. Load ``eng.load_checkpoint(dir)`` first;
+        the hyperparameters then load here."""
         sd = dict(state_dict)
         steps = sd.pop("shard_steps", {})
         if not isinstance(steps, Mapping) or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in steps.items()
         ):
             raise ValueError(f"state_dict['shard_steps'] must map shard names to step counts >= 0, got {steps!r}")
+        if self._state_in_store and {k: v for k, v in steps.items() if v} != {
+                k: v for k, v in self._shard_steps.items() if v}:
+            differ = sorted(k for k in set(steps) | set(self._shard_steps)
+                            if steps.get(k, 0) != self._shard_steps.get(k, 0))
+            raise ValueError(
+                f"this state dict's step counts ({differ[0]!r}: {steps.get(differ[0], 0)}) differ from the engine's "
+                f"({self._shard_steps.get(differ[0], 0)}), and the moments they belong to are not in it (they live in "
+                "the engine's store): restore them with eng.load_checkpoint(dir) before loading this state dict"
+            )
         super().load_state_dict(sd)
         self._shard_steps = dict(steps)
 

@@ -466,7 +466,8 @@ def _restore_hyperparameters(optimizer: Any, saved: dict[str, Any]) -> None:
     for group, now in zip(saved["param_groups"], current):
         groups.append({k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v
                        for k, v in group.items()})
-    optimizer.load_state_dict({"state": {}, "param_groups": groups, "shard_steps": saved["shard_steps"]})
+    # The step counts come with the moments, from the checkpoint's step record (commit_staged).
+    optimizer.load_state_dict({"state": {}, "param_groups": groups, "shard_steps": optimizer.shard_steps})
 
 
 # ---------------------------------------------------------------------------- helpers

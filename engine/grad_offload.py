@@ -13,8 +13,14 @@ gradients held in memory by unfinished puts never exceed the bound plus one shar
 ``on_offload`` is called at every offload, before the gradient is handed on (the training
 engine starts reading the step's first optimizer state groups there, ``engine/optim_prefetch.py``).
 
-With clipping configured, each shard's 2-norm is taken here while the shard is in memory, so the
-step needs no extra pass over the gradients to find the global norm.
+Each shard's 2-norm is taken here while the shard is in memory, so the step needs no extra pass
+over the gradients to find the global norm (for clipping, and for ``eng.get_global_grad_norm()``).
+
+A step marks the stored gradients consumed (:meth:`GradOffload.mark_consumed`): the next
+backward starts from none, unless a ``zero_grad`` came first (which drops them, or with
+``set_to_none=False`` makes them zeros that the next backward adds to, as torch does). So a loop
+that clears gradients with ``model.zero_grad()``, which never reaches the store (Hugging Face's
+Trainer does), trains as torch would; DeepSpeed's step drops the gradients the same way.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class GradOffload:
         self.norms: dict[str, torch.Tensor] = {}
         #: fp32 bytes of gradient shards put to the store since the engine started.
         self.bytes_offloaded = 0
+        self._consumed = False
 
     def offload(self, handle: ParamHandle) -> None:
         """Move ``handle``'s final gradient to the store and free it (a no-op without a gradient)."""
@@ -70,6 +77,9 @@ class GradOffload:
         del grad
         key = grad_key(handle.name)
         with self._lock:
+            if self._consumed:  # the first gradient after a step: the step's gradients are done with
+                self._consumed = False
+                self._drop_locked()
             self._wait(key)
             if key in self._store:  # accumulation: the earlier micro-batches' sum is in the store
                 shard = self._store.sync.get(key, shard.device).add_(shard)
@@ -92,6 +102,19 @@ class GradOffload:
         if error is not None:
             raise RuntimeError("a gradient shard could not be written to the store; its gradient is lost") from error
 
+    def mark_consumed(self) -> None:
+        """A step used the stored gradients: the next backward starts from none (see the module docstring)."""
+        with self._lock:
+            self._consumed = True
+
+    def _drop_locked(self) -> None:
+        while self._pending:
+            self._wait(next(iter(self._pending)))
+        names = list(self.names)
+        self.names.clear()
+        self.norms.clear()
+        delete_keys(self._store, [grad_key(n) for n in names])
+
     def has_grad(self, name: str) -> bool:
         """True when a gradient shard of ``name`` is stored (call after :meth:`flush`)."""
         return grad_key(name) in self._store
@@ -102,6 +125,8 @@ class GradOffload:
         try:
             self.flush()
         finally:
+            with self._lock:
+                self._consumed = False
             names = list(self.names)
             if set_to_none:
                 self.names.clear()
@@ -119,6 +144,7 @@ class GradOffload:
     def discard_stored(self) -> None:
         """Delete every gradient shard in the store, including ones an earlier process left."""
         self.flush()
+        self._consumed = False
         self.names.clear()
         self.norms.clear()
         delete_keys(self._store, [k for k in self._store.keys() if k.startswith(GRAD_KEY_PREFIX)])

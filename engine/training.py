@@ -150,7 +150,7 @@ class Training:
         #: Sums a rank's sum of squared gradients over ranks for clipping (multi-rank training).
         self.all_reduce: Optional[AllReduceSum] = _all_reduce_sum(shard_io)
         self._comm = shard_io.collectives if shard_io.world > 1 else None
-        optimizer._bind(params, self._step, self._zero_grad)
+        optimizer._bind(params, self._step, self._zero_grad, state_in_store=True)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -340,6 +340,7 @@ class Training:
             self._rollback(exc)
             raise
         self.record = record
+        self.grads.mark_consumed()
         self.last_grad_norm = float(stored_norm) * grad_scale  # a power of two: exactly the unscaled norm
         delete_keys(self._store, [k for name in updated for k in optim_keys(name, previous.shards[name].slot)])
         self.counters.add(stats, time.perf_counter() - started)

@@ -245,6 +245,31 @@ def test_gradients_go_to_the_store_in_backward(tmp_path):
         eng.close()
 
 
+def test_model_zero_grad_after_a_step_clears_what_the_step_used(tmp_path):
+    """model.zero_grad() never reaches the store (the gradients are not on the parameters), but the
+    step consumed them: the next backward starts afresh, as torch's would after model.zero_grad().
+    A second step with no backward between still sees the same gradients, as in torch."""
+    torch.manual_seed(4)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1), config=training_config(tmp_path))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    losses = {}
+    for m, step in ((model, eng.step), (ref, ref_opt.step)):
+        losses[m] = []
+        for i in range(3):
+            loss = gpt_loss(m, i)
+            loss.backward()
+            step()
+            if i == 1:
+                step()  # the same gradients again
+            m.zero_grad()
+            losses[m].append(loss.item())
+    assert losses[model] == losses[ref]
+    assert eng.optimizer.shard_steps["wte.weight"] == 4
+    assert_trained_equal(model, eng, ref)
+
+
 def test_step_stats_count_the_bytes_of_every_shard(tmp_path):
     torch.manual_seed(8)
     model = TinyGPT()

@@ -1,0 +1,103 @@
+"""Hugging Face's Trainer over a wrapped model. The oracle is the same Trainer over a plain copy
+with torch.optim.AdamW: the same losses and weights, bit for bit, with its gradient accumulation,
+its LR schedule and clipping (the engine's), and a resume from a Trainer checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+import engine
+from engine.hf_trainer import EngineCheckpointCallback, engine_checkpoint
+from engine_models import store_config
+
+CONFIG = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
+LR, CLIP = 1e-3, 0.5
+
+
+class Tokens(Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def arguments(out, **kw) -> TrainingArguments:
+    settings = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+                    learning_rate=LR, weight_decay=0.0, logging_steps=1, save_strategy="no", report_to=[],
+                    use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    return TrainingArguments(**{**settings, **kw})
+
+
+def losses_of(trainer: Trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def wrapped(model: GPT2LMHeadModel, path) -> engine.Engine:
+    config = engine.EngineConfig(store=store_config(path), param_tier="nvme", optimizer_tier="nvme",
+                                 max_grad_norm=CLIP)
+    return engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.0), config=config)
+
+
+def test_trainer_trains_a_wrapped_model_as_the_plain_one(tmp_path):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    ref = copy.deepcopy(model)
+    plain = Trainer(model=ref, args=arguments(tmp_path / "ref", max_grad_norm=CLIP), train_dataset=Tokens(),
+                    optimizers=(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0), None))
+    plain.train()
+
+    eng = wrapped(model, tmp_path / "store")
+    try:
+        # max_grad_norm=0.0: the Trainer's own clip_grad_norm_ would see no gradients; the engine clips.
+        trainer = Trainer(model=model, args=arguments(tmp_path / "eng", max_grad_norm=0.0), train_dataset=Tokens(),
+                          optimizers=(eng.optimizer, None))
+        trainer.train()
+        assert losses_of(trainer) == losses_of(plain) and len(losses_of(trainer)) == 4
+        assert eng.get_global_grad_norm() > CLIP  # the clip was active
+        got, want = eng.state_dict(), ref.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    finally:
+        eng.close()
+
+
+def test_trainer_checkpoints_resume_with_the_engine_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    eng = wrapped(model, tmp_path / "a")
+    try:
+        trainer = Trainer(model=model, args=arguments(out, save_strategy="steps", save_steps=2), train_dataset=Tokens(),
+                          optimizers=(eng.optimizer, None), callbacks=[EngineCheckpointCallback(eng)])
+        trainer.train()
+        whole = losses_of(trainer)
+    finally:
+        eng.close()
+    ckpt = out / "checkpoint-2"
+    assert os.path.isfile(os.path.join(engine_checkpoint(ckpt), "metadata.json"))
+
+    for load_engine in (False, True):
+        torch.manual_seed(1)  # other initial values: everything must come from the checkpoints
+        model = GPT2LMHeadModel(CONFIG)
+        eng = wrapped(model, tmp_path / f"b{load_engine}")
+        try:
+            trainer = Trainer(model=model, args=arguments(out, save_strategy="no"), train_dataset=Tokens(),
+                              optimizers=(eng.optimizer, None))
+            if not load_engine:  # the moments are not in the Trainer's checkpoint: refused, not trained wrong
+                with pytest.raises(ValueError, match=r"eng\.load_checkpoint"):
+                    trainer.train(resume_from_checkpoint=str(ckpt))
+                continue
+            eng.load_checkpoint(engine_checkpoint(ckpt))
+            trainer.train(resume_from_checkpoint=str(ckpt))
+            assert losses_of(trainer) == whole  # steps 1-2 from the checkpoint's log, 3-4 trained again
+        finally:
+            eng.close()
