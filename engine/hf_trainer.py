@@ -14,7 +14,9 @@ callback saves the engine's own checkpoint into each, and a resume loads it firs
     trainer.train(resume_from_checkpoint=ckpt)
 
 A resume without that first line is refused by ``engine.AdamW.load_state_dict`` (step counts
-without their moments) rather than training on from fresh moments. Needs ``transformers``.
+without their moments) rather than training on from fresh moments. One process only: with
+several ranks the Trainer wraps the model in ``DistributedDataParallel``, which cannot read
+released parameters. Needs ``transformers``.
 """
 
 from __future__ import annotations
