@@ -262,17 +262,20 @@ class Engine:
 
     def save_weights(
         self, path: "str | os.PathLike[str]", *, max_shard_bytes: int = export.DEFAULT_MAX_SHARD_BYTES,
-        dtype: Optional[torch.dtype] = None,
+        dtype: Optional[torch.dtype] = None, master_weights: bool = False,
     ) -> list[str]:
         """Write the model's weights to the directory ``path`` in Hugging Face's safetensors layout
         (``model.safetensors``, or shards of at most ``max_shard_bytes`` and
         ``model.safetensors.index.json``), one parameter at a time: memory never holds the whole
         model, unlike :meth:`state_dict`. ``from_pretrained(path)`` loads them once the model's
         ``config.json`` is there, and so does ``engine.wrap(model, state_dict=path)``. Floating
-        tensors are cast to ``dtype`` when given (default: the training dtype). Every rank calls
+        tensors are cast to ``dtype`` when given (default: the training dtype). With
+        ``master_weights``, parameters ``engine.AdamW`` has stepped come from their fp32 master
+        weights (the bits a bf16 or fp16 copy rounds away; fp32 unless ``dtype``). Every rank calls
         it; rank 0 writes. Returns the files written. DeepSpeed's ``save_16bit_model``."""
         self._check_open()
-        return export.save_weights(self._checkpoint_parts(), path, max_shard_bytes=max_shard_bytes, dtype=dtype)
+        return export.save_weights(self._checkpoint_parts(), path, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                                   master_weights=master_weights)
 
     def save_checkpoint(
         self, path: "str | os.PathLike[str]", *, overwrite: bool = False, tag: Optional[str] = None,

@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from engine.checkpoint import EngineParts, agree, attempt, check_between_steps, fsync_dir
+from engine.checkpoint import EngineParts, agree, attempt, check_between_steps, fsync_dir, gather_objects
 from engine.progress import byte_progress
 from engine.read_ahead import read_ahead
 from engine.safetensors_stream import SafetensorsWriter, TensorSpec, dtype_name
@@ -44,14 +44,16 @@ _PARTIAL = ".partial"
 
 def save_weights(
     parts: EngineParts, path: "str | os.PathLike[str]", *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    dtype: Optional[torch.dtype] = None,
+    dtype: Optional[torch.dtype] = None, master_weights: bool = False,
 ) -> list[str]:
     """Write the model's weights to the directory ``path`` (created if missing); return the files
-    written, index last. Collective: every rank calls it, rank 0 writes."""
+    written, index last. With ``master_weights``, a parameter ``engine.AdamW`` has stepped is its
+    fp32 master weight. Collective: every rank calls it, rank 0 writes."""
     check_export_arguments(max_shard_bytes, dtype)
     directory = os.path.abspath(os.fspath(path))
     io = parts.io
-    tensors = _tensors(parts, dtype)  # the same on every rank: its errors need no agreement
+    masters = _master_keys(parts) if master_weights else {}
+    tensors = _tensors(parts, dtype, masters)  # the same on every rank: its errors need no agreement
     writing = io.rank == 0
     error = attempt(lambda: check_between_steps(parts, "save weights"))
     if writing and error is None:
@@ -137,8 +139,22 @@ def _write_shard(
     return error
 
 
-def _tensors(parts: EngineParts, dtype: Optional[torch.dtype]) -> list[tuple[TensorSpec, Reader]]:
-    """``model.state_dict()``'s tensors in order, each tied parameter once, with a reader each."""
+def _master_keys(parts: EngineParts) -> dict[str, str]:
+    """Parameter name -> store key of its live fp32 master weight, for the parameters that have one
+    on every rank (the set decides which collectives run, so the ranks agree on it)."""
+    if parts.training is None:
+        return {}
+    store = parts.io.store
+    mine = {s.name: s.master_key for s in parts.training.live_shards() if s.master_key in store}
+    everyone = gather_objects(parts.io, sorted(mine))
+    common = set(everyone[0]).intersection(*everyone[1:])
+    return {name: key for name, key in mine.items() if name in common}
+
+
+def _tensors(parts: EngineParts, dtype: Optional[torch.dtype], masters: Mapping[str, str]
+             ) -> list[tuple[TensorSpec, Reader]]:
+    """``model.state_dict()``'s tensors in order, each tied parameter once, with a reader each
+    (from the fp32 master weight for the parameters in ``masters``)."""
     by_id = {id(h.param): h for h in parts.handles}
     seen: set[int] = set()
     out: list[tuple[TensorSpec, Reader]] = []
@@ -151,11 +167,13 @@ def _tensors(parts: EngineParts, dtype: Optional[torch.dtype]) -> list[tuple[Ten
             continue
         seen.add(id(value))
         handle = by_id.get(id(value))
-        target = dtype if dtype is not None and value.dtype.is_floating_point else value.dtype
+        master = masters.get(handle.name) if handle is not None else None
+        saved = torch.float32 if master is not None else value.dtype
+        target = dtype if dtype is not None and saved.is_floating_point else saved
         dtype_name(target)  # ValueError now, for a dtype safetensors lacks, before anything is written
         spec = TensorSpec(name, target, tuple(value.shape))
         if handle is not None:
-            out.append((spec, _param_reader(parts, handle, target)))
+            out.append((spec, _param_reader(parts, handle, target, master)))
         else:
             out.append((spec, _buffer_reader(value, target)))
     if extra:
@@ -163,7 +181,9 @@ def _tensors(parts: EngineParts, dtype: Optional[torch.dtype]) -> list[tuple[Ten
     return out
 
 
-def _param_reader(parts: EngineParts, handle: Any, dtype: torch.dtype) -> Reader:
+def _param_reader(parts: EngineParts, handle: Any, dtype: torch.dtype, master_key: Optional[str]) -> Reader:
+    if master_key is not None:
+        return lambda: parts.io.read_copy(handle, master_key, torch.float32).detach().to("cpu", dtype)
     return lambda: parts.io.read_copy(handle).detach().to("cpu", dtype)
 
 

@@ -55,16 +55,20 @@ class ShardIO:
         local = self.store.sync.get_future(handle.key, handle.flat.device, out=shard)
         return self._comm().submit(self._gather, local, gathered, shard, layout.numel, handle.flat)
 
-    def read_copy(self, handle: ParamHandle) -> torch.Tensor:
+    def read_copy(self, handle: ParamHandle, key: Optional[str] = None, dtype: Optional[torch.dtype] = None
+                  ) -> torch.Tensor:
         """A new tensor with the parameter's whole value, on its device (blocks; a collective at
-        world size > 1, so every rank must call it for the same parameters in the same order)."""
+        world size > 1, so every rank must call it for the same parameters in the same order).
+        ``key`` and ``dtype`` read another entry laid out like the parameter's shards instead (its
+        fp32 master weight)."""
         layout = handle.layout
+        key = handle.key if key is None else key
         if layout.is_whole:
-            flat = self.store.sync.get(handle.key, handle.flat.device)
+            flat = self.store.sync.get(key, handle.flat.device)
             return layout.unflatten(flat)
-        gathered = torch.empty(layout.padded_numel, dtype=layout.dtype, device=handle.flat.device)
+        gathered = torch.empty(layout.padded_numel, dtype=dtype or layout.dtype, device=handle.flat.device)
         shard = gathered[layout.shard_offset : layout.shard_offset + layout.shard_numel]
-        local = self.store.sync.get_future(handle.key, handle.flat.device, out=shard)
+        local = self.store.sync.get_future(key, handle.flat.device, out=shard)
         flat = self._comm().run(self._gather, local, gathered, shard, layout.numel, None)
         return layout.unflatten(flat)
 

@@ -346,7 +346,8 @@ def _fp16_run(rank: int, root: str) -> dict[str, Any]:
         scales.append(eng.loss_scale)
         losses.append(loss.item())
     result = dict(scales=scales, losses=losses, skipped=eng.stats().skipped_steps, steps=eng.completed_steps,
-                  state_dict=eng.state_dict())
+                  state_dict=eng.state_dict(),
+                  master_files=eng.save_weights(os.path.join(root, "fp16-masters"), master_weights=True))
     eng.close()
     return result
 
@@ -489,6 +490,13 @@ def test_world2_loss_scaling_skips_and_scales_on_every_rank_alike(trained):
     for name, value in first["state_dict"].items():
         assert value.dtype == torch.float16 and torch.equal(value, second["state_dict"][name]), name
     assert first["losses"][-1] < first["losses"][1]
+    # the fp32 masters gathered across both ranks: the fp16 weights are them rounded
+    from safetensors.torch import load_file
+
+    masters = {k: v for f in first["master_files"] for k, v in load_file(f).items()}
+    assert masters.keys() == first["state_dict"].keys() - {"lm_head.weight"}
+    assert all(v.dtype == torch.float32 and torch.equal(v.half(), first["state_dict"][k]) for k, v in masters.items())
+    assert any(not torch.equal(v, first["state_dict"][k].float()) for k, v in masters.items())
 
 
 def test_world2_checkpoint_resumes_in_new_processes(trained):

@@ -13,6 +13,7 @@ from typing import Optional
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import engine
 from engine.loss_scaling import LossScaler, LossScaling
@@ -107,6 +108,10 @@ def test_fp16_loss_scaling_equals_grad_scaler(tmp_path, max_grad_norm):
         assert stats.optimizer_steps == 14 - halvings == eng.completed_steps
         assert stats.loss_scale == scales[-1]
         ref.assert_masters_equal(eng)
+        # save_weights(master_weights=True) exports the fp32 masters, not the fp16 copies
+        saved = load_file(eng.save_weights(tmp_path / "masters", master_weights=True)[0])
+        for (name, _), master in zip(ref.model.named_parameters(), ref.masters):
+            assert saved[name].dtype == torch.float32 and torch.equal(saved[name], master.detach()), name
     finally:
         eng.close()
 
