@@ -113,10 +113,10 @@ class AdamW(torch.optim.Optimizer):
         """Restore hyperparameters and per-shard step counts saved by :meth:`state_dict`.
 
         Once bound to an engine (``engine.wrap``), the step counts belong to the master weights and
-        moments in the store, which a state dict does not carry: one whose counts differ from the engine's (a
-        Hugging Face Trainer resuming its ``optimizer.pt``, say) is refused, since taking its counts
-        over other moments would train silently wrong. Load ``eng.load_checkpoint(dir)`` first;
-        the hyperparameters then load here."""
+        moments in the store, which a state dict does not carry: one whose counts differ from the
+        engine's (a Hugging Face Trainer resuming its ``optimizer.pt``, say) is refused, since taking
+        its counts over other moments would train silently wrong. Load ``eng.load_checkpoint(dir)``
+        first; the hyperparameters then load here."""
         sd = dict(state_dict)
         steps = sd.pop("shard_steps", {})
         if not isinstance(steps, Mapping) or not all(

@@ -35,16 +35,16 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from engine.config import EngineConfig
-from engine.handle import ParamHandle
-from engine.pager import Pager
-from engine.progress import byte_progress
-from engine.read_ahead import read_ahead
 from engine.checkpoint_files import (
     FORMAT, METADATA_FILE, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, CheckpointFiles, rank_file,
     tensor_name,
 )
 from engine.checkpoint_paths import fsync_dir, resolve_checkpoint, tagged_path, write_latest
+from engine.config import EngineConfig
+from engine.handle import ParamHandle
+from engine.pager import Pager
+from engine.progress import byte_progress
+from engine.read_ahead import read_ahead
 from engine.safetensors_stream import SafetensorsWriter, TensorSpec
 from engine.shard_io import ShardIO
 from tiered.io.futures import wait_all
@@ -420,9 +420,9 @@ def _check_files(parts: EngineParts, files: CheckpointFiles, load_optimizer: boo
 def _load_files(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool) -> None:
     store, config = parts.io.store, parts.config
     loads = _loads(parts, files, load_optimizer)
-    bar = byte_progress("loading checkpoint", sum(h.layout.shard_numel * 4 if s else h.layout.shard_nbytes
-                                                  for h, s, *_ in loads),
-                        enabled=config.progress, rank=parts.io.rank)
+    total = sum(h.layout.shard_numel * torch.float32.itemsize if state else h.layout.shard_nbytes
+                for h, state, *_ in loads)
+    bar = byte_progress("loading checkpoint", total, enabled=config.progress, rank=parts.io.rank)
     puts = _BoundedPuts(store, LOAD_INFLIGHT_BYTES)
     try:
         with bar:

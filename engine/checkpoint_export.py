@@ -35,8 +35,7 @@ def checkpoint_state_dict(
     names; every persistent buffer as rank 0 saved it), which a plain model's ``load_state_dict``
     accepts. Floating tensors are cast to ``dtype`` when given. DeepSpeed's
     ``get_fp32_state_dict_from_zero_checkpoint``; holds the whole model in memory."""
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    check_export_arguments(DEFAULT_MAX_SHARD_BYTES, dtype)
     out: dict[str, torch.Tensor] = {}
     with CheckpointFiles(resolve_checkpoint(path, tag)) as files:
         for _, read, names in _sources(files, master_weights, dtype):
@@ -52,12 +51,12 @@ def export_checkpoint(
     tag: Optional[str] = None,
 ) -> list[str]:
     """Write the weights of the checkpoint at ``path`` (found as :func:`checkpoint_state_dict`
-    finds it) to the directory ``out`` (created if
-    missing) as ``save_pretrained`` lays them out: ``model.safetensors``, or shards of at most
-    ``max_shard_bytes`` and ``model.safetensors.index.json``; a tied parameter once, under its first
-    name. One tensor in memory at a time. Returns the files written, index last. Add the model's
-    ``config.json`` (``model.config.save_pretrained(out)``) and ``from_pretrained(out)`` loads it.
-    ``progress`` draws a byte bar on a terminal for exports of 256 MiB or more."""
+    finds it) to the directory ``out`` (created if missing) as ``save_pretrained`` lays them out:
+    ``model.safetensors``, or shards of at most ``max_shard_bytes`` and
+    ``model.safetensors.index.json``; a tied parameter once, under its first name. One tensor in
+    memory at a time. Returns the files written, index last. Add the model's ``config.json``
+    (``model.config.save_pretrained(out)``) and ``from_pretrained(out)`` loads it. ``progress``
+    draws a byte bar on a terminal for exports of 256 MiB or more."""
     check_export_arguments(max_shard_bytes, dtype)
     directory = os.path.abspath(os.fspath(out))
     with CheckpointFiles(resolve_checkpoint(path, tag)) as files:

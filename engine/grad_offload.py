@@ -43,14 +43,13 @@ from tiered import TieredStore
 class GradOffload:
     """Gradient shards of one rank between backward and the optimizer step."""
 
-    def __init__(self, shard_io: ShardIO, tier: str, *, inflight_bytes: int, keep_norms: bool,
+    def __init__(self, shard_io: ShardIO, tier: str, *, inflight_bytes: int,
                  on_offload: Optional[Callable[[], None]] = None) -> None:
         self._io = shard_io
         self._on_offload = on_offload
         self._store: TieredStore = shard_io.store
         self._tier = tier
         self._inflight_limit = inflight_bytes
-        self._keep_norms = keep_norms
         self._lock = threading.Lock()
         self._pending: "collections.OrderedDict[str, tuple[concurrent.futures.Future[None], int]]" = (
             collections.OrderedDict()
@@ -59,7 +58,7 @@ class GradOffload:
         self._error: Optional[BaseException] = None
         #: Names of the shards offloaded since the last zero_grad (their keys are in the store).
         self.names: dict[str, None] = {}
-        #: 2-norm of each stored shard, by name (only with ``keep_norms``).
+        #: 2-norm of each stored shard, by name.
         self.norms: dict[str, torch.Tensor] = {}
         #: fp32 bytes of gradient shards put to the store since the engine started.
         self.bytes_offloaded = 0
@@ -83,8 +82,7 @@ class GradOffload:
             self._wait(key)
             if key in self._store:  # accumulation: the earlier micro-batches' sum is in the store
                 shard = self._store.sync.get(key, shard.device).add_(shard)
-            if self._keep_norms:
-                self.norms[handle.name] = shard_norms([shard])[0]
+            self.norms[handle.name] = shard_norms([shard])[0]
             nbytes = shard.numel() * shard.element_size()
             while self._pending and self._inflight + nbytes > self._inflight_limit:
                 self._wait(next(iter(self._pending)))
@@ -138,8 +136,7 @@ class GradOffload:
                     if key in self._store:
                         info = self._store.info(key)
                         self._store.sync.put(key, torch.zeros(info.shape, dtype=info.dtype), self._tier)
-                        if self._keep_norms:
-                            self.norms[name] = torch.zeros((), dtype=torch.float32)
+                        self.norms[name] = torch.zeros((), dtype=torch.float32)
 
     def discard_stored(self) -> None:
         """Delete every gradient shard in the store, including ones an earlier process left."""

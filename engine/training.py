@@ -136,7 +136,7 @@ class Training:
         self.scaled_backward = False
         self.grads = GradOffload(
             shard_io, config.grad_tier, inflight_bytes=config.optimizer_group_bytes,
-            keep_norms=True, on_offload=self._on_offload,  # for the global norm of every step (clipping or not)
+            on_offload=self._on_offload,
         )
         #: The global gradient 2-norm of the last step (unscaled, before clipping); None before the first.
         self.last_grad_norm: Optional[float] = None
