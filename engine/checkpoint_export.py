@@ -4,7 +4,8 @@
 written by ``eng.save_checkpoint`` at any world size; :func:`export_checkpoint` streams the same
 tensors into Hugging Face's safetensors layout (``engine.export``), one tensor in memory at a
 time, so a checkpoint of a model larger than memory exports too. ``tiered export CKPT OUT`` is
-the command line.
+the command line, and ``engine.wrap(model, state_dict=CKPT)`` reads the same weights
+(:func:`open_checkpoint_weights`).
 
 With ``master_weights`` (the default) a parameter the optimizer has stepped comes out as its fp32
 master weight, the value training continues from, not the training-dtype copy the model computes
@@ -24,6 +25,7 @@ from engine.checkpoint_paths import resolve_checkpoint
 from engine.export import DEFAULT_MAX_SHARD_BYTES, Reader, check_export_arguments, write_weights
 from engine.progress import byte_progress
 from engine.safetensors_stream import TensorSpec, dtype_name
+from engine.weights import WeightSource
 
 
 def checkpoint_state_dict(
@@ -71,6 +73,23 @@ def export_checkpoint(
     return written
 
 
+def open_checkpoint_weights(path: "str | os.PathLike[str]") -> WeightSource:
+    """A checkpoint directory (or a directory of tagged ones, through its ``latest``) as an
+    ``engine.wrap(state_dict=...)`` source: the weights :func:`checkpoint_state_dict` would give,
+    each read when placement asks for it, so a model larger than memory loads one tensor at a time."""
+    files = CheckpointFiles(resolve_checkpoint(path))
+    try:
+        readers: dict[str, Reader] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for spec, read, names in _sources(files, True, None):
+            for name in names:
+                readers[name], shapes[name] = read, spec.shape
+    except BaseException:
+        files.close()
+        raise
+    return WeightSource(readers, lambda name: readers[name](), shapes.__getitem__, files.__exit__, origin=files.path)
+
+
 def _sources(files: CheckpointFiles, master_weights: bool, dtype: Optional[torch.dtype]
              ) -> list[tuple[TensorSpec, Reader, list[str]]]:
     """Each parameter (master or training copy) and buffer of the checkpoint: its spec as
@@ -101,4 +120,4 @@ def _buffer_reader(files: CheckpointFiles, name: str, dtype: torch.dtype) -> Rea
     return lambda: files.buffer(name).to(dtype)
 
 
-__all__ = ["checkpoint_state_dict", "export_checkpoint"]
+__all__ = ["checkpoint_state_dict", "export_checkpoint", "open_checkpoint_weights"]

@@ -1,4 +1,5 @@
-"""WeightSource: named tensors read one at a time from a state dict, a safetensors file or a torch file.
+"""WeightSource: named tensors read one at a time from a state dict, a safetensors file, a torch
+file, a Hugging Face weights directory or an engine checkpoint directory.
 
 Files are never read whole: safetensors through ``safe_open`` (each ``get_tensor`` reads one
 tensor), torch files through ``torch.load(mmap=True, weights_only=True)`` (pages come in as a
@@ -42,6 +43,10 @@ class WeightSource:
                 f"got {type(state_dict).__name__}"
             )
         path = os.fspath(state_dict)
+        if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("metadata.json", "latest")):
+            from engine.checkpoint_export import open_checkpoint_weights  # an eng.save_checkpoint directory
+
+            return open_checkpoint_weights(path)
         if os.path.isdir(path) or path.endswith(".index.json"):  # a Hugging Face save_pretrained directory
             from engine.hf_weights import open_hf_weights
 

@@ -167,3 +167,27 @@ def test_damaged_or_incomplete_checkpoints_are_refused(tmp_path):
         engine.checkpoint_state_dict(ckpt)
     with pytest.raises(TypeError, match="dtype"):
         engine.checkpoint_state_dict(ckpt, dtype=torch.int8)
+
+
+def test_wrap_loads_a_checkpoint_directory_as_its_weights(tmp_path):
+    """engine.wrap(state_dict=<checkpoint>) on a meta model: inference (or another run) straight from a
+    training checkpoint, one tensor at a time, through dir/latest too."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=1e-2), config=config(tmp_path / "store", "bfloat16"))
+    model(gpt_tokens(seed=0)).float().pow(2).mean().backward()
+    eng.step()
+    eng.save_checkpoint(tmp_path / "ckpts", tag="step1")
+    eng.close()
+    masters = engine.checkpoint_state_dict(tmp_path / "ckpts")
+    with torch.device("meta"):
+        fresh = TinyGPT()
+    with engine.wrap(fresh, config=engine.EngineConfig(store=store_config(tmp_path / "serve")),
+                     state_dict=tmp_path / "ckpts") as served:
+        got = served.state_dict()
+    assert equal(got, masters)  # fp32 masters into the fp32 model, bit for bit
+    with torch.device("meta"):
+        other = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="match no parameter or buffer of the model"):  # another model's
+        engine.wrap(other, config=engine.EngineConfig(store=store_config(tmp_path / "x")),
+                    state_dict=tmp_path / "ckpts" / "step1")
