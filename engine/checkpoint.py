@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from engine.checkpoint_files import (
-    FORMAT, METADATA_FILE, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, CheckpointFiles, rank_file,
-    tensor_name,
+    CRC_CHUNK_BYTES, FORMAT, METADATA_FILE, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, CheckpointFiles,
+    rank_file, tensor_name,
 )
 from engine.checkpoint_paths import fsync_dir, resolve_checkpoint, tagged_path, write_latest
 from engine.config import EngineConfig
@@ -166,7 +166,8 @@ def _write_rank_file(parts: EngineParts, file: str) -> dict[str, Any]:
     for name, buf in parts.model.named_buffers():
         sources.append((TensorSpec("buffer/" + name, buf.dtype, tuple(buf.shape)), _value(buf)))
     getters = {spec.name: get for spec, get in sources}
-    writer = SafetensorsWriter(file, [spec for spec, _ in sources], {"format": FORMAT, "rank": str(parts.io.rank)})
+    writer = SafetensorsWriter(file, [spec for spec, _ in sources], {"format": FORMAT, "rank": str(parts.io.rank)},
+                               chunk_crc_bytes=CRC_CHUNK_BYTES)
     bar = byte_progress("saving checkpoint", sum(spec.nbytes for spec in writer.order), enabled=parts.config.progress,
                         rank=parts.io.rank)
     try:
@@ -178,7 +179,8 @@ def _write_rank_file(parts: EngineParts, file: str) -> dict[str, Any]:
     except BaseException:
         writer.abort()
         raise
-    return {"bytes": writer.nbytes, "crc32": writer.crc32}
+    return {"bytes": writer.nbytes, "crc32": writer.crc32, "chunk_bytes": CRC_CHUNK_BYTES,
+            "chunk_crc32": writer.chunk_crc32}
 
 
 def _finish_save(parts: EngineParts, path: str, partial: str, files: list[Any], overwrite: bool,

@@ -8,9 +8,12 @@ assembles any element range from the rank files that hold it, so a checkpoint lo
 world size (each rank reads the old shards that overlap its new one) and a whole parameter can be
 read back without any process group (:mod:`engine.checkpoint_export`).
 
-Old shards are read whole, each checked against the CRC-32 in the metadata, and only the rank
-files a range needs are opened: at the saved world size a rank reads its own file only, so ranks
-on machines that do not share a filesystem each need just their own file.
+Only the rank files a range needs are opened: at the saved world size a rank reads its own file
+only, so ranks on machines that do not share a filesystem each need just their own file. A saved
+shard wholly inside the range is read whole and checked against its CRC-32; of one the range
+covers in part, only the ``CRC_CHUNK_BYTES`` pieces holding that part are read, each checked
+against its own CRC-32 (checkpoints written before those were recorded are read whole), so a
+rank of a larger world reads about its share, not every shard it touches.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ METADATA_FILE = "metadata.json"
 PARTIAL_SUFFIX = ".partial"
 #: The optimizer state kept per parameter shard, in the order of ``engine.layout.optim_keys``.
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+#: Saves record a CRC-32 per this many bytes of each larger tensor, so a part can be read and checked alone.
+CRC_CHUNK_BYTES = 8 << 20
 
 
 class CheckpointError(ValueError):
@@ -143,17 +148,42 @@ class CheckpointFiles:
         size, numel, name = self.shard_numel(param), _numel(self.params[param]), tensor_name(param, state)
         if self._is_one_shard(size, start, stop):
             return self.read(start // size, name).reshape(-1)  # no copy
-        out: Optional[torch.Tensor] = None
+        dtype = torch.float32 if state is not None else dtype_of(self.params[param]["dtype"])
+        out = torch.zeros(stop - start, dtype=dtype)
         for rank in self.ranks_holding(param, start, stop):
-            shard = self.read(rank, name).reshape(-1)
-            if out is None:
-                out = torch.zeros(stop - start, dtype=shard.dtype)
             lo, hi = max(start, rank * size), min(stop, numel, (rank + 1) * size)
-            out[lo - start:hi - start] = shard[lo - rank * size:hi - rank * size]
-        if out is None:  # nothing but padding
-            dtype = torch.float32 if state is not None else dtype_of(self.params[param]["dtype"])
-            out = torch.zeros(stop - start, dtype=dtype)
+            out[lo - start:hi - start] = self._read_part(rank, name, lo - rank * size, hi - rank * size, dtype)
         return out
+
+    def _read_part(self, rank: int, name: str, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of tensor ``name`` in rank ``rank``'s file, checked: by the chunk
+        CRC-32s covering them when the save recorded those, else by reading the tensor whole."""
+        reader = self.reader(rank)  # checks the file against the metadata first
+        info = self.metadata["files"][rank_file(rank)]
+        chunks, step = info.get("chunk_crc32", {}).get(name), info.get("chunk_bytes")
+        if not chunks or not isinstance(step, int) or step <= 0:
+            return self.read(rank, name).reshape(-1)[lo:hi]
+        nbytes = reader.specs[name].nbytes
+        first, last = lo * dtype.itemsize // step, -(-hi * dtype.itemsize // step)
+        begin, end = first * step, min(last * step, nbytes)
+        if len(chunks) != -(-nbytes // step):
+            raise CheckpointError(f"{reader.path!r}: the metadata has {len(chunks)} chunk CRC-32s for {name!r}")
+        try:
+            raw = reader.read_bytes(name, begin, end)
+        except SafetensorsFormatError as exc:
+            raise CheckpointError(f"{reader.path!r} is damaged: {exc}") from exc
+        data = memoryview(raw.numpy())
+        for index in range(first, last):
+            at = index * step
+            piece = data[at - begin:min(at + step, nbytes) - begin]
+            got = crc32([piece], len(piece))
+            if got != chunks[index]:
+                raise CheckpointError(
+                    f"{reader.path!r}: tensor {name!r} is damaged in bytes [{at}, {at + len(piece)}) (CRC-32 "
+                    f"{got:#010x}, expected {chunks[index]:#010x})"
+                )
+        skip = lo * dtype.itemsize - begin
+        return raw[skip:skip + (hi - lo) * dtype.itemsize].view(dtype)
 
     def whole(self, param: str, state: Optional[str] = None) -> torch.Tensor:
         """``param`` (or its optimizer ``state``) whole, with its saved shape and strides."""
@@ -237,6 +267,6 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 __all__ = [
-    "CheckpointError", "CheckpointFiles", "FORMAT", "METADATA_FILE", "PARTIAL_SUFFIX", "STATE_NAMES", "VERSION",
-    "dtype_of", "read_checked", "read_metadata", "rank_file", "tensor_name",
+    "CRC_CHUNK_BYTES", "CheckpointError", "CheckpointFiles", "FORMAT", "METADATA_FILE", "PARTIAL_SUFFIX",
+    "STATE_NAMES", "VERSION", "dtype_of", "read_checked", "read_metadata", "rank_file", "tensor_name",
 ]

@@ -86,10 +86,13 @@ class SafetensorsWriter:
     ``specs`` are laid out largest item size first (so every tensor's offset is aligned to its
     item size, as the safetensors library lays them out); :attr:`order` is that order, and
     :meth:`write` must be called once per spec in it. :meth:`close` checks that every tensor was
-    written, flushes and fsyncs. ``crc32`` maps each name to the CRC-32 of its bytes.
+    written, flushes and fsyncs. ``crc32`` maps each name to the CRC-32 of its bytes; with
+    ``chunk_crc_bytes``, ``chunk_crc32`` maps each tensor larger than that to the CRC-32s of its
+    consecutive ``chunk_crc_bytes`` pieces, so a reader of part of it can check just what it read.
     """
 
-    def __init__(self, path: str, specs: Iterable[TensorSpec], metadata: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, path: str, specs: Iterable[TensorSpec], metadata: Optional[Mapping[str, str]] = None,
+                 *, chunk_crc_bytes: Optional[int] = None) -> None:
         specs = list(specs)
         names = [s.name for s in specs]
         if len(set(names)) != len(names) or "__metadata__" in names:
@@ -109,6 +112,8 @@ class SafetensorsWriter:
         raw += b" " * (-(len(raw) + 8) % 8)
         self.path = path
         self.crc32: dict[str, int] = {}
+        self.chunk_crc_bytes = chunk_crc_bytes
+        self.chunk_crc32: dict[str, list[int]] = {}
         self.nbytes = 8 + len(raw) + offset
         self._next = 0
         self._file = SequentialWriter(path, size_hint=self.nbytes)  # O_DIRECT: the page cache is slower
@@ -136,6 +141,10 @@ class SafetensorsWriter:
             )
         data = tensor_bytes(tensor)
         self.crc32[name] = crc32([data], len(data))
+        step = self.chunk_crc_bytes
+        if step is not None and len(data) > step:
+            self.chunk_crc32[name] = [crc32([data[at:at + step]], min(step, len(data) - at))
+                                      for at in range(0, len(data), step)]
         self._file.write(data)
         self._next += 1
 
@@ -204,13 +213,25 @@ class SafetensorsReader:
         if spec is None:
             raise KeyError(f"{self.path} has no tensor {name!r}")
         begin, stop = self._offsets[name]
-        try:
-            raw = self._ranges.read(self._data_start + begin, stop - begin)
-        except TransferError as exc:
-            raise SafetensorsFormatError(f"{self.path}: reading {name!r} failed: {exc}") from exc
+        raw = self._read(name, self._data_start + begin, stop - begin)
         if (self._data_start + begin) % spec.dtype.itemsize:
             raw = raw.clone()  # a file that does not align its tensors (not one written here or by safetensors)
         return raw.view(spec.dtype).reshape(spec.shape)
+
+    def read_bytes(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Bytes ``[start, stop)`` of ``name``'s data, as a new uint8 tensor."""
+        if name not in self.specs:
+            raise KeyError(f"{self.path} has no tensor {name!r}")
+        begin, end = self._offsets[name]
+        if not 0 <= start <= stop <= end - begin:
+            raise ValueError(f"{self.path}: bytes [{start}, {stop}) are outside {name!r} ({end - begin} bytes)")
+        return self._read(name, self._data_start + begin + start, stop - start)
+
+    def _read(self, name: str, offset: int, length: int) -> torch.Tensor:
+        try:
+            return self._ranges.read(offset, length)
+        except TransferError as exc:
+            raise SafetensorsFormatError(f"{self.path}: reading {name!r} failed: {exc}") from exc
 
     def close(self) -> None:
         """Close the file."""
