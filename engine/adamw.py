@@ -17,16 +17,21 @@ class AdamW(torch.optim.Optimizer):
     """AdamW whose fp32 master weights and moments live in the engine's store, updated by a
     streamed, pipelined CPU step (``engine.optimizer_step``) with torch's own AdamW math.
 
-    Built without parameters: ``engine.wrap(model, optimizer=AdamW(...))`` binds it to the model.
-    It is a real ``torch.optim.Optimizer``, so torch LR schedulers drive ``param_groups[0]["lr"]``;
-    they may be created before or after wrap, since the one parameter group exists from the start
-    (with no parameters until bound). ``step()`` runs the engine's step; calling it before the
-    optimizer is bound raises RuntimeError. ``foreach``/``fused`` choose torch's math path as for
-    ``torch.optim.AdamW`` (default: torch's CPU default, the single-tensor path).
+    Usually built without parameters: ``engine.wrap(model, optimizer=AdamW(lr=...))`` binds it to
+    all of the model's parameters, in one group. Or given parameter groups as torch's optimizers
+    are (``AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay":
+    0.0}], lr=...)``, the model's own Parameter objects): each group keeps its hyperparameters, and
+    wrap checks that every trainable parameter is in exactly one group. It is a real
+    ``torch.optim.Optimizer``, so torch LR schedulers drive each group's ``lr``; they may be created
+    before or after wrap, since the groups exist from the start. ``step()`` runs the engine's step;
+    calling it before the optimizer is bound raises RuntimeError. ``foreach``/``fused`` choose
+    torch's math path as for ``torch.optim.AdamW`` (default: torch's CPU default, the single-tensor
+    path).
     """
 
     def __init__(
         self,
+        params: Optional[Iterable[Any]] = None,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -35,6 +40,11 @@ class AdamW(torch.optim.Optimizer):
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
     ) -> None:
+        if isinstance(params, (int, float)):
+            raise TypeError(
+                f"engine.AdamW takes the parameters or parameter groups first, as torch.optim.AdamW does (or "
+                f"nothing: wrap binds the model's); got {params!r}: pass the learning rate as lr={params!r}"
+            )
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"AdamW betas must be a pair (beta1, beta2), got {betas!r}")
         AdamHyper(lr, betas[0], betas[1], eps, weight_decay, foreach, fused)  # validates, with the value shown
@@ -42,7 +52,15 @@ class AdamW(torch.optim.Optimizer):
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
             foreach=foreach, fused=fused, capturable=False, differentiable=False, decoupled_weight_decay=True,
         )
-        super().__init__([{"params": []}], defaults)
+        #: True when the caller gave the parameter groups (else wrap puts every parameter in one).
+        self.grouped = params is not None
+        super().__init__([{"params": []}] if params is None else params, defaults)  # torch's checks
+        for group in self.param_groups:
+            betas = group["betas"]
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise ValueError(f"AdamW betas must be a pair (beta1, beta2), got {betas!r}")
+            group["betas"] = tuple(betas)
+            AdamHyper(group["lr"], betas[0], betas[1], group["eps"], group["weight_decay"], foreach, fused)
         self._step_fn: Optional[Callable[[], Any]] = None
         self._zero_grad_fn: Optional[Callable[[bool], None]] = None
         self._shard_steps: dict[str, int] = {}
@@ -68,6 +86,9 @@ class AdamW(torch.optim.Optimizer):
             raise RuntimeError("this engine.AdamW is already bound to a model; create one optimizer per wrap")
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {step_fn!r}")
+        if self.grouped:  # the caller's groups stay; the engine checked they cover the model (group_of)
+            self._step_fn, self._zero_grad_fn, self._state_in_store = step_fn, zero_grad_fn, state_in_store
+            return
         group = self.param_groups[0]
         self.param_groups.clear()
         try:
@@ -79,6 +100,29 @@ class AdamW(torch.optim.Optimizer):
         self._step_fn = step_fn
         self._zero_grad_fn = zero_grad_fn
         self._state_in_store = state_in_store
+
+    def group_of(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> dict[str, int]:
+        """Name -> index of the parameter group holding it, for the trainable ones of
+        ``named_params`` (all in group 0 unless the groups were given). ValueError for a trainable
+        parameter in no group, or a group holding a tensor that is not among them."""
+        named = list(named_params)
+        if not self.grouped:
+            return {name: 0 for name, p in named if p.requires_grad}
+        index = {id(p): i for i, group in enumerate(self.param_groups) for p in group["params"]}
+        ours = {id(p) for _, p in named}
+        foreign = sum(1 for group in self.param_groups for p in group["params"] if id(p) not in ours)
+        if foreign:
+            raise ValueError(
+                f"engine.AdamW's parameter groups hold {foreign} tensor(s) that are not the wrapped model's "
+                "parameters: build the groups from this model's parameters (model.named_parameters())"
+            )
+        missing = [name for name, p in named if p.requires_grad and id(p) not in index]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameter(s) are in none of engine.AdamW's parameter groups, so nothing "
+                f"would update them: {missing[:5]}; add them to a group, or set requires_grad=False to freeze them"
+            )
+        return {name: index[id(p)] for name, p in named if p.requires_grad}
 
     # ------------------------------------------------------------------ torch.optim.Optimizer API
 

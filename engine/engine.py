@@ -95,16 +95,20 @@ class Engine:
             self._input_cast = InputCast(model, getattr(torch, config.train_dtype))  # type: ignore[arg-type]
         self._training: Optional[Training] = None
         self._optimizer_hooks: Optional[TorchOptimizerHooks] = None
-        if _is_engine_optimizer(optimizer):
-            from engine.training import Training
+        try:  # an optimizer that does not fit the model: the model gets its hooks back off
+            if _is_engine_optimizer(optimizer):
+                from engine.training import Training
 
-            self._training = Training(
-                model, self._by_id, optimizer, shard_io, self._pager, config  # type: ignore[arg-type]
-            )
-            if shard_io.collectives is not None:  # global-norm clipping sums squares over ranks
-                self._training.all_reduce = shard_io.all_reduce_sum
-        elif optimizer is not None:
-            self._optimizer_hooks = TorchOptimizerHooks(optimizer, self._by_id, self._pager)
+                self._training = Training(
+                    model, self._by_id, optimizer, shard_io, self._pager, config  # type: ignore[arg-type]
+                )
+                if shard_io.collectives is not None:  # global-norm clipping sums squares over ranks
+                    self._training.all_reduce = shard_io.all_reduce_sum
+            elif optimizer is not None:
+                self._optimizer_hooks = TorchOptimizerHooks(optimizer, self._by_id, self._pager)
+        except BaseException:
+            self._remove_hooks()
+            raise
         self._baseline = bytes_out_by_tier(store.stats())
         self._last_store_stats: Optional[StoreStats] = None
         self._closed = False

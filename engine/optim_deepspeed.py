@@ -13,7 +13,7 @@ scheduler = scheduler_from_deepspeed("ds.json", optimizer)   # None when the JSO
 from __future__ import annotations
 
 import inspect
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -103,12 +103,14 @@ def scheduler_problems(section: Mapping[str, Any], path: str = "scheduler") -> l
     return _scheduler_settings(section, path)[2]
 
 
-def optimizer_from_deepspeed(ds_config: DeepSpeedConfig) -> AdamW:
+def optimizer_from_deepspeed(ds_config: DeepSpeedConfig, model_parameters: Optional[Iterable[Any]] = None) -> AdamW:
     """An :class:`engine.AdamW` from the config's ``optimizer`` section (type Adam or AdamW);
-    without one, ``engine.AdamW()`` with torch's defaults. ValueError names unsupported settings."""
+    without one, ``engine.AdamW()`` with torch's defaults. ``model_parameters``: parameter groups
+    with their own settings, as ``deepspeed.initialize(model_parameters=...)`` takes them (default:
+    every parameter, one group). ValueError names unsupported settings."""
     section = load_deepspeed_config(ds_config).get("optimizer")
     if section is None:
-        return AdamW()
+        return AdamW(model_parameters)
     if not isinstance(section, Mapping):
         raise ValueError(f"optimizer: must be an object, got {section!r}")
     params, problems = _optimizer_settings(section, "optimizer")
@@ -116,7 +118,7 @@ def optimizer_from_deepspeed(ds_config: DeepSpeedConfig) -> AdamW:
     decay = TORCH_WEIGHT_DECAY if params.pop("torch_adam", False) else DEEPSPEED_WEIGHT_DECAY
     params.setdefault("weight_decay", decay)
     params.pop("adam_w_mode", None)
-    return AdamW(**params)
+    return AdamW(model_parameters, **params)
 
 
 def scheduler_from_deepspeed(ds_config: DeepSpeedConfig, optimizer: torch.optim.Optimizer) -> Optional[LRScheduler]:

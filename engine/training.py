@@ -84,6 +84,7 @@ class _Param:
     numel: int
     dtype: torch.dtype
     param_key: str
+    group: int
 
 
 def discard_training_state(store: TieredStore) -> None:
@@ -122,10 +123,10 @@ class Training:
         self._config = config
         self._handles = list(by_id.values())
         params = list(model.parameters())  # model order, tied parameters once: the order clip_grad_norm_ sees
+        handles = [by_id[id(p)] for p in params]
+        groups = optimizer.group_of((h.name, p) for h, p in zip(handles, params))
         self._params = [
-            _Param(h.name, h.layout.shard_numel, h.layout.dtype, h.key)
-            for h in (by_id[id(p)] for p in params)
-            if h.trainable
+            _Param(h.name, h.layout.shard_numel, h.layout.dtype, h.key, groups[h.name]) for h in handles if h.trainable
         ]
         self._prefetch = StatePrefetch(self._store, config.optimizer_prefetch_groups, config.optimizer_group_bytes)
         #: The running loss scale (None without ``EngineConfig.loss_scaling``).
@@ -388,7 +389,7 @@ class Training:
         master, exp_avg, exp_avg_sq = optim_keys(p.name, slot)
         return OptimShard(
             p.name, p.numel, p.dtype, p.param_key, grad_key(p.name), master, exp_avg, exp_avg_sq,
-            state_out_keys=optim_keys(p.name, 1 - slot) if write_other else None,
+            group=p.group, state_out_keys=optim_keys(p.name, 1 - slot) if write_other else None,
         )
 
     @staticmethod

@@ -290,6 +290,10 @@ def test_optimizer_from_deepspeed():
     assert isinstance(opt, AdamW)
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (3e-4, (0.9, 0.95), 1e-6, 0.1)
+    # deepspeed.initialize(model_parameters=groups): the section's settings are the groups' defaults
+    lin = torch.nn.Linear(2, 2)
+    grouped = optimizer_from_deepspeed(config, [{"params": [lin.weight]}, {"params": [lin.bias], "weight_decay": 0.0}])
+    assert [g["weight_decay"] for g in grouped.param_groups] == [0.1, 0.0] and grouped.param_groups[1]["lr"] == 3e-4
 
 
 @pytest.mark.parametrize("section,weight_decay", [

@@ -481,3 +481,70 @@ def test_activation_checkpointing(tmp_path, checkpoint):
     losses, ref_losses, eng, ref = train_both(model, training_config(tmp_path), steps=3, micro=2)
     assert losses == ref_losses
     assert_trained_equal(model, eng, ref)
+
+
+def _groups(model: nn.Module, lr: float) -> list[dict]:
+    """nanoGPT's configure_optimizers: weight decay on matrices only, and here a larger lr for the rest."""
+    decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for _, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 3 * lr}]
+
+
+def test_parameter_groups_keep_their_own_hyperparameters(tmp_path):
+    torch.manual_seed(5)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    opt = engine.AdamW(_groups(model, LR), lr=LR)
+    ref_opt = torch.optim.AdamW(_groups(ref, LR), lr=LR)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (s + 1)) for o in (opt, ref_opt)]
+    eng = engine.wrap(model, optimizer=opt, config=training_config(tmp_path / "a"))
+    losses = {}
+    for m, o, sched in ((model, opt, schedulers[0]), (ref, ref_opt, schedulers[1])):
+        losses[m] = []
+        for i in range(4):
+            loss = gpt_loss(m, i)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            sched.step()
+            losses[m].append(loss.item())
+            if m is model and i == 1:
+                eng.save_checkpoint(tmp_path / "ckpt")
+    assert losses[model] == losses[ref]
+    final = eng.state_dict()
+    eng.close()
+    assert all(torch.equal(final[n], p) for n, p in ref.state_dict().items())
+
+    torch.manual_seed(6)
+    resumed = TinyGPT()  # other values; groups built the same way: the checkpoint restores each group
+    opt = engine.AdamW(_groups(resumed, 0.5), lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    with engine.wrap(resumed, optimizer=opt, config=training_config(tmp_path / "b")) as eng:
+        eng.load_checkpoint(tmp_path / "ckpt")
+        sched.last_epoch = 2  # where the first run's scheduler stood (its state is the loop's to save)
+        again = []
+        for i in range(2, 4):
+            loss = gpt_loss(resumed, i)
+            loss.backward()
+            eng.step()
+            eng.zero_grad()
+            sched.step()
+            again.append(loss.item())
+    assert again == losses[model][2:]
+
+
+def test_parameter_groups_must_cover_the_trainable_parameters(tmp_path):
+    model = TinyGPT()
+    with pytest.raises(TypeError, match=r"pass the learning rate as lr=0.001"):
+        engine.AdamW(0.001)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    with pytest.raises(ValueError, match=r"trainable parameter\(s\) are in none of .* \['blocks.0.ln1.weight'"):
+        engine.wrap(model, optimizer=engine.AdamW(decay), config=training_config(tmp_path / "a"))
+    with pytest.raises(ValueError, match="not the wrapped model's parameters"):
+        engine.wrap(TinyGPT(), optimizer=engine.AdamW(model.parameters()), config=training_config(tmp_path / "b"))
+    for p in model.parameters():
+        p.requires_grad_(p.dim() >= 2)  # the rest frozen: the groups need not hold them
+    with engine.wrap(model, optimizer=engine.AdamW(decay), config=training_config(tmp_path / "c")) as eng:
+        gpt_loss(model, 0).backward()
+        eng.step()
+        assert set(eng.optimizer.shard_steps) == {n for n, p in model.named_parameters() if p.dim() >= 2}
