@@ -352,15 +352,16 @@ def _fp16_run(rank: int, root: str) -> dict[str, Any]:
     return result
 
 
-def _resume_rank(rank: int, root: str) -> None:
-    """A fresh model (other values on each rank) loads the checkpoint and trains the last 3 steps."""
+def _resume_rank(rank: int, root: str, checkpoint: str = "ckpt", name: str = "resume") -> None:
+    """A fresh model (other values on each rank) loads the checkpoint saved after step 3 and trains
+    the last 3 steps; the losses go to ``<name><rank>.pt``."""
     torch.manual_seed(1 + rank)
     model = TinyGPT(**GPT_SIZES)
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=0.5), config=_adamw_config(root, "b"))
-    eng.load_checkpoint(os.path.join(root, "ckpt"))
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=0.5), config=_adamw_config(root, name))
+    eng.load_checkpoint(os.path.join(root, checkpoint))
     losses = _train(model, eng, rank, range(3, 6))
     eng.close()
-    torch.save(losses, os.path.join(root, f"resume{rank}.pt"))
+    torch.save(losses, os.path.join(root, f"{name}{rank}.pt"))
 
 
 def _train(model: nn.Module, eng: engine.Engine, rank: int, steps: range,
@@ -521,17 +522,6 @@ def _train_as_two_ranks(model: nn.Module, eng: engine.Engine, steps: range) -> l
     return losses
 
 
-def _grown_rank(rank: int, root: str) -> None:
-    """Two ranks, each starting from other values, load a checkpoint one process saved after step 3."""
-    torch.manual_seed(1 + rank)
-    model = TinyGPT(**GPT_SIZES)
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=0.5), config=_adamw_config(root, "grown"))
-    eng.load_checkpoint(os.path.join(root, "ckpt-one"))
-    losses = _train(model, eng, rank, range(3, 6))
-    eng.close()
-    torch.save(losses, os.path.join(root, f"grown{rank}.pt"))
-
-
 def test_world2_checkpoint_loads_in_one_process_and_back(trained):
     """Checkpoints reshard on load: the two-rank checkpoint resumes in one process, and a one-process
     checkpoint in two ranks, each continuing the two-rank run's curve bit for bit (weights,
@@ -563,7 +553,7 @@ def test_world2_checkpoint_loads_in_one_process_and_back(trained):
         eng.save_checkpoint(root / "ckpt-one")
         eng.close()
     assert losses == [x for step in want[:3] for x in step]
-    run_ranks(_grown_rank, str(root))
+    run_ranks(_resume_rank, str(root), "ckpt-one", "grown")  # two ranks resume what one process saved
     for rank, run in enumerate(runs):
         assert torch.load(root / f"grown{rank}.pt", weights_only=False) == run["adamw"]["losses"][3:]
 
