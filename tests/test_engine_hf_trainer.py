@@ -1,6 +1,6 @@
 """Hugging Face's Trainer over a wrapped model. The oracle is the same Trainer over a plain copy
 with torch.optim.AdamW: the same losses and weights, bit for bit, with its gradient accumulation,
-its LR schedule and clipping (the engine's), and a resume from a Trainer checkpoint."""
+its LR schedule, clipping (the engine's) and bf16 autocast, and a resume from a Trainer checkpoint."""
 
 from __future__ import annotations
 
@@ -48,19 +48,20 @@ def wrapped(model: GPT2LMHeadModel, path) -> engine.Engine:
     return engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.0), config=config)
 
 
-def test_trainer_trains_a_wrapped_model_as_the_plain_one(tmp_path):
+@pytest.mark.parametrize("bf16", [False, True])  # bf16=True: the Trainer's autocast mixed precision
+def test_trainer_trains_a_wrapped_model_as_the_plain_one(tmp_path, bf16):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
     ref = copy.deepcopy(model)
-    plain = Trainer(model=ref, args=arguments(tmp_path / "ref", max_grad_norm=CLIP), train_dataset=Tokens(),
+    plain = Trainer(model=ref, args=arguments(tmp_path / "ref", max_grad_norm=CLIP, bf16=bf16), train_dataset=Tokens(),
                     optimizers=(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0), None))
     plain.train()
 
     eng = wrapped(model, tmp_path / "store")
     try:
         # max_grad_norm=0.0: the Trainer's own clip_grad_norm_ would see no gradients; the engine clips.
-        trainer = Trainer(model=model, args=arguments(tmp_path / "eng", max_grad_norm=0.0), train_dataset=Tokens(),
-                          optimizers=(eng.optimizer, None))
+        trainer = Trainer(model=model, args=arguments(tmp_path / "eng", max_grad_norm=0.0, bf16=bf16),
+                          train_dataset=Tokens(), optimizers=(eng.optimizer, None))
         trainer.train()
         assert losses_of(trainer) == losses_of(plain) and len(losses_of(trainer)) == 4
         assert eng.get_global_grad_norm() > CLIP  # the clip was active
