@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from engine.safetensors_stream import SafetensorsFormatError, SafetensorsReader
+from engine.safetensors_stream import SafetensorsFormatError, SafetensorsReader, TensorSpec
 from tiered.io.crc import crc32
 
 FORMAT = "tiered-engine-checkpoint"
@@ -121,18 +121,24 @@ class CheckpointFiles:
         as ``dtype`` with the saved shard size."""
         name, want = tensor_name(param, state), self.shard_numel(param)
         for rank in ranks:
-            reader = self.reader(rank)
-            spec = reader.specs.get(name)
-            if spec is None:
-                raise CheckpointError(f"{reader.path!r} has no tensor {name!r}")
+            spec = self.spec(rank, name)
             if spec.dtype != dtype or spec.nbytes != want * dtype.itemsize:
                 raise CheckpointError(
-                    f"{reader.path!r}: {name!r} is {spec.dtype} {spec.shape}, expected {dtype} ({want},)"
+                    f"{self.reader(rank).path!r}: {name!r} is {spec.dtype} {spec.shape}, expected {dtype} ({want},)"
                 )
+
+    def spec(self, rank: int, name: str) -> TensorSpec:
+        """Tensor ``name``'s dtype and shape in rank ``rank``'s file; CheckpointError if it has none."""
+        reader = self.reader(rank)
+        spec = reader.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"{reader.path!r} has no tensor {name!r}")
+        return spec
 
     def read(self, rank: int, name: str) -> torch.Tensor:
         """Tensor ``name`` of rank ``rank``'s file, checked against the metadata's CRC-32."""
         reader = self.reader(rank)
+        self.spec(rank, name)
         crcs = self.metadata["files"][rank_file(rank)].get("crc32", {})
         try:
             tensor = reader.read(name)
@@ -150,7 +156,9 @@ class CheckpointFiles:
             return self.read(start // size, name).reshape(-1)  # no copy
         dtype = torch.float32 if state is not None else dtype_of(self.params[param]["dtype"])
         out = torch.zeros(stop - start, dtype=dtype)
-        for rank in self.ranks_holding(param, start, stop):
+        holders = self.ranks_holding(param, start, stop)
+        self.check_shards(param, state, dtype, holders)  # a part is viewed as dtype: the file must agree
+        for rank in holders:
             lo, hi = max(start, rank * size), min(stop, numel, (rank + 1) * size)
             out[lo - start:hi - start] = self._read_part(rank, name, lo - rank * size, hi - rank * size, dtype)
         return out

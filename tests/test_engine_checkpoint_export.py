@@ -163,7 +163,10 @@ def test_damaged_or_incomplete_checkpoints_are_refused(tmp_path):
     data.write_bytes(good)
     meta_file = ckpt / METADATA_FILE
     meta_file.write_text(json.dumps(dict(json.loads(meta_file.read_text()), world_size=2)))
-    with pytest.raises(CheckpointError, match=r"no file rank1\.safetensors \(saved rank 1 of 2\)"):
+    with pytest.raises(CheckpointError, match=r"is torch.float32 \(2048,\), expected torch.float32 \(1024,\)"):
+        engine.checkpoint_state_dict(ckpt)  # rank 0's shards are twice what two ranks would have saved
+    data.rename(ckpt / "elsewhere")
+    with pytest.raises(CheckpointError, match=r"no file rank0\.safetensors \(saved rank 0 of 2\)"):
         engine.checkpoint_state_dict(ckpt)
     with pytest.raises(TypeError, match="dtype"):
         engine.checkpoint_state_dict(ckpt, dtype=torch.int8)
