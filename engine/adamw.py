@@ -45,17 +45,15 @@ class AdamW(torch.optim.Optimizer):
                 f"engine.AdamW takes the parameters or parameter groups first, as torch.optim.AdamW does (or "
                 f"nothing: wrap binds the model's); got {params!r}: pass the learning rate as lr={params!r}"
             )
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"AdamW betas must be a pair (beta1, beta2), got {betas!r}")
-        AdamHyper(lr, betas[0], betas[1], eps, weight_decay, foreach, fused)  # validates, with the value shown
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps, weight_decay=weight_decay,
+            amsgrad=False, maximize=False,
             foreach=foreach, fused=fused, capturable=False, differentiable=False, decoupled_weight_decay=True,
         )
         #: True when the caller gave the parameter groups (else wrap puts every parameter in one).
         self.grouped = params is not None
         super().__init__([{"params": []}] if params is None else params, defaults)  # torch's checks
-        for group in self.param_groups:
+        for group in self.param_groups:  # the defaults and every group's own settings, with the value shown
             betas = group["betas"]
             if not isinstance(betas, (tuple, list)) or len(betas) != 2:
                 raise ValueError(f"AdamW betas must be a pair (beta1, beta2), got {betas!r}")
@@ -86,17 +84,15 @@ class AdamW(torch.optim.Optimizer):
             raise RuntimeError("this engine.AdamW is already bound to a model; create one optimizer per wrap")
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {step_fn!r}")
-        if self.grouped:  # the caller's groups stay; the engine checked they cover the model (group_of)
-            self._step_fn, self._zero_grad_fn, self._state_in_store = step_fn, zero_grad_fn, state_in_store
-            return
-        group = self.param_groups[0]
-        self.param_groups.clear()
-        try:
-            self.add_param_group(dict(group, params=list(params)))  # torch's checks: tensors, leaves, no duplicates
-            checked = self.param_groups[0]["params"]
-        finally:
-            self.param_groups[:] = [group]  # the same dict: whoever holds it (a scheduler) sees the params
-        group["params"] = checked
+        if not self.grouped:  # else the caller's groups stay: the engine checked they cover the model (group_of)
+            group = self.param_groups[0]
+            self.param_groups.clear()
+            try:
+                self.add_param_group(dict(group, params=list(params)))  # torch's checks: tensors, leaves, no duplicates
+                checked = self.param_groups[0]["params"]
+            finally:
+                self.param_groups[:] = [group]  # the same dict: whoever holds it (a scheduler) sees the params
+            group["params"] = checked
         self._step_fn = step_fn
         self._zero_grad_fn = zero_grad_fn
         self._state_in_store = state_in_store

@@ -22,9 +22,9 @@ import torch
 
 from engine.checkpoint_files import CheckpointFiles, dtype_of
 from engine.checkpoint_paths import resolve_checkpoint
-from engine.export import DEFAULT_MAX_SHARD_BYTES, Reader, check_export_arguments, write_weights
+from engine.export import DEFAULT_MAX_SHARD_BYTES, Reader, check_export_arguments, export_dtype, write_weights
 from engine.progress import byte_progress
-from engine.safetensors_stream import TensorSpec, dtype_name
+from engine.safetensors_stream import TensorSpec
 from engine.weights import WeightSource
 
 
@@ -98,8 +98,7 @@ def _sources(files: CheckpointFiles, master_weights: bool, dtype: Optional[torch
     for name, record in files.params.items():
         state = "master" if master_weights and files.has_state(name) else None
         saved = torch.float32 if state else dtype_of(record["dtype"])
-        target = dtype if dtype is not None and saved.is_floating_point else saved
-        dtype_name(target)  # ValueError now, for a dtype safetensors lacks, before anything is written
+        target = export_dtype(saved, dtype)
         names = [str(n) for n in record.get("names") or [name]]
         out.append((TensorSpec(name, target, tuple(record["shape"])), _param_reader(files, name, state, target), names))
     for record in files.metadata["buffers"]:
@@ -107,7 +106,7 @@ def _sources(files: CheckpointFiles, master_weights: bool, dtype: Optional[torch
             continue  # not in the model's state_dict (Llama's rotary inv_freq): rebuilt by the model itself
         name = record["name"]
         saved = dtype_of(record["dtype"])
-        target = dtype if dtype is not None and saved.is_floating_point else saved
+        target = export_dtype(saved, dtype)
         out.append((TensorSpec(name, target, tuple(record["shape"])), _buffer_reader(files, name, target), [name]))
     return out
 

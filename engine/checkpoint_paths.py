@@ -28,6 +28,11 @@ def tagged_path(path: "str | os.PathLike[str]", tag: Optional[str]) -> str:
     return os.path.join(root, tag)
 
 
+def holds_checkpoint(path: "str | os.PathLike[str]") -> bool:
+    """True when ``path`` is a checkpoint directory, or a directory of tagged ones (it has ``latest``)."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in (METADATA_FILE, LATEST_FILE))
+
+
 def resolve_checkpoint(path: "str | os.PathLike[str]", tag: Optional[str] = None) -> str:
     """The checkpoint directory to read: ``path/tag`` when ``tag`` is given, else ``path`` when it
     is a checkpoint, else the tag named by ``path/latest``. ``path`` unchanged when none applies
@@ -66,4 +71,4 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-__all__ = ["LATEST_FILE", "fsync_dir", "resolve_checkpoint", "tagged_path", "write_latest"]
+__all__ = ["LATEST_FILE", "fsync_dir", "holds_checkpoint", "resolve_checkpoint", "tagged_path", "write_latest"]

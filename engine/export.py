@@ -79,6 +79,14 @@ def check_export_arguments(max_shard_bytes: int, dtype: Optional[torch.dtype]) -
 Reader = Callable[[], torch.Tensor]
 
 
+def export_dtype(saved: torch.dtype, dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype a tensor held as ``saved`` is exported in (``dtype``, when given, for floating
+    tensors); ValueError now, before anything is written, for one safetensors has no name for."""
+    target = dtype if dtype is not None and saved.is_floating_point else saved
+    dtype_name(target)
+    return target
+
+
 def write_weights(
     directory: str, tensors: list[tuple[TensorSpec, Reader]], max_shard_bytes: int, *, writing: bool = True,
     alone: bool = True, advance: Callable[[int], None] = lambda n: None,
@@ -169,8 +177,7 @@ def _tensors(parts: EngineParts, dtype: Optional[torch.dtype], masters: Mapping[
         handle = by_id.get(id(value))
         master = masters.get(handle.name) if handle is not None else None
         saved = torch.float32 if master is not None else value.dtype
-        target = dtype if dtype is not None and saved.is_floating_point else saved
-        dtype_name(target)  # ValueError now, for a dtype safetensors lacks, before anything is written
+        target = export_dtype(saved, dtype)
         spec = TensorSpec(name, target, tuple(value.shape))
         if handle is not None:
             out.append((spec, _param_reader(parts, handle, target, master)))

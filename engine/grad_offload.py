@@ -77,7 +77,6 @@ class GradOffload:
         key = grad_key(handle.name)
         with self._lock:
             if self._consumed:  # the first gradient after a step: the step's gradients are done with
-                self._consumed = False
                 self._drop_locked()
             self._wait(key)
             if key in self._store:  # accumulation: the earlier micro-batches' sum is in the store
@@ -106,8 +105,10 @@ class GradOffload:
             self._consumed = True
 
     def _drop_locked(self) -> None:
+        """Wait for the puts in flight, then delete every shard offloaded since the last drop (lock held)."""
         while self._pending:
             self._wait(next(iter(self._pending)))
+        self._consumed = False
         names = list(self.names)
         self.names.clear()
         self.norms.clear()
@@ -125,13 +126,10 @@ class GradOffload:
         finally:
             with self._lock:
                 self._consumed = False
-            names = list(self.names)
-            if set_to_none:
-                self.names.clear()
-                self.norms.clear()
-                delete_keys(self._store, [grad_key(n) for n in names])
-            else:
-                for name in names:
+                if set_to_none:
+                    self._drop_locked()
+            if not set_to_none:
+                for name in list(self.names):
                     key = grad_key(name)
                     if key in self._store:
                         info = self._store.info(key)

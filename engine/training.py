@@ -298,15 +298,14 @@ class Training:
         cfg = self._config
         # Norms taken on the compute device (CUDA) join the step's CPU math as CPU scalars.
         norms = {n: t.cpu() for n, t in self.grads.norms.items()} if self.grads.norms else {}
-        grad_norm: Optional[torch.Tensor] = None
         grad_scale = 1.0
         scaler_before = self._scaler_state()
-        # Every rank takes part in the sum, so all of them agree on skipping.
+        # The stored (loss-scaled) gradients' global norm, in parameter order: the step clips with it and
+        # reports it. Every rank takes part in the sum, so all of them agree on skipping.
         stored_norm = total_norm([norms[p.name] for p in self._params if p.name in norms], self.all_reduce)
         if self.scaler is not None:
-            grad_norm = stored_norm
-            if not bool(torch.isfinite(grad_norm)):
-                self.last_grad_norm = float(grad_norm)
+            if not bool(torch.isfinite(stored_norm)):
+                self.last_grad_norm = float(stored_norm)
                 self._skip_step()
                 return
             grad_scale = 1.0 / self.scaler.scale
@@ -316,8 +315,8 @@ class Training:
         store = self._prefetch.take(self._store)
         try:
             stats = self._optimizer.run_step(
-                store, shards, config=cfg, grad_norms=norms if cfg.max_grad_norm is not None else None,
-                all_reduce=self.all_reduce, on_event=self.on_event, grad_scale=grad_scale, grad_norm=grad_norm,
+                store, shards, config=cfg, all_reduce=self.all_reduce, on_event=self.on_event, grad_scale=grad_scale,
+                grad_norm=stored_norm,
             )
         except BaseException as exc:
             store.close()

@@ -13,6 +13,8 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
+from engine.checkpoint_paths import holds_checkpoint
+
 StateDictLike = Union[Mapping[str, torch.Tensor], str, "os.PathLike[str]"]
 
 
@@ -43,7 +45,7 @@ class WeightSource:
                 f"got {type(state_dict).__name__}"
             )
         path = os.fspath(state_dict)
-        if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("metadata.json", "latest")):
+        if os.path.isdir(path) and holds_checkpoint(path):
             from engine.checkpoint_export import open_checkpoint_weights  # an eng.save_checkpoint directory
 
             return open_checkpoint_weights(path)
