@@ -30,6 +30,9 @@ ALIGNMENT = 4096
 #: DeepSpeed's own aio defaults, for an ``aio`` section that sets one of the two but not the other.
 DEEPSPEED_AIO_QUEUE_DEPTH = 8
 DEEPSPEED_AIO_THREADS = 1
+#: DeepSpeed clips gradients at this global norm when a config leaves ``gradient_clipping`` out
+#: (since deepspeedai/DeepSpeed#8068, mid-2026; 0, no clipping, before it): 1.0 in 0.19.8.
+DEEPSPEED_GRADIENT_CLIPPING = 1.0
 #: A mapped aio section never starts more store I/O threads than this.
 MAX_MAPPED_IO_THREADS = 256
 FP32_BYTES = 4
@@ -266,7 +269,7 @@ TOP: Schema = {
     "bf16": BF16,
     "bfloat16": BF16,
     "fp16": FP16,
-    "gradient_clipping": Key(_number(), MAP, "max_grad_norm (0 -> None, no clipping)"),
+    "gradient_clipping": Key(_number(), MAP, "max_grad_norm (0 -> None, no clipping; left out -> 1.0, as DeepSpeed)"),
     "optimizer": Key(_mapping_or_none, MAP, "validated here; build it with optimizer_from_deepspeed(ds)"),
     "scheduler": Key(_mapping_or_none, MAP, "validated here; build it with scheduler_from_deepspeed(ds, optimizer)"),
     "train_batch_size": Key(_int(1), MAP, _ACCUMULATION),
@@ -436,8 +439,8 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
     _map_accumulation(found, eng, problems)
     if found.get("activation_checkpointing.cpu_checkpointing"):
         eng["activation_tier"] = "host"
-    if "gradient_clipping" in found:
-        eng["max_grad_norm"] = found["gradient_clipping"] or None  # DeepSpeed clips only when > 0
+    # DeepSpeed clips only when > 0, and at its default when the key is left out
+    eng["max_grad_norm"] = found.get("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING) or None
 
     from engine.optim_deepspeed import optimizer_problems, scheduler_problems
 

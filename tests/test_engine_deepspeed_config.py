@@ -35,6 +35,12 @@ def ds(**sections) -> dict:
     return config
 
 
+def deepspeed_defaults(store: tiered.StoreConfig, **fields) -> EngineConfig:
+    """The EngineConfig a config leaving everything else out maps to: the engine's defaults, but
+    clipping at DeepSpeed's default ``gradient_clipping`` (1.0 since deepspeedai/DeepSpeed#8068)."""
+    return EngineConfig(store=store, **{"max_grad_norm": 1.0, **fields})
+
+
 def problems_of(config, store) -> str:
     with pytest.raises(ValueError) as info:
         EngineConfig.from_deepspeed(config, store=store)
@@ -43,7 +49,8 @@ def problems_of(config, store) -> str:
 
 def test_minimal_stage3_config_keeps_every_default(store):
     config = EngineConfig.from_deepspeed(ZERO3, store=store)
-    assert config == EngineConfig(store=store)
+    assert config == deepspeed_defaults(store)
+    assert config.max_grad_norm == 1.0  # DeepSpeed clips at 1.0 when the config says nothing
 
 
 @pytest.mark.parametrize("fragment,engine_fields,store_fields", [
@@ -77,7 +84,7 @@ def test_minimal_stage3_config_keeps_every_default(store):
 ])
 def test_each_mapping(store, fragment, engine_fields, store_fields):
     config = EngineConfig.from_deepspeed(ds(**fragment), store=store)
-    assert config == EngineConfig(store=store.replace(**store_fields), **engine_fields)
+    assert config == deepspeed_defaults(store.replace(**store_fields), **engine_fields)
 
 
 def test_nvme_paths_of_both_offload_sections(store, tmp_path):
@@ -108,7 +115,7 @@ def test_accepted_keys_change_nothing(store):
                                         "number_checkpoints": None, "synchronize_checkpoint_boundary": False,
                                         "profile": False}}
     config = EngineConfig.from_deepspeed(ds(zero=zero, **top), store=store)
-    assert config == EngineConfig(store=store, param_tier="nvme", optimizer_tier="nvme")
+    assert config == deepspeed_defaults(store, param_tier="nvme", optimizer_tier="nvme")
 
 
 def test_fp16_auto_cast_casts_forward_inputs(store):
@@ -148,7 +155,7 @@ def test_auto_values_are_treated_as_unset(store):
            bf16={"enabled": "auto"}, train_batch_size="auto", optimizer={"type": "AdamW", "params": {"lr": "auto"}}),
         store=store,
     )
-    assert config == EngineConfig(store=store)
+    assert config == deepspeed_defaults(store)
 
 
 def test_overrides_win_and_absent_keys_keep_the_store(store):
@@ -427,8 +434,8 @@ def test_a_full_hugging_face_style_config(store, tmp_path):
     assert message.count("\n  ") == 1 and "zero_optimization.aio: unknown key" in message
     del config["zero_optimization"]["aio"]
     engine_config = EngineConfig.from_deepspeed(config, store=store)
-    assert engine_config == EngineConfig(
-        store=store.replace(nvme_paths=(nvme,), block_size=262144, queue_depth=32, io_threads=32),
+    assert engine_config == deepspeed_defaults(
+        store.replace(nvme_paths=(nvme,), block_size=262144, queue_depth=32, io_threads=32),
         param_tier="nvme", optimizer_tier="nvme", optimizer_group_bytes=4_000_000_000,
     )
     opt = optimizer_from_deepspeed(config)
