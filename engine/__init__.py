@@ -10,6 +10,7 @@ from typing import Any
 
 from engine.checkpoint_export import checkpoint_state_dict, export_checkpoint
 from engine.config import EngineConfig
+from engine.deepspeed_checkpoint import import_deepspeed_checkpoint
 from engine.engine import Engine, EngineClosedError, wrap
 from engine.layout import ShardLayout, param_key
 from engine.loss_scaling import LossScaling
@@ -20,7 +21,7 @@ from engine.stats import EngineStats
 __all__ = [
     "AdamW", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "LossScaling", "MemoryEstimate",
     "ReleasedParameterError", "ShardLayout", "checkpoint_state_dict", "estimate_memory", "export_checkpoint",
-    "param_key", "wrap",
+    "import_deepspeed_checkpoint", "param_key", "wrap",
 ]
 
 

@@ -112,7 +112,7 @@ def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overw
         checked["client"] = check_client_state(client_state)
         check_between_steps(parts, "save a checkpoint")
         if rank == 0:
-            _prepare_partial(checked["path"], checked["path"] + PARTIAL_SUFFIX, overwrite, tag is not None)
+            prepare_partial(checked["path"], checked["path"] + PARTIAL_SUFFIX, overwrite, tag is not None)
 
     agree(io, attempt(prepare), "preparing the checkpoint directory")
     directory, client = checked["path"], checked["client"]
@@ -135,7 +135,9 @@ def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overw
     agree(io, error, "writing the checkpoint", failed=[r for r, f in enumerate(files) if f is None])
 
 
-def _prepare_partial(path: str, partial: str, overwrite: bool, tagged: bool) -> None:
+def prepare_partial(path: str, partial: str, overwrite: bool, tagged: bool = False) -> None:
+    """Create the empty ``partial`` directory a checkpoint for ``path`` is written into (removing one a
+    crashed save left); FileExistsError when ``path`` exists and not ``overwrite``."""
     parent = os.path.dirname(path)
     if tagged and not os.path.isdir(parent) and os.path.isdir(os.path.dirname(parent)):
         os.mkdir(parent)  # the directory of tagged checkpoints, on the first save into it
@@ -165,11 +167,19 @@ def _write_rank_file(parts: EngineParts, file: str) -> dict[str, Any]:
                             _store_reader(store, key)))
     for name, buf in parts.model.named_buffers():
         sources.append((TensorSpec("buffer/" + name, buf.dtype, tuple(buf.shape)), _value(buf)))
+    return write_tensors(file, sources, parts.io.rank, "saving checkpoint",
+                         parts.config.progress and parts.io.rank == 0)
+
+
+def write_tensors(file: str, sources: Sequence[tuple[TensorSpec, Callable[[], torch.Tensor]]], rank: int,
+                  label: str, progress: bool) -> dict[str, Any]:
+    """Write rank ``rank``'s file of a checkpoint, each tensor from its getter (read one ahead of
+    the write), under a progress bar when ``progress``; return the metadata's record of the file
+    (size, CRC-32s whole and per chunk)."""
     getters = {spec.name: get for spec, get in sources}
-    writer = SafetensorsWriter(file, [spec for spec, _ in sources], {"format": FORMAT, "rank": str(parts.io.rank)},
+    writer = SafetensorsWriter(file, [spec for spec, _ in sources], {"format": FORMAT, "rank": str(rank)},
                                chunk_crc_bytes=CRC_CHUNK_BYTES)
-    bar = byte_progress("saving checkpoint", sum(spec.nbytes for spec in writer.order), enabled=parts.config.progress,
-                        rank=parts.io.rank)
+    bar = byte_progress(label, sum(spec.nbytes for spec in writer.order), enabled=progress)
     try:
         with bar:
             for spec, value in zip(writer.order, read_ahead([getters[s.name] for s in writer.order])):
@@ -193,7 +203,12 @@ def _finish_save(parts: EngineParts, path: str, partial: str, files: list[Any], 
                 f"rank {rank} wrote {rank_file(rank)} but rank 0 does not see it in {partial!r}: every rank must "
                 "save to a directory on a filesystem they all share"
             )
-    metadata = _metadata(parts, files, client_state)
+    publish(partial, path, _metadata(parts, files, client_state), overwrite)
+
+
+def publish(partial: str, path: str, metadata: dict[str, Any], overwrite: bool) -> None:
+    """Write ``metadata.json`` into the complete ``partial`` directory, fsync, and rename it to
+    ``path`` (replacing a previous checkpoint there only with ``overwrite``, through ``path.old``)."""
     meta_file = os.path.join(partial, METADATA_FILE)
     with open(meta_file, "w", encoding="utf-8") as f:
         json.dump(metadata, f, indent=1)
@@ -344,7 +359,7 @@ def _check_metadata(parts: EngineParts, metadata: dict[str, Any], load_optimizer
                 f"model's has {layout.stride}: give the parameter the same memory format as when it was saved"
             )
     saved_buffers = {b["name"]: b for b in metadata["buffers"]}
-    my_buffers = dict(parts.model.named_buffers())
+    my_buffers = _buffers_to_load(parts, saved_buffers)
     if set(saved_buffers) != set(my_buffers):
         raise CheckpointError(
             f"the checkpoint's buffers {sorted(set(saved_buffers) - set(my_buffers))[:5]} are not the model's, or the "
@@ -375,6 +390,30 @@ def _check_metadata(parts: EngineParts, metadata: dict[str, Any], load_optimizer
             raise CheckpointError(
                 f"the checkpoint's optimizer has {len(optimizer['param_groups'])} parameter groups, this one {groups}"
             )
+        _check_group_members(parts, optimizer["param_groups"])
+
+
+def _check_group_members(parts: EngineParts, saved: list[dict[str, Any]]) -> None:
+    """An imported checkpoint names each group's parameters (``param_names``): they must be in the
+    same group of this engine's optimizer, or their hyperparameters (weight decay) would change."""
+    if not any("param_names" in group for group in saved):
+        return
+    mine = parts.optimizer.group_of(parts.model.named_parameters())  # type: ignore[union-attr]
+    for index, group in enumerate(saved):
+        for name in group.get("param_names", []):
+            if mine.get(name, index) != index:
+                raise CheckpointError(
+                    f"parameter {name!r} is in the checkpoint's parameter group {index} (weight_decay "
+                    f"{group.get('weight_decay')!r}) but in group {mine[name]} of engine.AdamW: build the groups "
+                    "as the run that saved it did"
+                )
+
+
+def _buffers_to_load(parts: EngineParts, saved: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's buffers a load restores: all of them, but a non-persistent one (outside
+    ``state_dict()``, such as rotary ``inv_freq``) only if the checkpoint has it (an imported one may not)."""
+    persistent = set(parts.model.state_dict(keep_vars=True))
+    return {name: buf for name, buf in parts.model.named_buffers() if name in saved or name in persistent}
 
 
 def _loads(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool
@@ -408,11 +447,15 @@ def _check_files(parts: EngineParts, files: CheckpointFiles, load_optimizer: boo
         ranks = files.ranks_holding(handle.name, layout.shard_offset, layout.shard_offset + layout.shard_numel)
         files.check_shards(handle.name, state, layout.dtype if state is None else torch.float32, ranks)
     reader = files.reader(_buffer_rank(parts, files))
-    for name, buf in parts.model.named_buffers():
+    saved = {b["name"] for b in files.metadata["buffers"]}
+    for name, buf in _buffers_to_load(parts, saved).items():
         spec = reader.specs.get("buffer/" + name)
         if spec is None:
             raise CheckpointError(f"{reader.path!r} has no tensor {'buffer/' + name!r}")
-        if spec.dtype != buf.dtype or spec.shape != tuple(buf.shape):
+        # A floating buffer loads cast into the model's floating dtype: DeepSpeed keeps buffers fp32
+        # under bf16/fp16, where the engine casts them to EngineConfig.train_dtype.
+        cast = spec.dtype.is_floating_point and buf.dtype.is_floating_point
+        if (spec.dtype != buf.dtype and not cast) or spec.shape != tuple(buf.shape):
             raise CheckpointError(
                 f"{reader.path!r}: buffer {name!r} is {spec.dtype} {spec.shape}, the model's {buf.dtype} "
                 f"{tuple(buf.shape)}"
@@ -438,8 +481,9 @@ def _load_files(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool
     finally:
         puts.wait(raise_errors=False)
     rank = _buffer_rank(parts, files)
+    saved = {b["name"] for b in files.metadata["buffers"]}
     with torch.no_grad():
-        for name, buf in parts.model.named_buffers():
+        for name, buf in _buffers_to_load(parts, saved).items():
             buf.copy_(files.buffer(name, rank))
     optimizer = files.optimizer if load_optimizer else None
     if parts.training is not None:
@@ -464,10 +508,13 @@ def _restore_loss_scale(training: Any, saved: Any, path: Any) -> None:
 
 def _restore_hyperparameters(optimizer: Any, saved: dict[str, Any]) -> None:
     current = optimizer.param_groups
+    indices = optimizer.state_dict()["param_groups"]
     groups = []
-    for group, now in zip(saved["param_groups"], current):
-        groups.append({k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v
-                       for k, v in group.items()})
+    for group, now, mine in zip(saved["param_groups"], current, indices):
+        group = {k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v
+                 for k, v in group.items() if k != "param_names"}
+        group.setdefault("params", mine["params"])  # an imported group names its parameters instead (checked)
+        groups.append(group)
     # The step counts come with the moments, from the checkpoint's step record (commit_staged).
     optimizer.load_state_dict({"state": {}, "param_groups": groups, "shard_steps": optimizer.shard_steps})
 
@@ -581,5 +628,6 @@ def _jsonable(value: Any, what: str) -> Any:
 
 __all__ = [
     "CheckpointError", "EngineParts", "agree", "attempt", "check_between_steps", "consolidated_state_dict",
-    "check_client_state", "fsync_dir", "gather_objects", "load_checkpoint", "rank_file", "save_checkpoint",
+    "check_client_state", "fsync_dir", "gather_objects", "load_checkpoint", "prepare_partial", "publish",
+    "rank_file", "save_checkpoint", "write_tensors",
 ]

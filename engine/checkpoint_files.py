@@ -216,12 +216,22 @@ class CheckpointFiles:
         self.close()
 
 
+def deepspeed_model_file(path: "str | os.PathLike[str]", rank: int) -> str:
+    """Where DeepSpeed's ZeRO-3 ``save_checkpoint`` puts data-parallel rank ``rank``'s model states
+    in a tag directory (``engine.deepspeed_checkpoint`` imports such checkpoints)."""
+    return os.path.join(path, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+
+
 def read_metadata(path: str) -> dict[str, Any]:
     """The checkpoint's ``metadata.json``, checked for the fields readers rely on."""
     file = os.path.join(path, METADATA_FILE)
     if not os.path.isfile(file):
-        hint = " (a save that did not finish leaves only a .partial directory)" if os.path.isdir(
-            path + PARTIAL_SUFFIX) else ""
+        hint = ""
+        if os.path.isdir(path + PARTIAL_SUFFIX):
+            hint = " (a save that did not finish leaves only a .partial directory)"
+        elif os.path.isfile(deepspeed_model_file(path, 0)):
+            hint = (": it is a DeepSpeed ZeRO-3 checkpoint; convert it once with `tiered import-deepspeed "
+                    f"{path} OUT` (or engine.import_deepspeed_checkpoint) and load OUT")
         raise CheckpointError(f"{path!r} is not a checkpoint: it has no {METADATA_FILE}{hint}")
     try:
         with open(file, encoding="utf-8") as f:
@@ -276,5 +286,6 @@ def dtype_of(name: str) -> torch.dtype:
 
 __all__ = [
     "CRC_CHUNK_BYTES", "CheckpointError", "CheckpointFiles", "FORMAT", "METADATA_FILE", "PARTIAL_SUFFIX",
+    "deepspeed_model_file",
     "STATE_NAMES", "VERSION", "dtype_of", "read_checked", "read_metadata", "rank_file", "tensor_name",
 ]

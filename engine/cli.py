@@ -1,5 +1,5 @@
 """The ``tiered`` console command: the store's commands (bench, inspect, fsck) plus ``train``,
-``estimate`` and ``export``.
+``estimate``, ``export`` and ``import-deepspeed``.
 
 It lives in the engine because those need the engine and the store never imports it.
 """
@@ -14,6 +14,7 @@ from tiered.cli import main as store_main
 TRAIN_USAGE = "  train         train a GPT-style model with parameters and optimizer states on NVMe (--demo)"
 ESTIMATE_USAGE = "  estimate      memory and disk a model needs per tier under a config, before allocating any"
 EXPORT_USAGE = "  export        a training checkpoint's weights as Hugging Face safetensors files (zero_to_fp32)"
+IMPORT_USAGE = "  import-deepspeed  a DeepSpeed ZeRO-3 checkpoint as an engine checkpoint, to resume from"
 
 
 def _train(argv: Sequence[str]) -> int:
@@ -34,10 +35,17 @@ def _export(argv: Sequence[str]) -> int:
     return main(list(argv))
 
 
+def _import_deepspeed(argv: Sequence[str]) -> int:
+    from engine.import_cli import main
+
+    return main(list(argv))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Dispatch ``tiered <command> ...``; return the exit status."""
-    commands = {"train": _train, "estimate": _estimate, "export": _export, **COMMANDS}
-    engine_usage = "".join(line + "\n" for line in (TRAIN_USAGE, ESTIMATE_USAGE, EXPORT_USAGE))
+    commands = {"train": _train, "estimate": _estimate, "export": _export, "import-deepspeed": _import_deepspeed,
+                **COMMANDS}
+    engine_usage = "".join(line + "\n" for line in (TRAIN_USAGE, ESTIMATE_USAGE, EXPORT_USAGE, IMPORT_USAGE))
     usage = USAGE.replace("commands:\n", "commands:\n" + engine_usage, 1)
     return store_main(argv, commands=commands, usage=usage)
 

@@ -1,0 +1,421 @@
+"""Import a DeepSpeed ZeRO-3 checkpoint as an engine checkpoint (``tiered import-deepspeed``).
+
+DeepSpeed's ``model_engine.save_checkpoint(dir)`` writes, for each data-parallel rank ``r`` of
+``W``, ``<dir>/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (parameter shapes, the frozen
+parameters' pieces, buffers, step counts, the caller's ``client_state``) and
+``..._optim_states.pt`` (``bf16_`` in front under bf16): the rank's fp32 master weights and Adam
+moments, as flat tensors of "sub-groups". In a sub-group each parameter takes ``S = ceil(numel /
+W)`` elements of every rank, rank ``r`` holding elements ``[r*S, (r+1)*S)`` of it flattened: the
+layout of an engine checkpoint saved by ``W`` ranks (``engine.checkpoint_files``). So an import
+rewrites each DeepSpeed rank's pieces into one rank file of an engine checkpoint, one tensor at a
+time, and then ``eng.load_checkpoint(out)`` resumes it at any world size (master weights, moments,
+step counts, hyperparameters, the fp16 loss scale), ``tiered export`` writes its weights in Hugging
+Face's layout, and ``engine.wrap(model, state_dict=out)`` serves it.
+
+The files are pickles. They are read with ``torch.load(weights_only=True)``, which builds tensors
+and plain containers only; DeepSpeed's own two classes in them (the ZeRO stage and the loss
+scaler) are read as inert records, so DeepSpeed need not be installed. A file holding any other
+object (a ``client_state`` with arbitrary objects) is refused unless ``trust_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from engine.checkpoint import prepare_partial, publish, write_tensors
+from engine.checkpoint_files import (
+    FORMAT, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, deepspeed_model_file, rank_file, tensor_name,
+)
+from engine.checkpoint_paths import resolve_checkpoint
+from engine.safetensors_stream import TensorSpec
+
+_OPTIM_FILES = ("zero_pp_rank_{}_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt")
+#: What DeepSpeed itself writes in a model states file; every other key is the caller's client_state.
+_DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+    "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+})
+#: DeepSpeed's names (its ``optimizer.type``, lowercased) of the optimizers whose state is Adam's.
+_ADAM_TYPES = frozenset({"adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam"})
+#: The torch.optim.AdamW settings of an imported group besides lr, betas, eps and weight_decay.
+_ADAMW_FIXED = {"amsgrad": False, "maximize": False, "foreach": None, "fused": None, "capturable": False,
+                "differentiable": False, "decoupled_weight_decay": True}
+
+
+class _DeepSpeedRecord:
+    """An object of one of DeepSpeed's classes (a loss scaler) read back as its attributes only."""
+
+
+def _zero_stage(value: int) -> int:
+    return int(value)
+
+
+_DEEPSPEED_GLOBALS = [
+    (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+    """One parameter of the checkpoint and where each rank keeps its piece."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # the training dtype
+    world: int
+    #: Index of its optimizer sub-group and its offset in each rank's flat tensors; -1 when frozen.
+    sub_group: int = -1
+    offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def shard(self) -> int:
+        return -(-self.numel // self.world)
+
+    @property
+    def trainable(self) -> bool:
+        return self.sub_group >= 0
+
+
+class DeepSpeedCheckpoint:
+    """A DeepSpeed ZeRO-3 checkpoint (its tag directory: ``path/tag``, or the tag ``path/latest``
+    names, or ``path`` itself), checked on open; each rank's files are read when written out."""
+
+    def __init__(self, path: "str | os.PathLike[str]", tag: Optional[str] = None, *,
+                 trust_pickle: bool = False) -> None:
+        self.path = resolve_checkpoint(path, tag)
+        self._trust_pickle = trust_pickle
+        if not os.path.isfile(deepspeed_model_file(self.path, 0)):
+            raise CheckpointError(_not_zero3(self.path))
+        model = self._load(deepspeed_model_file(self.path, 0))
+        self.world_size = int(model.get("dp_world_size", 0))
+        if model.get("mp_world_size", 1) != 1:
+            raise CheckpointError(
+                f"{self.path!r} was saved with model (tensor) parallelism of {model['mp_world_size']}; only data "
+                "parallel ZeRO-3 checkpoints import"
+            )
+        if self.world_size < 1:
+            raise CheckpointError(f"{self.path!r}: its model states give no data-parallel world size")
+        self.global_steps = int(model.get("global_steps", 0))
+        self.skipped_steps = int(model.get("skipped_steps", 0))
+        self.ds_version = str(model.get("ds_version", "unknown"))
+        self.ds_config: dict[str, Any] = model.get("ds_config") or {}
+        optim = self._load(self._optim_file(0))["optimizer_state_dict"]
+        if optim.get("zero_stage") != 3:
+            raise CheckpointError(f"{self.path!r} is a ZeRO stage {optim.get('zero_stage')!r} checkpoint; only "
+                                  "stage 3 imports")
+        if optim.get("partition_count") != self.world_size:
+            raise CheckpointError(f"{self.path!r}: the optimizer is split {optim.get('partition_count')!r} ways, "
+                                  f"the model over {self.world_size} ranks")
+        inner = optim["optimizer_state_dict"]
+        self._check_adam(inner)
+        self._state_steps = {int(i): int(s["step"]) for i, s in inner["state"].items()}
+        self.params = self._layout(model, optim)
+        self.groups = self._param_groups(inner, len(optim["fp32_flat_groups"]))
+        self.tied = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
+        self.buffers = {name: model["module"][name] for name in model.get("buffer_names", [])
+                        if name in model["module"]}
+        self.loss_scale = self._loss_scale(optim)
+        self.client_state = _client_state(model, self.path)
+        self.lr_scheduler = model.get("lr_scheduler")
+
+    # ------------------------------------------------------------------ reading the pickles
+
+    def _load(self, file: str) -> dict[str, Any]:
+        safe_globals = getattr(torch.serialization, "safe_globals", None)
+        if safe_globals is None and not self._trust_pickle:
+            raise CheckpointError(
+                f"reading {file!r} without unpickling arbitrary objects needs torch >= 2.6 (torch.serialization."
+                f"safe_globals; this is {torch.__version__}): upgrade torch, or pass trust_pickle=True for files "
+                "you trust"
+            )
+        try:
+            if self._trust_pickle:
+                return torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+            with safe_globals(_DEEPSPEED_GLOBALS):
+                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as exc:
+            reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line),
+                          str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            raise CheckpointError(
+                f"{file!r} holds an object torch.load(weights_only=True) does not build ({reason}); if you trust "
+                "the file (your own DeepSpeed run wrote it), import with trust_pickle=True (--trust-pickle)"
+            ) from exc
+        except (RuntimeError, EOFError, OSError) as exc:
+            raise CheckpointError(f"{file!r} could not be read as a torch checkpoint file: {exc}") from exc
+
+    def _optim_file(self, rank: int) -> str:
+        for pattern in _OPTIM_FILES:
+            file = os.path.join(self.path, pattern.format(rank))
+            if os.path.isfile(file):
+                return file
+        raise CheckpointError(
+            f"{self.path!r} has no optimizer states file for rank {rank} ({_OPTIM_FILES[0].format(rank)}): ZeRO-3 "
+            "keeps the weights there, so every rank's file is needed"
+        )
+
+    # ------------------------------------------------------------------ what rank 0's files say
+
+    def _check_adam(self, inner: dict[str, Any]) -> None:
+        """CheckpointError unless the optimizer was Adam or AdamW (DeepSpeed's, torch's or apex's)."""
+        kind = str((self.ds_config.get("optimizer") or {}).get("type", "adamw")).lower()
+        keys = sorted({key for state in inner["state"].values() for key in state})
+        if kind not in _ADAM_TYPES or any(key not in ("step", "exp_avg", "exp_avg_sq") for key in keys) or (
+                inner["state"] and keys != ["exp_avg", "exp_avg_sq", "step"]):
+            raise CheckpointError(
+                f"{self.path!r} was trained with the optimizer {kind!r} (state {keys}); only Adam and AdamW import, "
+                "into engine.AdamW. For the weights alone, run DeepSpeed's zero_to_fp32.py on it and pass the file "
+                "to engine.wrap(state_dict=...)"
+            )
+
+    def _layout(self, model: dict[str, Any], optim: dict[str, Any]) -> list[_Param]:
+        module, world = model["module"], self.world_size
+        flats = optim["fp32_flat_groups"]
+        shapes = model.get("param_shapes") or []
+        if len(shapes) != len(flats):
+            raise CheckpointError(f"{self.path!r}: {len(shapes)} parameter shape groups for {len(flats)} flat "
+                                  "optimizer groups (not a ZeRO-3 checkpoint this importer knows)")
+        params: list[_Param] = []
+        for index, group in enumerate(shapes):
+            offset = 0
+            for name, shape in group.items():
+                param = _Param(str(name), tuple(int(d) for d in shape), _dtype(module, name, self.path), world,
+                               index, offset)
+                params.append(param)
+                offset += param.shard
+            if offset != flats[index].numel():
+                raise CheckpointError(f"{self.path!r}: flat optimizer group {index} holds {flats[index].numel()} "
+                                      f"elements per rank, its parameters {offset}")
+        for name, shape in (model.get("frozen_param_shapes") or {}).items():
+            params.append(_Param(str(name), tuple(int(d) for d in shape), _dtype(module, name, self.path), world))
+        return params
+
+    def _param_groups(self, inner: dict[str, Any], subs: int) -> list[dict[str, Any]]:
+        """Each parameter group's AdamW hyperparameters and the names of its parameters."""
+        settings = (self.ds_config.get("optimizer") or {}).get("params") or {}
+        group_of_sub: dict[int, int] = {}
+        groups = []
+        for g, group in enumerate(inner["param_groups"]):
+            for sub in group["params"]:
+                group_of_sub[int(sub)] = g
+            decoupled = group.get("decoupled_weight_decay", settings.get("adam_w_mode", True))
+            problems = [f"{key}={group[key]!r}" for key in ("amsgrad", "maximize") if group.get(key)]
+            if not group.get("bias_correction", True):
+                problems.append("bias_correction=False")
+            if not decoupled and group.get("weight_decay", 0.0):
+                problems.append("weight decay added to the gradient (Adam with adam_w_mode=false)")
+            if problems:
+                raise CheckpointError(f"{self.path!r}: parameter group {g} was trained with {', '.join(problems)}; "
+                                      "the engine's optimizer is torch's AdamW, which has none of these")
+            groups.append({"lr": float(group["lr"]), "betas": [float(b) for b in group["betas"]],
+                           "eps": float(group["eps"]), "weight_decay": float(group.get("weight_decay", 0.0)),
+                           **_ADAMW_FIXED})
+        if sorted(group_of_sub) != list(range(subs)):
+            raise CheckpointError(f"{self.path!r}: the optimizer's groups list sub-groups {sorted(group_of_sub)}, "
+                                  f"the checkpoint has {subs}")
+        for state in self._state_steps:
+            if state not in group_of_sub:
+                raise CheckpointError(f"{self.path!r}: optimizer state for an unknown sub-group {state}")
+        for g, group in enumerate(groups):
+            group["param_names"] = [p.name for p in self._trainable() if group_of_sub[p.sub_group] == g]
+        return groups
+
+    def _trainable(self) -> list[_Param]:
+        return [p for p in self.params if p.trainable]
+
+    def _loss_scale(self, optim: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """The fp16 loss scaler's state as ``engine.LossScaler.state_dict()`` has it; None without fp16."""
+        scaler = optim.get("loss_scaler")
+        if not any(p.dtype == torch.float16 for p in self.params) or scaler is None:
+            return None
+        record = vars(scaler) if not isinstance(scaler, dict) else scaler
+        scale = float(record.get("cur_scale", 1.0))
+        if not optim.get("dynamic_loss_scale"):
+            return {"scale": scale, "good_steps": 0, "hysteresis_left": 1, "skipped_steps": self.skipped_steps}
+        # DeepSpeed (0.19) doubles the scale in the step whose count of good steps before it, since
+        # the last overflow, is a positive multiple of the window; the engine's scaler in the step
+        # that makes its good_steps reach the window. Which step grows next decides good_steps.
+        # Right after an overflow DeepSpeed waits one step longer than the engine can be told to.
+        window = int(record["scale_window"])
+        stable = int(record["cur_iter"]) - int(record["last_overflow_iter"]) - 1
+        before_growth = window if stable <= 0 else -stable % window
+        return {"scale": scale, "good_steps": max(window - 1 - before_growth, 0),
+                "hysteresis_left": int(record.get("cur_hysteresis", 1)), "skipped_steps": self.skipped_steps}
+
+    # ------------------------------------------------------------------ one rank's tensors
+
+    def rank_sources(self, rank: int) -> list[tuple[TensorSpec, Callable[[], torch.Tensor]]]:
+        """Rank ``rank``'s tensors as an engine checkpoint's rank file names them, each with a getter."""
+        model = self._load(deepspeed_model_file(self.path, rank))
+        optim = self._load(self._optim_file(rank))["optimizer_state_dict"]
+        flats, inner = optim["fp32_flat_groups"], optim["optimizer_state_dict"]
+        for param in self._trainable():
+            if param.sub_group >= len(flats) or flats[param.sub_group].numel() < param.offset + param.shard:
+                raise CheckpointError(f"rank {rank}'s optimizer states do not hold {param.name!r} where rank 0's do")
+        fragments = model.get("frozen_param_fragments") or {}
+        sources: list[tuple[TensorSpec, Callable[[], torch.Tensor]]] = []
+        for param in self.params:
+            spec = TensorSpec(tensor_name(param.name), param.dtype, (param.shard,))
+            if param.trainable:
+                flat = flats[param.sub_group]
+                sources.append((spec, _piece(flat, param, rank, param.dtype)))
+            else:
+                fragment = fragments.get(param.name)
+                if fragment is None or fragment.numel() != param.shard:
+                    raise CheckpointError(f"rank {rank}'s model states have no {param.shard}-element piece of the "
+                                          f"frozen parameter {param.name!r}")
+                sources.append((spec, _piece(fragment.reshape(-1), dataclasses.replace(param, offset=0), rank,
+                                             param.dtype)))
+        for param in self._trainable():
+            state = inner["state"].get(param.sub_group)
+            if state is None:
+                continue
+            flats_of = {"master": flats[param.sub_group], "exp_avg": state["exp_avg"],
+                        "exp_avg_sq": state["exp_avg_sq"]}
+            for name in STATE_NAMES:
+                sources.append((TensorSpec(tensor_name(param.name, name), torch.float32, (param.shard,)),
+                                _piece(flats_of[name], param, rank, torch.float32)))
+        module = model["module"]
+        for name in self.buffers:
+            value = module.get(name)
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"rank {rank}'s model states have no buffer {name!r}")
+            sources.append((TensorSpec("buffer/" + name, value.dtype, tuple(value.shape)),
+                            lambda value=value: value.detach().clone()))
+        return sources
+
+    # ------------------------------------------------------------------ the engine checkpoint's metadata
+
+    def metadata(self, files: dict[str, Any]) -> dict[str, Any]:
+        """The engine checkpoint's ``metadata.json`` for rank files recorded in ``files``."""
+        names: dict[str, list[str]] = {p.name: [p.name] for p in self.params}
+        for name, source in self.tied.items():
+            if source in names and name not in names:
+                names[source].append(name)
+        params = [{"name": p.name, "names": names[p.name], "shape": list(p.shape), "dtype": _dtype_name(p.dtype),
+                   "stride": list(torch.empty(p.shape, device="meta").stride()), "numel": p.numel,
+                   "shard_numel": p.shard, "padded_numel": p.shard * p.world, "trainable": p.trainable}
+                  for p in self.params]
+        buffers = [{"name": n, "shape": list(b.shape), "dtype": _dtype_name(b.dtype), "persistent": True}
+                   for n, b in self.buffers.items()]
+        stepped = [p.name for p in self._trainable() if p.sub_group in self._state_steps]
+        optimizer = None
+        if self._trainable():
+            optimizer = {
+                "type": "engine.AdamW", "step": self.global_steps,
+                "shard_steps": {p.name: int(self._state_steps[p.sub_group]) for p in self._trainable()
+                                if p.name in stepped},
+                "param_groups": self.groups, "with_state": stepped, "loss_scale": self.loss_scale,
+            }
+        return {
+            "format": FORMAT, "version": VERSION, "world_size": self.world_size, "params": params,
+            "buffers": buffers, "optimizer": optimizer, "files": files, "client_state": self.client_state,
+            "imported_from": {"format": "deepspeed-zero3", "path": self.path, "ds_version": self.ds_version,
+                              "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                              "lr_scheduler": _json_or_none(self.lr_scheduler)},
+        }
+
+
+def import_deepspeed_checkpoint(path: "str | os.PathLike[str]", out: "str | os.PathLike[str]", *,
+                                tag: Optional[str] = None, overwrite: bool = False, trust_pickle: bool = False,
+                                progress: bool = True) -> str:
+    """Convert the DeepSpeed ZeRO-3 checkpoint at ``path`` (``path/tag``, or the tag its ``latest``
+    names) into an engine checkpoint at ``out`` (its parent created if missing), written
+    atomically; return ``out``'s absolute path.
+
+    ``eng.load_checkpoint(out)`` then resumes training from it at any world size, with an
+    ``engine.AdamW`` whose parameter groups hold the same parameters as DeepSpeed's did (checked
+    by name on load). One process, no process group; one tensor in memory at a time."""
+    target = os.path.abspath(os.fspath(out))
+    partial = target + PARTIAL_SUFFIX
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    prepare_partial(target, partial, overwrite)
+    try:
+        checkpoint = DeepSpeedCheckpoint(path, tag, trust_pickle=trust_pickle)
+        files = {}
+        for rank in range(checkpoint.world_size):
+            files[rank_file(rank)] = write_tensors(os.path.join(partial, rank_file(rank)),
+                                                   checkpoint.rank_sources(rank), rank,
+                                                   f"importing rank {rank} of {checkpoint.world_size}", progress)
+        publish(partial, target, checkpoint.metadata(files), overwrite)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return target
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _piece(flat: torch.Tensor, param: _Param, rank: int, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """A getter of ``param``'s rank ``rank`` piece of ``flat`` as ``dtype``, its padding zeroed
+    (DeepSpeed leaves whatever was in memory there)."""
+    def get() -> torch.Tensor:
+        out = flat.reshape(-1)[param.offset:param.offset + param.shard].to(dtype, copy=True)
+        valid = max(0, min(param.shard, param.numel - rank * param.shard))
+        out[valid:] = 0
+        return out
+    return get
+
+
+def _dtype(module: dict[str, Any], name: str, path: str) -> torch.dtype:
+    value = module.get(name)
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(f"{path!r}: the model states have no entry for parameter {name!r}")
+    return value.dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _client_state(model: dict[str, Any], path: str) -> dict[str, Any]:
+    """The caller's ``client_state`` keys of a model states file that JSON holds; a warning names the others."""
+    kept, dropped = {}, []
+    for key, value in model.items():
+        if key in _DEEPSPEED_KEYS:
+            continue
+        converted = _json_or_none(value)
+        if converted is None and value is not None:
+            dropped.append(str(key))
+        else:
+            kept[str(key)] = converted
+    if dropped:
+        warnings.warn(f"{path!r}: client_state keys {dropped} are not JSON (numbers, strings, lists, dicts) and are "
+                      "left out of the imported checkpoint", stacklevel=4)
+    return kept
+
+
+def _json_or_none(value: Any) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def _not_zero3(path: str) -> str:
+    if os.path.isfile(os.path.join(path, "mp_rank_00_model_states.pt")):
+        return (f"{path!r} is a DeepSpeed checkpoint of ZeRO stage 0, 1 or 2; only stage 3 imports. For its "
+                "weights, run DeepSpeed's zero_to_fp32.py on it and pass the file to engine.wrap(state_dict=...)")
+    return f"{path!r} is not a DeepSpeed ZeRO-3 checkpoint: it has no {os.path.basename(deepspeed_model_file(path, 0))}"
+
+
+__all__ = ["DeepSpeedCheckpoint", "import_deepspeed_checkpoint"]

@@ -1,0 +1,155 @@
+"""DeepSpeed ZeRO-3 checkpoints written by DeepSpeed itself, for the import tests.
+
+The committed fixtures in ``tests/fixtures/deepspeed/`` were made by running this file with
+DeepSpeed installed (``pip install deepspeed``; CPU is enough)::
+
+    python tests/deepspeed_fixtures.py tests/fixtures/deepspeed
+
+Each fixture is a tiny model trained by ``deepspeed.initialize`` for ``STEPS_BEFORE`` steps and
+saved with ``model_engine.save_checkpoint`` (ZeRO-3 at world size 1 or 2), plus ``expected.safetensors``:
+DeepSpeed's own view of that state at the save, per parameter (``safe_get_full_fp32_param`` and
+``safe_get_full_optimizer_state``), and ``expected.json``: its step counts and the losses DeepSpeed
+went on to reach in ``STEPS_AFTER`` more steps. The tests need neither DeepSpeed nor this file's
+``main``; they import the model and the batches from here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, WIDTH, TOKENS, BATCH = 37, 13, 6, 4
+STEPS_BEFORE, STEPS_AFTER = 3, 3
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.1
+
+#: name -> (world size, DeepSpeed config changes)
+FIXTURES: dict[str, tuple[int, dict[str, Any]]] = {
+    # sub_group_size 200: the optimizer's flat groups split into several sub-groups, as a large model's do
+    "zero3_fp32_world2": (2, {"zero_optimization": {"stage": 3, "sub_group_size": 200}}),
+    "zero3_bf16_world1": (1, {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}),
+    "zero3_fp16_world2": (2, {"zero_optimization": {"stage": 3},
+                              "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}}),
+}
+
+
+class TinyLM(nn.Module):
+    """Tied embedding and head, odd sizes (ZeRO-3 pads the last rank's shard), a frozen parameter and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH), requires_grad=False)
+        self.register_buffer("offset", torch.linspace(-0.1, 0.1, WIDTH))
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.offset.type_as(h)  # under bf16/fp16 DeepSpeed leaves buffers as they are
+        h = self.norm(torch.tanh(self.proj(h)) * self.gate)
+        return F.cross_entropy(self.head(h).flatten(0, 1).float(), targets.flatten())
+
+
+def make_model() -> TinyLM:
+    """The fixtures' model, initialised as when they were made."""
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+def param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Weight decay on matrices only, as nanoGPT and the Trainer group them."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in trainable if p.dim() >= 2]},
+            {"params": [p for n, p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s whole batch (``BATCH`` sequences); rank r of w takes rows r::w."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, TOKENS + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def ds_config(world: int, changes: dict[str, Any]) -> dict[str, Any]:
+    """The whole DeepSpeed config of a fixture."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": BATCH // world,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                  "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+        "steps_per_print": 1000,
+    }
+    config.update(changes)
+    return config
+
+
+def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from safetensors.torch import save_file
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = make_model()
+    config = ds_config(world, FIXTURES[name][1])
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else (
+        torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32)
+
+    def train(step: int) -> float:
+        ids, targets = batch(step)
+        loss = eng(ids[rank::world], targets[rank::world])
+        eng.backward(loss)
+        eng.step()
+        value = loss.detach().float().clone()
+        torch.distributed.all_reduce(value)
+        return value.item() / world
+
+    before = [train(s) for s in range(STEPS_BEFORE)]
+    eng.save_checkpoint(os.path.join(out, name))
+    expected: dict[str, torch.Tensor] = {}
+    for pname, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        expected[f"{pname}/master"] = safe_get_full_fp32_param(p).clone()
+        for state in ("exp_avg", "exp_avg_sq"):
+            expected[f"{pname}/{state}"] = safe_get_full_optimizer_state(p, state).clone()
+    scale = float(eng.optimizer.loss_scale) if dtype == torch.float16 else None
+    saved_steps, saved_skipped = eng.global_steps, eng.skipped_steps
+    after = [train(s) for s in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)]
+    if rank == 0:
+        folder = os.path.join(out, name)
+        save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(folder, "expected.safetensors"))
+        with open(os.path.join(folder, "expected.json"), "w", encoding="utf-8") as f:
+            json.dump({"world_size": world, "dtype": str(dtype).removeprefix("torch."),
+                       "global_steps": saved_steps, "skipped_steps": saved_skipped, "loss_scale": scale,
+                       "loss_scale_after": float(eng.optimizer.loss_scale) if scale is not None else None,
+                       "losses_before": before, "losses_after": after,
+                       "deepspeed": deepspeed.__version__}, f, indent=1)
+        os.remove(os.path.join(folder, "zero_to_fp32.py"))  # DeepSpeed's script, copied into every checkpoint
+        for extra in ("zero_to_torch.py",):
+            if os.path.exists(os.path.join(folder, extra)):
+                os.remove(os.path.join(folder, extra))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def main(out: str) -> None:
+    """Write every fixture under ``out`` (DeepSpeed must be installed)."""
+    import torch.multiprocessing as mp
+
+    for index, (name, (world, _)) in enumerate(FIXTURES.items()):
+        mp.start_processes(_run, args=(world, name, out, 29600 + index), nprocs=world, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
