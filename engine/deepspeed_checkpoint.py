@@ -320,7 +320,8 @@ class DeepSpeedCheckpoint:
         optimizer = None
         if self._trainable():
             optimizer = {
-                "type": "engine.AdamW", "step": self.global_steps,
+                # DeepSpeed counts the steps an fp16 overflow skipped; the engine counts those taken
+                "type": "engine.AdamW", "step": self.global_steps - self.skipped_steps,
                 "shard_steps": {p.name: int(self._state_steps[p.sub_group]) for p in self._trainable()
                                 if p.name in stepped},
                 "param_groups": self.groups, "with_state": stepped, "loss_scale": self.loss_scale,

@@ -39,11 +39,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with CheckpointFiles(out) as files:
             params, world = len(files.params), files.world_size
             stepped = sum(files.has_state(name) for name in files.params)
-            step = files.optimizer["step"] if files.optimizer else 0
+            source = files.metadata["imported_from"]
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"tiered import-deepspeed: {exc}", file=sys.stderr)
         return 1
-    print(f"{out}: {params} parameters ({stepped} with optimizer state) from {world} DeepSpeed rank(s), step {step}")
+    skipped = f", {source['skipped_steps']} of them skipped (fp16 overflow)" if source["skipped_steps"] else ""
+    print(f"{out}: {params} parameters ({stepped} with optimizer state) from {world} DeepSpeed rank(s) at step "
+          f"{source['global_steps']}{skipped}")
     print(f"  resume with eng.load_checkpoint({out!r}); export weights with: tiered export {out} OUT")
     return 0
 

@@ -3,14 +3,16 @@
 The committed fixtures in ``tests/fixtures/deepspeed/`` were made by running this file with
 DeepSpeed installed (``pip install deepspeed``; CPU is enough)::
 
-    python tests/deepspeed_fixtures.py tests/fixtures/deepspeed
+    python tests/deepspeed_fixtures.py tests/fixtures/deepspeed [NAME ...]
 
 Each fixture is a tiny model trained by ``deepspeed.initialize`` for ``STEPS_BEFORE`` steps and
-saved with ``model_engine.save_checkpoint`` (ZeRO-3 at world size 1 or 2), plus ``expected.safetensors``:
-DeepSpeed's own view of that state at the save, per parameter (``safe_get_full_fp32_param`` and
-``safe_get_full_optimizer_state``), and ``expected.json``: its step counts and the losses DeepSpeed
-went on to reach in ``STEPS_AFTER`` more steps. The tests need neither DeepSpeed nor this file's
-``main``; they import the model and the batches from here.
+saved with ``model_engine.save_checkpoint`` (ZeRO-3 at world size 1 or 2), plus
+``expected.safetensors``: DeepSpeed's own view of that state at the save, per parameter
+(``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``), and ``expected.json``: its
+step counts and the losses (under fp16 also the loss scales and skipped steps) DeepSpeed went on
+to in ``STEPS_AFTER`` more steps. DeepSpeed's runs are not bit-reproducible (rank files differ
+between runs by the leftovers in their padding), so remake only the fixture you change. The tests
+need neither DeepSpeed nor this file's ``main``; they import the model and the batches from here.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ FIXTURES: dict[str, tuple[int, dict[str, Any]]] = {
     "zero3_fp32_world2": (2, {"zero_optimization": {"stage": 3, "sub_group_size": 200}}),
     "zero3_bf16_world1": (1, {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}),
     "zero3_fp16_world2": (2, {"zero_optimization": {"stage": 3},
-                              "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}}),
+                              "fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 2,
+                                       "hysteresis": 1}}),
 }
 
 
@@ -105,11 +108,17 @@ def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else (
         torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32)
 
+    scales: list[float] = []  # fp16: the loss scale after each step of the continuation...
+    skipped: list[bool] = []  # ...and whether the step overflowed (DeepSpeed skipped it)
+
     def train(step: int) -> float:
         ids, targets = batch(step)
         loss = eng(ids[rank::world], targets[rank::world])
         eng.backward(loss)
         eng.step()
+        if dtype == torch.float16:
+            scales.append(float(eng.optimizer.loss_scale))
+            skipped.append(not eng.was_step_applied())
         value = loss.detach().float().clone()
         torch.distributed.all_reduce(value)
         return value.item() / world
@@ -125,6 +134,8 @@ def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
             expected[f"{pname}/{state}"] = safe_get_full_optimizer_state(p, state).clone()
     scale = float(eng.optimizer.loss_scale) if dtype == torch.float16 else None
     saved_steps, saved_skipped = eng.global_steps, eng.skipped_steps
+    scales.clear()
+    skipped.clear()
     after = [train(s) for s in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)]
     if rank == 0:
         folder = os.path.join(out, name)
@@ -132,7 +143,7 @@ def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
         with open(os.path.join(folder, "expected.json"), "w", encoding="utf-8") as f:
             json.dump({"world_size": world, "dtype": str(dtype).removeprefix("torch."),
                        "global_steps": saved_steps, "skipped_steps": saved_skipped, "loss_scale": scale,
-                       "loss_scale_after": float(eng.optimizer.loss_scale) if scale is not None else None,
+                       "loss_scales_after": scales, "skipped_after": skipped,
                        "losses_before": before, "losses_after": after,
                        "deepspeed": deepspeed.__version__}, f, indent=1)
         os.remove(os.path.join(folder, "zero_to_fp32.py"))  # DeepSpeed's script, copied into every checkpoint
@@ -143,13 +154,14 @@ def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
     torch.distributed.destroy_process_group()
 
 
-def main(out: str) -> None:
-    """Write every fixture under ``out`` (DeepSpeed must be installed)."""
+def main(out: str, names: list[str]) -> None:
+    """Write the fixtures ``names`` (every one when empty) under ``out`` (DeepSpeed must be installed)."""
     import torch.multiprocessing as mp
 
     for index, (name, (world, _)) in enumerate(FIXTURES.items()):
-        mp.start_processes(_run, args=(world, name, out, 29600 + index), nprocs=world, start_method="spawn")
+        if name in names or not names:
+            mp.start_processes(_run, args=(world, name, out, 29600 + index), nprocs=world, start_method="spawn")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
