@@ -1,18 +1,20 @@
-"""DeepSpeed ZeRO-3 checkpoints written by DeepSpeed itself, for the import tests.
+"""What DeepSpeed itself does, recorded for tests that run without it: ZeRO-3 checkpoints it
+wrote (the import tests) and the losses of a run it trained (the parity test).
 
 The committed fixtures in ``tests/fixtures/deepspeed/`` were made by running this file with
 DeepSpeed installed (``pip install deepspeed``; CPU is enough)::
 
-    python tests/deepspeed_fixtures.py tests/fixtures/deepspeed [NAME ...]
+    python tests/deepspeed_fixtures.py tests/fixtures/deepspeed [NAME ... | training]
 
 Each fixture is a tiny model trained by ``deepspeed.initialize`` for ``STEPS_BEFORE`` steps and
 saved with ``model_engine.save_checkpoint`` (ZeRO-3 at world size 1 or 2), plus
 ``expected.safetensors``: DeepSpeed's own view of that state at the save, per parameter
 (``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``), and ``expected.json``: its
 step counts and the losses (under fp16 also the loss scales and skipped steps) DeepSpeed went on
-to in ``STEPS_AFTER`` more steps. DeepSpeed's runs are not bit-reproducible (rank files differ
-between runs by the leftovers in their padding), so remake only the fixture you change. The tests
-need neither DeepSpeed nor this file's ``main``; they import the model and the batches from here.
+to in ``STEPS_AFTER`` more steps. ``training_losses.json`` holds every loss of a from-scratch run
+of ``TRAINING_CONFIG``. DeepSpeed's runs are not bit-reproducible (rank files differ between
+runs by the leftovers in their padding), so remake only the fixture you change. The tests need
+neither DeepSpeed nor this file's ``main``; they import the model and the batches from here.
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ FIXTURES: dict[str, tuple[int, dict[str, Any]]] = {
                               "fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 2,
                                        "hysteresis": 1}}),
 }
+
+
+#: A from-scratch run at world size 1 whose every loss the engine must reproduce bit for bit:
+#: gradient accumulation, clipping, parameter groups and a scheduler, as DeepSpeed applies them.
+TRAINING_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.95], "weight_decay": 0.1,
+                                              "torch_adam": True}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 8,
+                                                      "warmup_max_lr": 0.01}},
+    "zero_optimization": {"stage": 3}, "steps_per_print": 1000,
+}
+TRAINING_MICRO_BATCHES = 12
+TRAINING_FILE = "training_losses.json"
 
 
 class TinyLM(nn.Module):
@@ -154,6 +170,25 @@ def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _train_from_scratch(rank: int, out: str, port: int) -> None:
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = make_model()
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=TRAINING_CONFIG)
+    losses = []
+    for micro in range(TRAINING_MICRO_BATCHES):
+        ids, targets = batch(micro)
+        loss = eng(ids[:2], targets[:2])
+        eng.backward(loss)
+        eng.step()  # steps the optimizer and the scheduler on every second micro-batch
+        losses.append(loss.item())
+    with open(os.path.join(out, TRAINING_FILE), "w", encoding="utf-8") as f:
+        json.dump({"config": TRAINING_CONFIG, "losses": losses, "deepspeed": deepspeed.__version__}, f, indent=1)
+    torch.distributed.destroy_process_group()
+
+
 def main(out: str, names: list[str]) -> None:
     """Write the fixtures ``names`` (every one when empty) under ``out`` (DeepSpeed must be installed)."""
     import torch.multiprocessing as mp
@@ -161,6 +196,8 @@ def main(out: str, names: list[str]) -> None:
     for index, (name, (world, _)) in enumerate(FIXTURES.items()):
         if name in names or not names:
             mp.start_processes(_run, args=(world, name, out, 29600 + index), nprocs=world, start_method="spawn")
+    if "training" in names or not names:
+        mp.start_processes(_train_from_scratch, args=(out, 29690), nprocs=1, start_method="spawn")
 
 
 if __name__ == "__main__":
