@@ -286,6 +286,6 @@ def dtype_of(name: str) -> torch.dtype:
 
 __all__ = [
     "CRC_CHUNK_BYTES", "CheckpointError", "CheckpointFiles", "FORMAT", "METADATA_FILE", "PARTIAL_SUFFIX",
-    "deepspeed_model_file",
-    "STATE_NAMES", "VERSION", "dtype_of", "read_checked", "read_metadata", "rank_file", "tensor_name",
+    "STATE_NAMES", "VERSION", "deepspeed_model_file", "dtype_of", "read_checked", "read_metadata", "rank_file",
+    "tensor_name",
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pickle
 import shutil
@@ -81,10 +82,7 @@ class _Param:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def shard(self) -> int:
@@ -285,9 +283,11 @@ class DeepSpeedCheckpoint:
                 sources.append((spec, _piece(fragment.reshape(-1), dataclasses.replace(param, offset=0), rank,
                                              param.dtype)))
         for param in self._trainable():
+            if param.sub_group not in self._state_steps:
+                continue  # no step taken yet: no moments (rank 0's files say)
             state = inner["state"].get(param.sub_group)
             if state is None:
-                continue
+                raise CheckpointError(f"rank {rank}'s optimizer states have no moments for {param.name!r}; rank 0's do")
             flats_of = {"master": flats[param.sub_group], "exp_avg": state["exp_avg"],
                         "exp_avg_sq": state["exp_avg_sq"]}
             for name in STATE_NAMES:
