@@ -23,6 +23,7 @@ from engine.checkpoint_files import STATE_NAMES, CheckpointError, CheckpointFile
 from engine.cli import main as cli_main
 from engine.config import EngineConfig
 from engine.optim_deepspeed import optimizer_from_deepspeed
+from test_engine_distributed import run_ranks
 
 FIXTURE_DIR = Path(__file__).parent / "fixtures" / "deepspeed"
 TRAINABLE = ["embed.weight", "proj.weight", "proj.bias", "norm.weight", "norm.bias"]
@@ -109,6 +110,33 @@ def test_resumed_run_continues_deepspeeds(tmp_path, name):
             assert scales == [None] * STEPS_AFTER
     finally:
         eng.close()
+
+
+def _resume_at_two_ranks(rank: int, root: str) -> None:
+    model, eng = wrap_as_deepspeed(Path(root) / f"rank{rank}", "zero3_fp32_world2", 2)
+    try:
+        eng.load_checkpoint(Path(root) / "imported")  # each rank reads its own file, DeepSpeed's rank's pieces
+        losses = []
+        for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+            ids, targets = batch(step)
+            loss = model(ids[rank::2], targets[rank::2])  # the rows DeepSpeed's rank took
+            eng.backward(loss)
+            eng.step()
+            mean = loss.detach().clone()
+            torch.distributed.all_reduce(mean)
+            losses.append(mean.item() / 2)
+        torch.save(losses, Path(root) / f"losses{rank}.pt")
+    finally:
+        eng.close()
+
+
+def test_two_ranks_resume_deepspeeds_two_rank_run(tmp_path):
+    name = "zero3_fp32_world2"
+    meta, _ = expected(name)
+    imported(tmp_path, name)
+    run_ranks(_resume_at_two_ranks, str(tmp_path))
+    losses = [torch.load(tmp_path / f"losses{r}.pt") for r in range(2)]
+    assert losses[0] == losses[1] == pytest.approx(meta["losses_after"], rel=1e-6)
 
 
 def test_resumed_fp32_run_equals_torch_adamw_from_deepspeeds_state(tmp_path):
