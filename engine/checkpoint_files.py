@@ -76,6 +76,11 @@ class CheckpointFiles:
         """True when the checkpoint holds optimizer state (fp32 master weights, moments) for ``param``."""
         return self.optimizer is not None and param in self.optimizer["with_state"]
 
+    @property
+    def stepped(self) -> list[str]:
+        """The parameters with optimizer state (those ``engine.AdamW`` has stepped)."""
+        return [name for name in self.params if self.has_state(name)]
+
     def shard_numel(self, param: str) -> int:
         """Elements of each saved rank's shard of ``param`` (padding included)."""
         numel = _numel(self.params[param])

@@ -47,8 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         max_shard = DEFAULT_MAX_SHARD_BYTES if args.max_shard_size is None else parse_size(args.max_shard_size)
         source = resolve_checkpoint(args.checkpoint, args.tag)
         with CheckpointFiles(source) as files:
-            params, world = len(files.params), files.world_size
-            stepped = sum(files.has_state(name) for name in files.params)
+            params, world, stepped = len(files.params), files.world_size, len(files.stepped)
         written = export_checkpoint(source, args.out, master_weights=not args.training_weights,
                                     dtype=_DTYPES.get(args.dtype), max_shard_bytes=max_shard)
     except (CheckpointError, ValueError, OSError) as exc:

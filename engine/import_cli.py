@@ -37,8 +37,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out = import_deepspeed_checkpoint(args.checkpoint, args.out, tag=args.tag, overwrite=args.overwrite,
                                           trust_pickle=args.trust_pickle)
         with CheckpointFiles(out) as files:
-            params, world = len(files.params), files.world_size
-            stepped = sum(files.has_state(name) for name in files.params)
+            params, world, stepped = len(files.params), files.world_size, len(files.stepped)
             source = files.metadata["imported_from"]
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"tiered import-deepspeed: {exc}", file=sys.stderr)
