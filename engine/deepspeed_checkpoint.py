@@ -61,11 +61,28 @@ def _zero_stage(value: int) -> int:
     return int(value)
 
 
-_DEEPSPEED_GLOBALS = [
-    (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-    (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-    (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-]
+#: DeepSpeed's own classes in its checkpoint files, by the name its pickles give them, and what
+#: they are read as here (so DeepSpeed need not be installed).
+_DEEPSPEED_CLASSES: dict[str, Callable[..., Any]] = {
+    "deepspeed.runtime.zero.config.ZeroStageEnum": _zero_stage,
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": _DeepSpeedRecord,
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": _DeepSpeedRecord,
+}
+
+
+class _TrustingUnpickler(pickle.Unpickler):
+    """Builds any object (``trust_pickle=True``), DeepSpeed's own classes as above."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        known = _DEEPSPEED_CLASSES.get(f"{module}.{name}")
+        return known if known is not None else super().find_class(module, name)
+
+
+class _TrustingPickle:
+    """The ``pickle_module`` torch.load unpickles a trusted file with."""
+
+    Unpickler = _TrustingUnpickler
+    load = staticmethod(pickle.load)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +164,9 @@ class DeepSpeedCheckpoint:
             )
         try:
             if self._trust_pickle:
-                return torch.load(file, map_location="cpu", weights_only=False, mmap=True)
-            with safe_globals(_DEEPSPEED_GLOBALS):
+                return torch.load(file, map_location="cpu", weights_only=False, mmap=True,
+                                  pickle_module=_TrustingPickle)
+            with safe_globals([(known, name) for name, known in _DEEPSPEED_CLASSES.items()]):
                 return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except pickle.UnpicklingError as exc:
             reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line),
