@@ -149,8 +149,10 @@ class DeepSpeedCheckpoint:
         self.buffers = {name: model["module"][name] for name in model.get("buffer_names", [])
                         if name in model["module"]}
         self.loss_scale = self._loss_scale(optim)
+        self.lr_scheduler: Optional[dict[str, Any]] = model.get("lr_scheduler")
         self.client_state = _client_state(model, self.path)
-        self.lr_scheduler = model.get("lr_scheduler")
+        if self.lr_scheduler is not None:  # DeepSpeed keeps it beside the client_state keys, and so does the import
+            self.client_state["lr_scheduler"] = _json_or_none(self.lr_scheduler)
 
     # ------------------------------------------------------------------ reading the pickles
 
@@ -348,8 +350,7 @@ class DeepSpeedCheckpoint:
             "format": FORMAT, "version": VERSION, "world_size": self.world_size, "params": params,
             "buffers": buffers, "optimizer": optimizer, "files": files, "client_state": self.client_state,
             "imported_from": {"format": "deepspeed-zero3", "path": self.path, "ds_version": self.ds_version,
-                              "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
-                              "lr_scheduler": _json_or_none(self.lr_scheduler)},
+                              "global_steps": self.global_steps, "skipped_steps": self.skipped_steps},
         }
 
 

@@ -8,7 +8,7 @@ from 0 (its constructor takes one step). So DeepSpeed's iteration is ``last_epoc
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -34,6 +34,23 @@ class _Warmup(LRScheduler):
     def iteration(self) -> int:
         """DeepSpeed's ``last_batch_iteration``."""
         return self.last_epoch - 1
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's state dict, or DeepSpeed's own ``{"last_batch_iteration": n}`` (its checkpoints keep
+        that; an imported one returns it as ``client_state["lr_scheduler"]``): the schedule goes on
+        from iteration ``n`` and the groups take its learning rates now. Build the scheduler before
+        ``eng.load_checkpoint``, as DeepSpeed does: WarmupCosineLR scales the lr the groups have then."""
+        if "last_epoch" in state_dict or "last_batch_iteration" not in state_dict:
+            super().load_state_dict(state_dict)
+            return
+        iteration = state_dict["last_batch_iteration"]
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < -1:
+            raise ValueError(f"last_batch_iteration must be an int >= -1, got {iteration!r}")
+        self.last_epoch = iteration + 1
+        lrs = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = list(lrs)
 
     def _warmup_gamma(self, it: int) -> float:
         if self.warmup_type == "log":

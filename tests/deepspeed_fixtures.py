@@ -37,10 +37,13 @@ FIXTURES: dict[str, tuple[int, dict[str, Any]]] = {
     # sub_group_size 200: the optimizer's flat groups split into several sub-groups, as a large model's do
     "zero3_fp32_world2": (2, {"zero_optimization": {"stage": 3, "sub_group_size": 200}}),
     "zero3_bf16_world1": (1, {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}),
-    # ZeRO-Offload: DeepSpeed's own CPU Adam steps the optimizer state (its op builds on the CPU)
+    # ZeRO-Offload: DeepSpeed's own CPU Adam steps the optimizer state (its op builds on the CPU);
+    # with an LR schedule, whose state the checkpoint keeps
     "zero3_offload_world2": (2, {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
                                  "optimizer": {"type": "AdamW", "params": {
-                                     "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}}}),
+                                     "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}},
+                                 "scheduler": {"type": "WarmupDecayLR", "params": {
+                                     "warmup_num_steps": 2, "total_num_steps": 8, "warmup_max_lr": LR}}}),
     "zero3_fp16_world2": (2, {"zero_optimization": {"stage": 3},
                               "fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 2,
                                        "hysteresis": 1}}),

@@ -365,6 +365,24 @@ def test_schedules_equal_deepspeed_lr_sequence(kind, params):
     assert _lrs(ours, ours_opt, 30) == _lrs(theirs, theirs_opt, 30)
 
 
+@pytest.mark.parametrize("kind,params", SCHEDULE_CASES)
+def test_schedules_resume_from_deepspeeds_state(kind, params):
+    """DeepSpeed's checkpoints keep {"last_batch_iteration": n}: a new scheduler loaded with it is
+    where one stepped n + 1 times is, and both go on alike."""
+    section = {"scheduler": {"type": kind, "params": params}}
+    stepped_opt, resumed_opt = AdamW(lr=5e-4), AdamW(lr=5e-4)
+    stepped = scheduler_from_deepspeed(section, stepped_opt)
+    resumed = scheduler_from_deepspeed(section, resumed_opt)
+    before = _lrs(stepped, stepped_opt, 6)
+    resumed.load_state_dict({"last_batch_iteration": 5})
+    assert resumed_opt.param_groups[0]["lr"] == before[-1]
+    assert _lrs(resumed, resumed_opt, 10) == _lrs(stepped, stepped_opt, 10)
+    with pytest.raises(ValueError, match="last_batch_iteration"):
+        resumed.load_state_dict({"last_batch_iteration": -2})
+    resumed.load_state_dict(stepped.state_dict())  # torch's own state dict still loads
+    assert resumed.last_epoch == stepped.last_epoch
+
+
 def test_schedules_without_deepspeed_installed():
     """The formulas at a few points, so the module is checked where DeepSpeed is absent too."""
     opt = AdamW(lr=1.0)

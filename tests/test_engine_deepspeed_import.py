@@ -22,7 +22,7 @@ from deepspeed_fixtures import (
 from engine.checkpoint_files import STATE_NAMES, CheckpointError, CheckpointFiles, tensor_name
 from engine.cli import main as cli_main
 from engine.config import EngineConfig
-from engine.optim_deepspeed import optimizer_from_deepspeed
+from engine.optim_deepspeed import optimizer_from_deepspeed, scheduler_from_deepspeed
 from test_engine_distributed import run_ranks
 
 FIXTURE_DIR = Path(__file__).parent / "fixtures" / "deepspeed"
@@ -44,6 +44,11 @@ def wrap_as_deepspeed(tmp_path: Path, name: str, world: int):
     ds = ds_config(world, FIXTURES[name][1])
     config = EngineConfig.from_deepspeed(ds, store=tiered.StoreConfig(path=str(tmp_path / "store")))
     return model, engine.wrap(model, optimizer=optimizer_from_deepspeed(ds, param_groups(model)), config=config)
+
+
+def scheduler_as_deepspeed(eng: engine.Engine, name: str, world: int):
+    """The fixture's LR scheduler from its DeepSpeed config (None when it has none), built before the load."""
+    return scheduler_from_deepspeed(ds_config(world, FIXTURES[name][1]), eng.optimizer)
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
@@ -87,14 +92,19 @@ def test_resumed_run_continues_deepspeeds(tmp_path, name):
     meta, _ = expected(name)
     out = imported(tmp_path, name)
     model, eng = wrap_as_deepspeed(tmp_path, name, meta["world_size"])
+    scheduler = scheduler_as_deepspeed(eng, name, meta["world_size"])
     try:
-        eng.load_checkpoint(out)
+        client_state = eng.load_checkpoint(out)
         assert eng.completed_steps == STEPS_BEFORE - meta["skipped_steps"]
+        if scheduler is not None:  # the schedule goes on from DeepSpeed's iteration, not from warmup
+            assert client_state["lr_scheduler"] == {"last_batch_iteration": STEPS_BEFORE - 1}
+            scheduler.load_state_dict(client_state["lr_scheduler"])
         losses, scales = [], []
         for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
             loss = model(*batch(step))
             eng.backward(loss)
-            eng.step()
+            if eng.step() and scheduler is not None:
+                scheduler.step()
             losses.append(loss.item())
             scales.append(eng.loss_scale)
         tolerance = 1e-6 if meta["dtype"] == "float32" else 2e-3
