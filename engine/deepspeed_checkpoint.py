@@ -9,8 +9,9 @@ W)`` elements of every rank, rank ``r`` holding elements ``[r*S, (r+1)*S)`` of i
 layout of an engine checkpoint saved by ``W`` ranks (``engine.checkpoint_files``). So an import
 rewrites each DeepSpeed rank's pieces into one rank file of an engine checkpoint, one tensor at a
 time, and then ``eng.load_checkpoint(out)`` resumes it at any world size (master weights, moments,
-step counts, hyperparameters, the fp16 loss scale), ``tiered export`` writes its weights in Hugging
-Face's layout, and ``engine.wrap(model, state_dict=out)`` serves it.
+step counts, hyperparameters, the fp16 loss scale; DeepSpeed's LR scheduler state comes back as
+``client_state["lr_scheduler"]``), ``tiered export`` writes its weights in Hugging Face's layout,
+and ``engine.wrap(model, state_dict=out)`` serves it.
 
 The files are pickles. They are read with ``torch.load(weights_only=True)``, which builds tensors
 and plain containers only; DeepSpeed's own two classes in them (the ZeRO stage and the loss
@@ -46,8 +47,9 @@ _DEEPSPEED_KEYS = frozenset({
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
     "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
 })
-#: DeepSpeed's names (its ``optimizer.type``, lowercased) of the optimizers whose state is Adam's.
-_ADAM_TYPES = frozenset({"adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam"})
+#: DeepSpeed's ``optimizer.type`` values (lowercased) whose state is Adam's: torch's, DeepSpeed's
+#: fused or CPU Adam, in AdamW mode unless ``adam_w_mode`` is false.
+_ADAM_TYPES = frozenset({"adam", "adamw"})
 #: The torch.optim.AdamW settings of an imported group besides lr, betas, eps and weight_decay.
 _ADAMW_FIXED = {"amsgrad": False, "maximize": False, "foreach": None, "fused": None, "capturable": False,
                 "differentiable": False, "decoupled_weight_decay": True}
