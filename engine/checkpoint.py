@@ -37,11 +37,12 @@ from torch import nn
 
 from engine.checkpoint_files import (
     CRC_CHUNK_BYTES, FORMAT, METADATA_FILE, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, CheckpointFiles,
-    rank_file, tensor_name,
+    dtype_str, rank_file, tensor_name,
 )
 from engine.checkpoint_paths import fsync_dir, resolve_checkpoint, tagged_path, write_latest
 from engine.config import EngineConfig
 from engine.handle import ParamHandle
+from engine.layout import ShardLayout
 from engine.pager import Pager
 from engine.progress import byte_progress
 from engine.read_ahead import read_ahead
@@ -247,19 +248,24 @@ def _recover_interrupted_overwrite(path: str) -> None:
     fsync_dir(os.path.dirname(path))
 
 
+def param_record(name: str, names: Sequence[str], layout: ShardLayout, trainable: bool) -> dict[str, Any]:
+    """A parameter's entry in a checkpoint's metadata; ``layout`` at the saving world size."""
+    return {
+        "name": name, "names": list(names), "shape": list(layout.shape), "dtype": dtype_str(layout.dtype),
+        "stride": list(layout.stride), "numel": layout.numel, "shard_numel": layout.shard_numel,
+        "padded_numel": layout.padded_numel, "trainable": trainable,
+    }
+
+
+def buffer_record(name: str, buffer: torch.Tensor, persistent: bool) -> dict[str, Any]:
+    """A buffer's entry in a checkpoint's metadata (``persistent``: in ``state_dict()``; an export skips the others)."""
+    return {"name": name, "shape": list(buffer.shape), "dtype": dtype_str(buffer.dtype), "persistent": persistent}
+
+
 def _metadata(parts: EngineParts, files: list[Any], client_state: dict[str, Any]) -> dict[str, Any]:
-    params = []
-    for handle in _unique(parts.handles):
-        layout = handle.layout
-        params.append({
-            "name": handle.name, "names": list(handle.names), "shape": list(layout.shape),
-            "dtype": _dtype_str(layout.dtype), "stride": list(layout.stride), "numel": layout.numel,
-            "shard_numel": layout.shard_numel, "padded_numel": layout.padded_numel,
-            "trainable": handle.trainable,
-        })
-    in_state_dict = set(parts.model.state_dict(keep_vars=True))  # not a non-persistent buffer (an export skips those)
-    buffers = [{"name": n, "shape": list(b.shape), "dtype": _dtype_str(b.dtype), "persistent": n in in_state_dict}
-               for n, b in parts.model.named_buffers()]
+    params = [param_record(h.name, h.names, h.layout, h.trainable) for h in _unique(parts.handles)]
+    in_state_dict = set(parts.model.state_dict(keep_vars=True))
+    buffers = [buffer_record(n, b, n in in_state_dict) for n, b in parts.model.named_buffers()]
     optimizer = None
     if parts.training is not None:
         sd = parts.optimizer.state_dict()  # type: ignore[union-attr]
@@ -348,7 +354,7 @@ def _check_metadata(parts: EngineParts, metadata: dict[str, Any], load_optimizer
         )
     for name, handle in mine.items():
         p, layout = saved[name], handle.layout
-        if tuple(p["shape"]) != layout.shape or p["dtype"] != _dtype_str(layout.dtype):
+        if tuple(p["shape"]) != layout.shape or p["dtype"] != dtype_str(layout.dtype):
             raise CheckpointError(
                 f"parameter {name!r} is {p['dtype']} {tuple(p['shape'])} in the checkpoint but {layout.dtype} "
                 f"{layout.shape} in the model (a different model, or another EngineConfig.train_dtype)"
@@ -610,10 +616,6 @@ def agree(io: ShardIO, error: Optional[BaseException], doing: str, failed: Seque
         raise CheckpointError(f"{doing} failed on another rank: {detail}")
 
 
-def _dtype_str(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _jsonable(value: Any, what: str) -> Any:
     if isinstance(value, dict):
         return {str(k): _jsonable(v, what) for k, v in value.items()}
@@ -628,6 +630,6 @@ def _jsonable(value: Any, what: str) -> Any:
 
 __all__ = [
     "CheckpointError", "EngineParts", "agree", "attempt", "check_between_steps", "consolidated_state_dict",
-    "check_client_state", "fsync_dir", "gather_objects", "load_checkpoint", "prepare_partial", "publish",
-    "rank_file", "save_checkpoint", "write_tensors",
+    "buffer_record", "check_client_state", "fsync_dir", "gather_objects", "load_checkpoint", "param_record",
+    "prepare_partial", "publish", "rank_file", "save_checkpoint", "write_tensors",
 ]

@@ -281,6 +281,11 @@ def _numel(record: Mapping[str, Any]) -> int:
     return n
 
 
+def dtype_str(dtype: torch.dtype) -> str:
+    """How a checkpoint's metadata names ``dtype`` (``"float32"``, ...); :func:`dtype_of` reads it back."""
+    return str(dtype).removeprefix("torch.")
+
+
 def dtype_of(name: str) -> torch.dtype:
     """The torch dtype a checkpoint's metadata calls ``name`` (``"float32"``, ``"bfloat16"``, ...)."""
     dtype = getattr(torch, str(name), None)
@@ -291,6 +296,6 @@ def dtype_of(name: str) -> torch.dtype:
 
 __all__ = [
     "CRC_CHUNK_BYTES", "CheckpointError", "CheckpointFiles", "FORMAT", "METADATA_FILE", "PARTIAL_SUFFIX",
-    "STATE_NAMES", "VERSION", "deepspeed_model_file", "dtype_of", "read_checked", "read_metadata", "rank_file",
-    "tensor_name",
+    "STATE_NAMES", "VERSION", "deepspeed_model_file", "dtype_of", "dtype_str", "read_checked", "read_metadata",
+    "rank_file", "tensor_name",
 ]

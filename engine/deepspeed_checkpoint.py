@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import pickle
 import shutil
@@ -32,11 +31,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from engine.checkpoint import prepare_partial, publish, write_tensors
+from engine.checkpoint import buffer_record, param_record, prepare_partial, publish, write_tensors
 from engine.checkpoint_files import (
     FORMAT, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, deepspeed_model_file, rank_file, tensor_name,
 )
 from engine.checkpoint_paths import resolve_checkpoint
+from engine.layout import ShardLayout
 from engine.safetensors_stream import TensorSpec
 
 _OPTIM_FILES = ("zero_pp_rank_{}_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt")
@@ -89,23 +89,21 @@ class _TrustingPickle:
 
 @dataclasses.dataclass(frozen=True)
 class _Param:
-    """One parameter of the checkpoint and where each rank keeps its piece."""
+    """One parameter of the checkpoint: its layout over DeepSpeed's ranks (contiguous, in the
+    training dtype) and where each rank keeps its piece."""
 
     name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype  # the training dtype
-    world: int
+    layout: ShardLayout
     #: Index of its optimizer sub-group and its offset in each rank's flat tensors; -1 when frozen.
     sub_group: int = -1
     offset: int = 0
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def shard(self) -> int:
-        return -(-self.numel // self.world)
+    @classmethod
+    def of(cls, name: Any, shape: Any, dtype: torch.dtype, world: int, sub_group: int = -1,
+           offset: int = 0) -> "_Param":
+        shape = tuple(int(d) for d in shape)
+        stride = tuple(torch.empty(shape, device="meta").stride())  # DeepSpeed flattens the contiguous tensor
+        return cls(str(name), ShardLayout(shape, dtype, stride, 0, world), sub_group, offset)
 
     @property
     def trainable(self) -> bool:
@@ -123,6 +121,8 @@ class DeepSpeedCheckpoint:
         if not os.path.isfile(deepspeed_model_file(self.path, 0)):
             raise CheckpointError(_not_zero3(self.path))
         model = self._load(deepspeed_model_file(self.path, 0))
+        optim = self._load(self._optim_file(0))["optimizer_state_dict"]
+        self._rank0 = (model, optim)  # read once, used again when rank 0's file is written
         self.world_size = int(model.get("dp_world_size", 0))
         if model.get("mp_world_size", 1) != 1:
             raise CheckpointError(
@@ -135,7 +135,6 @@ class DeepSpeedCheckpoint:
         self.skipped_steps = int(model.get("skipped_steps", 0))
         self.ds_version = str(model.get("ds_version", "unknown"))
         self.ds_config: dict[str, Any] = model.get("ds_config") or {}
-        optim = self._load(self._optim_file(0))["optimizer_state_dict"]
         if optim.get("zero_stage") != 3:
             raise CheckpointError(f"{self.path!r} is a ZeRO stage {optim.get('zero_stage')!r} checkpoint; only "
                                   "stage 3 imports")
@@ -217,15 +216,14 @@ class DeepSpeedCheckpoint:
         for index, group in enumerate(shapes):
             offset = 0
             for name, shape in group.items():
-                param = _Param(str(name), tuple(int(d) for d in shape), _dtype(module, name, self.path), world,
-                               index, offset)
+                param = _Param.of(name, shape, _dtype(module, name, self.path), world, index, offset)
                 params.append(param)
-                offset += param.shard
+                offset += param.layout.shard_numel
             if offset != flats[index].numel():
                 raise CheckpointError(f"{self.path!r}: flat optimizer group {index} holds {flats[index].numel()} "
                                       f"elements per rank, its parameters {offset}")
         for name, shape in (model.get("frozen_param_shapes") or {}).items():
-            params.append(_Param(str(name), tuple(int(d) for d in shape), _dtype(module, name, self.path), world))
+            params.append(_Param.of(name, shape, _dtype(module, name, self.path), world))
         return params
 
     def _param_groups(self, inner: dict[str, Any], subs: int) -> list[dict[str, Any]]:
@@ -264,7 +262,7 @@ class DeepSpeedCheckpoint:
     def _loss_scale(self, optim: dict[str, Any]) -> Optional[dict[str, Any]]:
         """The fp16 loss scaler's state as ``engine.LossScaler.state_dict()`` has it; None without fp16."""
         scaler = optim.get("loss_scaler")
-        if not any(p.dtype == torch.float16 for p in self.params) or scaler is None:
+        if not any(p.layout.dtype == torch.float16 for p in self.params) or scaler is None:
             return None
         record = vars(scaler) if not isinstance(scaler, dict) else scaler
         scale = float(record.get("cur_scale", 1.0))
@@ -284,26 +282,29 @@ class DeepSpeedCheckpoint:
 
     def rank_sources(self, rank: int) -> list[tuple[TensorSpec, Callable[[], torch.Tensor]]]:
         """Rank ``rank``'s tensors as an engine checkpoint's rank file names them, each with a getter."""
-        model = self._load(deepspeed_model_file(self.path, rank))
-        optim = self._load(self._optim_file(rank))["optimizer_state_dict"]
+        if rank == 0:
+            model, optim = self._rank0
+        else:
+            model = self._load(deepspeed_model_file(self.path, rank))
+            optim = self._load(self._optim_file(rank))["optimizer_state_dict"]
         flats, inner = optim["fp32_flat_groups"], optim["optimizer_state_dict"]
         for param in self._trainable():
-            if param.sub_group >= len(flats) or flats[param.sub_group].numel() < param.offset + param.shard:
+            end = param.offset + param.layout.shard_numel
+            if param.sub_group >= len(flats) or flats[param.sub_group].numel() < end:
                 raise CheckpointError(f"rank {rank}'s optimizer states do not hold {param.name!r} where rank 0's do")
         fragments = model.get("frozen_param_fragments") or {}
         sources: list[tuple[TensorSpec, Callable[[], torch.Tensor]]] = []
         for param in self.params:
-            spec = TensorSpec(tensor_name(param.name), param.dtype, (param.shard,))
+            layout = param.layout
+            spec = TensorSpec(tensor_name(param.name), layout.dtype, (layout.shard_numel,))
             if param.trainable:
-                flat = flats[param.sub_group]
-                sources.append((spec, _piece(flat, param, rank, param.dtype)))
+                sources.append((spec, _piece(flats[param.sub_group], param, rank, layout.dtype)))
             else:
                 fragment = fragments.get(param.name)
-                if fragment is None or fragment.numel() != param.shard:
-                    raise CheckpointError(f"rank {rank}'s model states have no {param.shard}-element piece of the "
-                                          f"frozen parameter {param.name!r}")
-                sources.append((spec, _piece(fragment.reshape(-1), dataclasses.replace(param, offset=0), rank,
-                                             param.dtype)))
+                if fragment is None or fragment.numel() != layout.shard_numel:
+                    raise CheckpointError(f"rank {rank}'s model states have no {layout.shard_numel}-element piece of "
+                                          f"the frozen parameter {param.name!r}")
+                sources.append((spec, _piece(fragment, param, rank, layout.dtype)))
         for param in self._trainable():
             if param.sub_group not in self._state_steps:
                 continue  # no step taken yet: no moments (rank 0's files say)
@@ -313,7 +314,7 @@ class DeepSpeedCheckpoint:
             flats_of = {"master": flats[param.sub_group], "exp_avg": state["exp_avg"],
                         "exp_avg_sq": state["exp_avg_sq"]}
             for name in STATE_NAMES:
-                sources.append((TensorSpec(tensor_name(param.name, name), torch.float32, (param.shard,)),
+                sources.append((TensorSpec(tensor_name(param.name, name), torch.float32, (param.layout.shard_numel,)),
                                 _piece(flats_of[name], param, rank, torch.float32)))
         module = model["module"]
         for name in self.buffers:
@@ -332,12 +333,8 @@ class DeepSpeedCheckpoint:
         for name, source in self.tied.items():
             if source in names and name not in names:
                 names[source].append(name)
-        params = [{"name": p.name, "names": names[p.name], "shape": list(p.shape), "dtype": _dtype_name(p.dtype),
-                   "stride": list(torch.empty(p.shape, device="meta").stride()), "numel": p.numel,
-                   "shard_numel": p.shard, "padded_numel": p.shard * p.world, "trainable": p.trainable}
-                  for p in self.params]
-        buffers = [{"name": n, "shape": list(b.shape), "dtype": _dtype_name(b.dtype), "persistent": True}
-                   for n, b in self.buffers.items()]
+        params = [param_record(p.name, names[p.name], p.layout, p.trainable) for p in self.params]
+        buffers = [buffer_record(n, b, True) for n, b in self.buffers.items()]  # DeepSpeed saves persistent ones
         stepped = [p.name for p in self._trainable() if p.sub_group in self._state_steps]
         optimizer = None
         if self._trainable():
@@ -388,12 +385,15 @@ def import_deepspeed_checkpoint(path: "str | os.PathLike[str]", out: "str | os.P
 
 
 def _piece(flat: torch.Tensor, param: _Param, rank: int, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
-    """A getter of ``param``'s rank ``rank`` piece of ``flat`` as ``dtype``, its padding zeroed
-    (DeepSpeed leaves whatever was in memory there)."""
+    """A getter of ``param``'s rank ``rank`` piece of ``flat`` (a sub-group's flat tensor, or a
+    frozen parameter's own piece at offset 0) as ``dtype``, its padding zeroed (DeepSpeed leaves
+    whatever was in memory there)."""
+    layout = dataclasses.replace(param.layout, rank=rank)
+    offset = param.offset if param.trainable else 0
+
     def get() -> torch.Tensor:
-        out = flat.reshape(-1)[param.offset:param.offset + param.shard].to(dtype, copy=True)
-        valid = max(0, min(param.shard, param.numel - rank * param.shard))
-        out[valid:] = 0
+        out = flat.reshape(-1)[offset:offset + layout.shard_numel].to(dtype, copy=True)
+        out[max(0, layout.numel - layout.shard_offset):] = 0
         return out
     return get
 
@@ -403,10 +403,6 @@ def _dtype(module: dict[str, Any], name: str, path: str) -> torch.dtype:
     if not isinstance(value, torch.Tensor):
         raise CheckpointError(f"{path!r}: the model states have no entry for parameter {name!r}")
     return value.dtype
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _client_state(model: dict[str, Any], path: str) -> dict[str, Any]:

@@ -117,14 +117,21 @@ def ds_config(world: int, changes: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
+def _join(rank: int, world: int, port: int) -> Any:
+    """This process as rank ``rank`` of ``world`` in a gloo group DeepSpeed set up; the deepspeed module."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
+    deepspeed = _join(rank, world, port)
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from safetensors.torch import save_file
 
-    deepspeed.init_distributed(dist_backend="gloo")
     model = make_model()
     config = ds_config(world, FIXTURES[name][1])
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
@@ -178,10 +185,7 @@ def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
 
 
 def _train_from_scratch(rank: int, out: str, port: int) -> None:
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed = _join(rank, 1, port)
     model = make_model()
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=TRAINING_CONFIG)
     losses = []
