@@ -22,12 +22,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Optional
 
 import torch
-from bench_output import print_table, pyplot, with_load, write_json
+from bench_output import print_table, pyplot, scratch_dir, with_load, write_json
 from torch import nn
 
 from engine.demo import GPT, BigramStream, GPTConfig
@@ -87,7 +86,7 @@ def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
         model.blocks = nn.ModuleList(Checkpointed(b) for b in model.blocks)
     data = BigramStream(cfg.vocab_size, cfg.seq_len, args.batch, seed=0)
     eng = None
-    path = tempfile.mkdtemp(prefix="activation-bench-", dir=args.dir)
+    path = scratch_dir(args.dir, "activation-bench-")
     try:
         if name == "memory":
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -181,7 +180,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.child:
         print(json.dumps(child(args.child, args)))
         return 0
-    os.makedirs(args.dir, exist_ok=True)
     skip = {s for s in args.skip.split(",") if s}
     if skip - set(CONTENDERS):
         p.error(f"--skip takes {', '.join(CONTENDERS)}, got {args.skip!r}")

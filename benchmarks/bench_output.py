@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 from typing import Any, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -20,9 +21,16 @@ def with_load(result: dict[str, Any], load_before: tuple[float, float, float]) -
     return result
 
 
+def scratch_dir(parent: str, prefix: str) -> str:
+    """A new directory under ``parent`` (the ``--dir`` given, created when missing) for one run's files."""
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=parent)
+
+
 def write_json(result: dict[str, Any], path: Optional[str]) -> None:
-    """Write ``result`` to ``path`` (nothing when ``path`` is None)."""
+    """Write ``result`` to ``path``, creating its directory (nothing when ``path`` is None)."""
     if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
 

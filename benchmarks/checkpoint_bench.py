@@ -25,7 +25,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Optional
 
@@ -33,7 +32,7 @@ import torch
 
 import engine
 import tiered
-from bench_output import paired_median, print_table, rotated, with_load, write_json
+from bench_output import paired_median, print_table, rotated, scratch_dir, with_load, write_json
 from tiered.bench.fio import Fio, fio_status
 from tiered.bench.system import evict_file_pages
 
@@ -63,7 +62,7 @@ def _round_trips(eng: engine.Engine, state: dict, exported: list[str], pt: str) 
 
 def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
-    workdir = tempfile.mkdtemp(prefix="tiered-checkpoint-", dir=args.dir)
+    workdir = scratch_dir(args.dir, "tiered-checkpoint-")
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers)])
     store = tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=0, prefault_host=False)

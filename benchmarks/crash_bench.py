@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed at the end)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.dir is not None:
+        os.makedirs(args.dir, exist_ok=True)
     if args.engine:
         kills = 200 if args.kills is None else args.kills
         if kills < len(engine_crash_harness.VARIANTS):

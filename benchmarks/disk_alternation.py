@@ -30,12 +30,11 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Optional
 
 import torch
-from bench_output import paired_median, print_table, rotated, write_json
+from bench_output import paired_median, print_table, rotated, scratch_dir, write_json
 
 import tiered
 from tiered.bench.deepspeed_aio import DeepSpeedAio, load_aio
@@ -107,7 +106,7 @@ class RawThreads:
 
 
 def run(args: argparse.Namespace) -> dict:
-    workdir = tempfile.mkdtemp(prefix="tiered-alternation-", dir=args.dir)
+    workdir = scratch_dir(args.dir, "tiered-alternation-")
     n = max(1, args.size // args.tensor_size)
     factory = TensorFactory()
     tensors = [factory.make(args.tensor_size) for _ in range(n)]

@@ -22,11 +22,10 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import Optional
 
-from bench_output import print_table, rotated, write_json
+from bench_output import print_table, rotated, scratch_dir, write_json
 
 MiB = 1024 * 1024
 
@@ -75,7 +74,7 @@ def run(args: argparse.Namespace) -> dict:
     for at in range(0, nbytes, MiB):
         memory[at:at + MiB] = seed[: min(MiB, nbytes - at)]
     view = memoryview(memory)
-    workdir = tempfile.mkdtemp(prefix="tiered-placement-", dir=args.dir)
+    workdir = scratch_dir(args.dir, "tiered-placement-")
     sets: dict[str, FileSet] = {}
     runs: dict[str, dict[str, list[float]]] = {"write": {}, "read": {}}
     pool = concurrent.futures.ThreadPoolExecutor(args.threads)

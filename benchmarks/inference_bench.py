@@ -32,12 +32,11 @@ import resource
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Optional
 
 import torch
-from bench_output import pyplot, write_json
+from bench_output import pyplot, scratch_dir, write_json
 
 MiB = 1024 * 1024
 
@@ -150,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"model: GPT-2 style, {args.layers} layers x {args.embd}, {nbytes / 1e9:.2f} GB fp32; "
           f"input {tuple(ids.shape)}")
 
-    workdir = tempfile.mkdtemp(prefix="tiered-inference-", dir=args.dir)
+    workdir = scratch_dir(args.dir, "tiered-inference-")
     load_before = os.getloadavg()
     try:
         with torch.inference_mode():

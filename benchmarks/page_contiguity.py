@@ -29,13 +29,14 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import Optional
 
 import numpy as np
 import torch
-from bench_output import add_alternation_arguments, paired_median, print_table, rotated, with_load, write_json
+from bench_output import (
+    add_alternation_arguments, paired_median, print_table, rotated, scratch_dir, with_load, write_json,
+)
 
 import tiered
 from tiered.bench.system import drop_page_cache
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
     n = max(1, args.size // args.tensor_size)
     tensors = [torch.randn(args.tensor_size // 4, generator=torch.Generator().manual_seed(i)) for i in range(n)]
-    workdir = tempfile.mkdtemp(prefix="tiered-contiguity-", dir=args.dir)
+    workdir = scratch_dir(args.dir, "tiered-contiguity-")
     holes = scatter_free_memory(args.scatter) if args.scatter else None
     buffers: dict[str, list[torch.Tensor]] = {}
     runs: dict[str, list[float]] = {kind: [] for kind in KINDS}

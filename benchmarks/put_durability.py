@@ -22,14 +22,15 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import Optional
 
 import torch
 
 import tiered
-from bench_output import add_alternation_arguments, paired_median, print_table, rotated, with_load, write_json
+from bench_output import (
+    add_alternation_arguments, paired_median, print_table, rotated, scratch_dir, with_load, write_json,
+)
 
 MiB = 1 << 20
 VARIANTS = ("durable", "data flushed only", "no flush")
@@ -68,7 +69,7 @@ def timed_puts(path: str, tensors: list[torch.Tensor], variant: str, block_size:
 def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
     tensors = aligned_tensors(args.size, args.tensor_size)
-    workdir = tempfile.mkdtemp(prefix="tiered-durability-", dir=args.dir)
+    workdir = scratch_dir(args.dir, "tiered-durability-")
     path = os.path.join(workdir, "store")
     runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
     try:

@@ -22,7 +22,7 @@ import time
 from typing import Optional
 
 import torch
-from bench_output import pyplot, with_load, write_json
+from bench_output import pyplot, scratch_dir, with_load, write_json
 
 from engine.demo import GPT, BigramStream, GPTConfig
 
@@ -118,7 +118,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--steps must be >= 2, got {args.steps}")
     widths = [int(w) for w in args.embd.split(",") if w]
     load_before = os.getloadavg()
-    workdir = tempfile.mkdtemp(prefix="tiered-scaling-", dir=args.dir)
+    workdir = scratch_dir(args.dir, "tiered-scaling-")
     try:
         write_bw, read_bw = disk_bandwidth(workdir, 512 * MiB)
         print(f"store on this disk: write {write_bw:.2f} GB/s, read {read_bw:.2f} GB/s")

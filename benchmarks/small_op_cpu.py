@@ -26,7 +26,6 @@ import re
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable, Optional, TypeVar
@@ -35,7 +34,7 @@ import torch
 
 import tiered
 from tiered.bench.store import run_in_flight
-from bench_output import print_table, with_load, write_json
+from bench_output import print_table, scratch_dir, with_load, write_json
 
 KiB = 1 << 10
 T = TypeVar("T")
@@ -132,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
     tensors = [torch.randn(args.tensor_size // 4, generator=torch.Generator().manual_seed(i))
                for i in range(args.count)]
-    workdir = tempfile.mkdtemp(prefix="tiered-small-cpu-", dir=args.dir)
+    workdir = scratch_dir(args.dir, "tiered-small-cpu-")
     cfg = tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=0, device_bytes=0)
     rounds = []
     frozen_before = gc.get_freeze_count()

@@ -22,10 +22,9 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 from typing import Optional
 
-from bench_output import add_alternation_arguments, paired_median, print_table, rotated, write_json
+from bench_output import add_alternation_arguments, paired_median, print_table, rotated, scratch_dir, write_json
 
 import tiered
 from tiered.bench.deepspeed_aio import DeepSpeedAio, load_aio
@@ -58,7 +57,7 @@ class Setting:
 
 
 def run(args: argparse.Namespace) -> dict:
-    workdir = tempfile.mkdtemp(prefix="tiered-settings-", dir=args.dir)
+    workdir = scratch_dir(args.dir, "tiered-settings-")
     factory = TensorFactory()
     tensors = [factory.make(args.tensor_size) for _ in range(max(1, args.size // args.tensor_size))]
     aligned, outs = [], []

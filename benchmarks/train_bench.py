@@ -21,12 +21,11 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Optional
 
 import torch
-from bench_output import pyplot, with_load, write_json
+from bench_output import pyplot, scratch_dir, with_load, write_json
 
 from engine.demo import GPT, BigramStream, GPTConfig
 
@@ -137,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     runs: list[Run] = []
     load_before = os.getloadavg()
-    workdir = tempfile.mkdtemp(prefix="tiered-train-", dir=args.dir)
+    workdir = scratch_dir(args.dir, "tiered-train-")
     try:
         if "memory" not in skip:
             run = Run("in memory, torch.optim.AdamW")

@@ -25,12 +25,13 @@ import shutil
 import statistics
 import struct
 import sys
-import tempfile
 import time
 from typing import Callable, Optional
 
 import torch
-from bench_output import add_alternation_arguments, paired_median, print_table, rotated, with_load, write_json
+from bench_output import (
+    add_alternation_arguments, paired_median, print_table, rotated, scratch_dir, with_load, write_json,
+)
 
 import tiered
 from tiered.bench.deepspeed_aio import load_aio
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace, ring: UringReader) -> dict:
     for i, t in enumerate(tensors):
         t.normal_(generator=torch.Generator().manual_seed(i))
     outs = [tiered.empty_aligned(t.shape, t.dtype) for t in tensors]
-    workdir = tempfile.mkdtemp(prefix="tiered-uring-", dir=args.dir)
+    workdir = scratch_dir(args.dir, "tiered-uring-")
     store = tiered.TieredStore.open(tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=0,
                                                        block_size=args.block_size))
     fds: dict[str, int] = {}

@@ -1,5 +1,5 @@
 """benchmarks/checkpoint_bench.py runs every contender on a small model, finds every tensor read back
-equal and writes its JSON (no timing assertions)."""
+equal and writes its JSON (no timing assertions), making the directories it is given."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import os
 
 def test_every_contender_runs_and_round_trips(tmp_path, benchmark_script, capsys):
     module = benchmark_script("checkpoint_bench")
-    out = tmp_path / "checkpoint.json"
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
+    out = tmp_path / "results" / "checkpoint.json"  # neither directory exists yet: the script makes them
+    scratch = tmp_path / "disk" / "scratch"
     assert module.main(["--dir", str(scratch), "--layers", "2", "--width", "512", "--rounds", "2",
                         "--json", str(out)]) == 0
     report = json.loads(out.read_text())
