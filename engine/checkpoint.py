@@ -11,7 +11,10 @@ Each rank writes its own file, streaming one store entry at a time (never the wh
 memory), in the safetensors format (no pickle anywhere). Tensor names in a rank file:
 ``param/<name>`` (the shard in the training dtype, padding included), ``optim/<name>/master``,
 ``optim/<name>/exp_avg``, ``optim/<name>/exp_avg_sq`` (fp32, shards that have taken a step) and
-``buffer/<name>`` (this rank's buffers, whole).
+``buffer/<name>`` (this rank's buffers, whole). A save with ``exclude_frozen_parameters`` (the
+name DeepSpeed gives it) leaves out the parameters that take no gradient, which a fine-tune
+(LoRA) has most of, and marks the metadata ``frozen_excluded``; a load then keeps the model's own
+values for them (loaded from the base model, as the run that saved it did).
 
 Save is atomic: the files go to ``<dir>.partial``, each is fsynced, rank 0 writes the metadata
 last, fsyncs, renames the directory to ``<dir>`` and fsyncs its parent; so ``<dir>`` either does
@@ -100,10 +103,12 @@ def consolidated_state_dict(model: nn.Module, handles: Sequence[ParamHandle], io
 
 
 def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overwrite: bool = False,
-                    tag: Optional[str] = None, client_state: Optional[Mapping[str, Any]] = None) -> None:
+                    tag: Optional[str] = None, client_state: Optional[Mapping[str, Any]] = None,
+                    exclude_frozen_parameters: bool = False) -> None:
     """Write a sharded checkpoint of ``parts`` to the directory ``path``, or to ``path/tag`` and
     then point ``path/latest`` at it (``engine.checkpoint_paths``). ``client_state`` (JSON;
-    rank 0's is kept) goes into the metadata. See the module docstring."""
+    rank 0's is kept) goes into the metadata; ``exclude_frozen_parameters`` leaves out the
+    parameters that take no gradient. See the module docstring."""
     io = parts.io
     rank = io.rank
     checked: dict[str, Any] = {}
@@ -121,14 +126,15 @@ def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overw
 
     written: Any = None
     try:
-        written = _write_rank_file(parts, os.path.join(partial, rank_file(rank)))
+        written = _write_rank_file(parts, os.path.join(partial, rank_file(rank)), exclude_frozen_parameters)
         error = None
     except Exception as exc:  # noqa: BLE001 - every rank hears of it below
         error = exc
     files = gather_objects(io, written if error is None else None)
     complete = all(f is not None for f in files)
     if rank == 0 and error is None and complete:
-        error = attempt(lambda: _finish_save(parts, directory, partial, files, overwrite, client))
+        error = attempt(lambda: _finish_save(parts, directory, partial, files, overwrite, client,
+                                             exclude_frozen_parameters))
         if error is None and tag is not None:
             error = attempt(lambda: write_latest(os.path.dirname(directory), tag))
     if rank == 0 and (error is not None or not complete):
@@ -153,15 +159,15 @@ def prepare_partial(path: str, partial: str, overwrite: bool, tagged: bool = Fal
     os.mkdir(partial)
 
 
-def _write_rank_file(parts: EngineParts, file: str) -> dict[str, Any]:
+def _write_rank_file(parts: EngineParts, file: str, exclude_frozen: bool) -> dict[str, Any]:
     """Stream this rank's shards, optimizer state and buffers from the store into ``file``."""
     store = parts.io.store
     sources: list[tuple[TensorSpec, Callable[[], torch.Tensor]]] = []
-    for handle in _unique(parts.handles):
+    for handle in _saved_handles(parts, exclude_frozen):
         info = store.info(handle.key)
         sources.append((TensorSpec(tensor_name(handle.name), info.dtype, tuple(info.shape)),
                         _store_reader(store, handle.key)))
-    for name, keys in _live_state_keys(parts).items():
+    for name, keys in _live_state_keys(parts, exclude_frozen).items():
         for state, key in zip(STATE_NAMES, keys):
             info = store.info(key)
             sources.append((TensorSpec(tensor_name(name, state), info.dtype, tuple(info.shape)),
@@ -195,7 +201,7 @@ def write_tensors(file: str, sources: Sequence[tuple[TensorSpec, Callable[[], to
 
 
 def _finish_save(parts: EngineParts, path: str, partial: str, files: list[Any], overwrite: bool,
-                 client_state: dict[str, Any]) -> None:
+                 client_state: dict[str, Any], exclude_frozen: bool) -> None:
     """Rank 0: check every rank's file is there (a shared filesystem), write the metadata, publish."""
     for rank, info in enumerate(files):
         file = os.path.join(partial, rank_file(rank))
@@ -204,7 +210,7 @@ def _finish_save(parts: EngineParts, path: str, partial: str, files: list[Any], 
                 f"rank {rank} wrote {rank_file(rank)} but rank 0 does not see it in {partial!r}: every rank must "
                 "save to a directory on a filesystem they all share"
             )
-    publish(partial, path, _metadata(parts, files, client_state), overwrite)
+    publish(partial, path, _metadata(parts, files, client_state, exclude_frozen), overwrite)
 
 
 def publish(partial: str, path: str, metadata: dict[str, Any], overwrite: bool) -> None:
@@ -262,8 +268,11 @@ def buffer_record(name: str, buffer: torch.Tensor, persistent: bool) -> dict[str
     return {"name": name, "shape": list(buffer.shape), "dtype": dtype_str(buffer.dtype), "persistent": persistent}
 
 
-def _metadata(parts: EngineParts, files: list[Any], client_state: dict[str, Any]) -> dict[str, Any]:
-    params = [param_record(h.name, h.names, h.layout, h.trainable) for h in _unique(parts.handles)]
+def _metadata(parts: EngineParts, files: list[Any], client_state: dict[str, Any], exclude_frozen: bool
+              ) -> dict[str, Any]:
+    handles = _saved_handles(parts, exclude_frozen)
+    params = [param_record(h.name, h.names, h.layout, h.trainable) for h in handles]
+    saved = {h.name for h in handles}
     in_state_dict = set(parts.model.state_dict(keep_vars=True))
     buffers = [buffer_record(n, b, n in in_state_dict) for n, b in parts.model.named_buffers()]
     optimizer = None
@@ -272,14 +281,14 @@ def _metadata(parts: EngineParts, files: list[Any], client_state: dict[str, Any]
         optimizer = {
             "type": "engine.AdamW",
             "step": parts.training.completed_steps,
-            "shard_steps": dict(sd.get("shard_steps", {})),
+            "shard_steps": {n: s for n, s in sd.get("shard_steps", {}).items() if n in saved},
             "param_groups": _jsonable(sd["param_groups"], "optimizer param_groups"),
-            "with_state": sorted(_live_state_keys(parts)),
+            "with_state": sorted(_live_state_keys(parts, exclude_frozen)),
             "loss_scale": parts.training.scaler.state_dict() if parts.training.scaler is not None else None,
         }
     return {
         "format": FORMAT, "version": VERSION, "world_size": parts.io.world,
-        "params": params, "buffers": buffers, "optimizer": optimizer,
+        "params": params, "frozen_excluded": exclude_frozen, "buffers": buffers, "optimizer": optimizer,
         "files": {rank_file(r): f for r, f in enumerate(files)}, "client_state": client_state,
     }
 
@@ -345,12 +354,15 @@ def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_
 
 def _check_metadata(parts: EngineParts, metadata: dict[str, Any], load_optimizer: bool) -> None:
     saved = {p["name"]: p for p in metadata["params"]}
-    mine = {h.name: h for h in _unique(parts.handles)}
+    mine = {h.name: h for h in _loaded_handles(parts, metadata)}
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     if missing or extra:
+        frozen = (" (the checkpoint left out the parameters that were frozen when it was saved; the model's "
+                  "missing ones take a gradient: freeze them as that run did)" if metadata.get("frozen_excluded")
+                  else "")
         raise CheckpointError(
             f"the checkpoint's parameters do not match the model's: the model has {len(missing)} the checkpoint "
-            f"lacks {missing[:5]} and the checkpoint has {len(extra)} the model lacks {extra[:5]}"
+            f"lacks {missing[:5]} and the checkpoint has {len(extra)} the model lacks {extra[:5]}{frozen}"
         )
     for name, handle in mine.items():
         p, layout = saved[name], handle.layout
@@ -427,7 +439,7 @@ def _loads(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool
     """What this rank loads: (handle, optimizer state or None for the parameter, store key, tier,
     compress), parameter shards first."""
     config = parts.config
-    unique = _unique(parts.handles)
+    unique = _loaded_handles(parts, files.metadata)
     loads: list[tuple[ParamHandle, Optional[str], str, str, Optional[bool]]] = [
         (h, None, h.key, config.param_tier, None) for h in unique
     ]
@@ -440,6 +452,16 @@ def _loads(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool
             for state, key in zip(STATE_NAMES, parts.training.staging_keys(name)):
                 loads.append((by_name[name], state, key, config.optimizer_tier, config.compress_optimizer))
     return loads
+
+
+def _loaded_handles(parts: EngineParts, metadata: Mapping[str, Any]) -> list[ParamHandle]:
+    """The parameters a load restores: every one, but a frozen one (``requires_grad=False``) only
+    if the checkpoint has it when the save left the frozen ones out; the others keep their values."""
+    unique = _unique(parts.handles)
+    if not metadata.get("frozen_excluded"):
+        return unique
+    saved = {p["name"] for p in metadata["params"]}
+    return [h for h in unique if h.trainable or h.name in saved]
 
 
 def _buffer_rank(parts: EngineParts, files: CheckpointFiles) -> int:
@@ -538,21 +560,28 @@ def check_between_steps(parts: EngineParts, what: str) -> None:
             )
 
 
-def _live_state_keys(parts: EngineParts) -> dict[str, tuple[str, str, str]]:
-    """Shard name -> store keys of its master, exp_avg, exp_avg_sq, for shards that have state."""
+def _live_state_keys(parts: EngineParts, exclude_frozen: bool = False) -> dict[str, tuple[str, str, str]]:
+    """Shard name -> store keys of its master, exp_avg, exp_avg_sq, for shards that have state (of
+    the parameters a save writes)."""
     if parts.training is None:
         return {}
     store = parts.io.store
+    saved = {h.name for h in _saved_handles(parts, exclude_frozen)}
     out = {}
     for shard in parts.training.live_shards():
         keys = (shard.master_key, shard.exp_avg_key, shard.exp_avg_sq_key)
-        if all(k in store for k in keys):
+        if shard.name in saved and all(k in store for k in keys):
             out[shard.name] = keys
     return out
 
 
 def _unique(handles: Sequence[ParamHandle]) -> list[ParamHandle]:
     return list({id(h): h for h in handles}.values())
+
+
+def _saved_handles(parts: EngineParts, exclude_frozen: bool) -> list[ParamHandle]:
+    """The parameters a save writes: every one, or those that take a gradient."""
+    return [h for h in _unique(parts.handles) if h.trainable or not exclude_frozen]
 
 
 def _store_reader(store: Any, key: str) -> Callable[[], torch.Tensor]:

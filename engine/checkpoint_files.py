@@ -77,6 +77,13 @@ class CheckpointFiles:
         return self.optimizer is not None and param in self.optimizer["with_state"]
 
     @property
+    def frozen_excluded(self) -> bool:
+        """True when the save left out the frozen parameters (``exclude_frozen_parameters``, DeepSpeed's
+        option too): :attr:`params` holds the trainable ones only, and a load keeps the model's own
+        values for the others."""
+        return bool(self.metadata.get("frozen_excluded"))
+
+    @property
     def stepped(self) -> list[str]:
         """The parameters with optimizer state (those ``engine.AdamW`` has stepped)."""
         return [name for name in self.params if self.has_state(name)]

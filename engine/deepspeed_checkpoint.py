@@ -147,6 +147,9 @@ class DeepSpeedCheckpoint:
         self.params = self._layout(model, optim)
         self.groups = self._param_groups(inner, len(optim["fp32_flat_groups"]))
         self.tied = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
+        #: Saved with ``exclude_frozen_parameters=True`` (as the Trainer saves a PEFT model): DeepSpeed
+        #: then records no frozen parameters at all, so a load keeps the model's own values for them.
+        self.frozen_excluded = model.get("frozen_param_shapes") is None
         self.buffers = {name: model["module"][name] for name in model.get("buffer_names", [])
                         if name in model["module"]}
         self.loss_scale = self._loss_scale(optim)
@@ -347,7 +350,8 @@ class DeepSpeedCheckpoint:
             }
         return {
             "format": FORMAT, "version": VERSION, "world_size": self.world_size, "params": params,
-            "buffers": buffers, "optimizer": optimizer, "files": files, "client_state": self.client_state,
+            "frozen_excluded": self.frozen_excluded, "buffers": buffers, "optimizer": optimizer, "files": files,
+            "client_state": self.client_state,
             "imported_from": {"format": "deepspeed-zero3", "path": self.path, "ds_version": self.ds_version,
                               "global_steps": self.global_steps, "skipped_steps": self.skipped_steps},
         }

@@ -283,24 +283,27 @@ class Engine:
 
     def save_checkpoint(
         self, path: "str | os.PathLike[str]", *, overwrite: bool = False, tag: Optional[str] = None,
-        client_state: Optional[Mapping[str, Any]] = None,
+        client_state: Optional[Mapping[str, Any]] = None, exclude_frozen_parameters: bool = False,
     ) -> None:
         """Save a sharded checkpoint to the directory ``path``, atomically: one safetensors file per
         rank (its parameter shards, ``engine.AdamW`` state and buffers) and ``metadata.json``. With
         ``tag``, to ``path/tag``, and ``path/latest`` then names it (DeepSpeed's layout).
         ``client_state``: a JSON dict of your own (epoch, data position, an LR scheduler's
-        ``state_dict()``) that :meth:`load_checkpoint` returns. Every rank calls it, between steps.
-        docs/training.md, "Checkpoints"."""
+        ``state_dict()``) that :meth:`load_checkpoint` returns. ``exclude_frozen_parameters``
+        (DeepSpeed's name): leave out the parameters that take no gradient (a LoRA fine-tune's base
+        weights); :meth:`load_checkpoint` then keeps the model's own values for them. Every rank
+        calls it, between steps. docs/training.md, "Checkpoints"."""
         self._check_open()
         checkpoint.save_checkpoint(self._checkpoint_parts(), path, overwrite=overwrite, tag=tag,
-                                   client_state=client_state)
+                                   client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(
         self, path: "str | os.PathLike[str]", *, load_optimizer: bool = True, tag: Optional[str] = None,
     ) -> dict[str, Any]:
         """Load a checkpoint saved by :meth:`save_checkpoint` (same model, any world size: each rank
         reads the saved shards overlapping its own): weights, buffers and, with ``load_optimizer``,
-        the ``engine.AdamW`` state, step counts and hyperparameters. ``path`` is the checkpoint, or
+        the ``engine.AdamW`` state, step counts and hyperparameters (a frozen parameter a save with
+        ``exclude_frozen_parameters`` left out keeps its value). ``path`` is the checkpoint, or
         ``path/tag``, or the tag ``path/latest`` names. Returns the saved ``client_state`` (``{}``
         if none). Raises ``engine.checkpoint.CheckpointError`` naming any mismatch."""
         self._check_open()

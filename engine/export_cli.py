@@ -48,6 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         source = resolve_checkpoint(args.checkpoint, args.tag)
         with CheckpointFiles(source) as files:
             params, world, stepped = len(files.params), files.world_size, len(files.stepped)
+            frozen_excluded = files.frozen_excluded
         written = export_checkpoint(source, args.out, master_weights=not args.training_weights,
                                     dtype=_DTYPES.get(args.dtype), max_shard_bytes=max_shard)
     except (CheckpointError, ValueError, OSError) as exc:
@@ -56,6 +57,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     weights = "training-dtype weights" if args.training_weights or not stepped else (
         f"fp32 master weights of {stepped} of {params} parameters")
     print(f"{source} (saved by {world} rank(s)): {params} parameters, {weights}")
+    if frozen_excluded:
+        print("  the checkpoint left out the frozen parameters (exclude_frozen_parameters): the export holds the "
+              "trained ones only")
     for file in written:
         print(f"  wrote {file}")
     return 0

@@ -39,15 +39,18 @@ def engine_checkpoint(trainer_checkpoint: "str | os.PathLike[str]") -> str:
 class EngineCheckpointCallback(TrainerCallback):  # type: ignore[misc]
     """Saves ``eng``'s checkpoint (``eng.save_checkpoint``: shards, fp32 masters, moments, step
     counts) into ``checkpoint-<step>/engine`` each time the Trainer saves a checkpoint. Every
-    rank runs it (the save is collective)."""
+    rank runs it (the save is collective). ``exclude_frozen_parameters``: leave the frozen
+    parameters out (a PEFT model's base weights, as the Trainer has DeepSpeed do for one)."""
 
-    def __init__(self, eng: Any) -> None:
+    def __init__(self, eng: Any, *, exclude_frozen_parameters: bool = False) -> None:
         self._eng = eng
+        self._exclude_frozen = exclude_frozen_parameters
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Called by the Trainer right after it wrote ``checkpoint-<global_step>``."""
         trainer_dir = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        self._eng.save_checkpoint(engine_checkpoint(trainer_dir), overwrite=True)
+        self._eng.save_checkpoint(engine_checkpoint(trainer_dir), overwrite=True,
+                                  exclude_frozen_parameters=self._exclude_frozen)
 
 
 __all__ = ["ENGINE_SUBDIR", "EngineCheckpointCallback", "engine_checkpoint"]

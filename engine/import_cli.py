@@ -38,13 +38,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                           trust_pickle=args.trust_pickle)
         with CheckpointFiles(out) as files:
             params, world, stepped = len(files.params), files.world_size, len(files.stepped)
-            source = files.metadata["imported_from"]
+            source, frozen_excluded = files.metadata["imported_from"], files.frozen_excluded
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"tiered import-deepspeed: {exc}", file=sys.stderr)
         return 1
     skipped = f", {source['skipped_steps']} of them skipped (fp16 overflow)" if source["skipped_steps"] else ""
     print(f"{out}: {params} parameters ({stepped} with optimizer state) from {world} DeepSpeed rank(s) at step "
           f"{source['global_steps']}{skipped}")
+    if frozen_excluded:
+        print("  saved with exclude_frozen_parameters: no frozen parameter is in it; the load keeps the model's own "
+              "values for them (load the base model's weights first)")
     print(f"  resume with eng.load_checkpoint({out!r}); export weights with: tiered export {out} OUT")
     return 0
 

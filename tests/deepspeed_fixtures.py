@@ -48,6 +48,12 @@ FIXTURES: dict[str, tuple[int, dict[str, Any]]] = {
                               "fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 2,
                                        "hysteresis": 1}}),
 }
+#: Saved with ``save_checkpoint(exclude_frozen_parameters=True)``, as the Trainer saves a PEFT model:
+#: the frozen ``gate`` is not in it. Otherwise as zero3_fp32_world2.
+FROZEN_EXCLUDED = "zero3_fp32_frozen_excluded_world2"
+FIXTURES_ALL: dict[str, tuple[int, dict[str, Any]]] = {
+    **FIXTURES, FROZEN_EXCLUDED: (2, {"zero_optimization": {"stage": 3, "sub_group_size": 200}}),
+}
 
 
 #: A from-scratch run at world size 1 whose every loss the engine must reproduce bit for bit:
@@ -133,7 +139,7 @@ def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
     from safetensors.torch import save_file
 
     model = make_model()
-    config = ds_config(world, FIXTURES[name][1])
+    config = ds_config(world, FIXTURES_ALL[name][1])
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else (
         torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32)
@@ -154,7 +160,7 @@ def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
         return value.item() / world
 
     before = [train(s) for s in range(STEPS_BEFORE)]
-    eng.save_checkpoint(os.path.join(out, name))
+    eng.save_checkpoint(os.path.join(out, name), exclude_frozen_parameters=name == FROZEN_EXCLUDED)
     expected: dict[str, torch.Tensor] = {}
     for pname, p in model.named_parameters():
         if not p.requires_grad:
@@ -204,7 +210,7 @@ def main(out: str, names: list[str]) -> None:
     """Write the fixtures ``names`` (every one when empty) under ``out`` (DeepSpeed must be installed)."""
     import torch.multiprocessing as mp
 
-    for index, (name, (world, _)) in enumerate(FIXTURES.items()):
+    for index, (name, (world, _)) in enumerate(FIXTURES_ALL.items()):
         if name in names or not names:
             mp.start_processes(_run, args=(world, name, out, 29600 + index), nprocs=world, start_method="spawn")
     if "training" in names or not names:

@@ -162,6 +162,40 @@ def test_resume_in_a_new_process(tmp_path):
     assert json.loads(done.stdout.strip().splitlines()[-1]) == want
 
 
+def test_a_save_without_the_frozen_parameters_resumes_with_the_models_own(tmp_path):
+    """exclude_frozen_parameters (a LoRA fine-tune's checkpoints): the frozen weights are not
+    written; a load keeps the wrapped model's own values for them (the base model's) and the run
+    goes on bit for bit; a model in which one of them trains is refused."""
+    frozen = "blocks.0.qkv.weight"
+    model = model_with_seed(0)
+    model.blocks[0].qkv.weight.requires_grad_(False)
+    base = model.blocks[0].qkv.weight.detach().clone()
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=train_config(tmp_path / "a"))
+    train(model, eng, range(2))
+    eng.save_checkpoint(tmp_path / "ckpt", exclude_frozen_parameters=True)
+    want = train(model, eng, range(2, 4))
+    eng.close()
+    meta = json.loads((tmp_path / "ckpt" / METADATA_FILE).read_text())
+    assert meta["frozen_excluded"] and frozen not in {p["name"] for p in meta["params"]}
+    assert f"param/{frozen}" not in safetensors.torch.load_file(str(tmp_path / "ckpt" / rank_file(0)))
+    assert "blocks.0.qkv.bias" in engine.checkpoint_state_dict(tmp_path / "ckpt")
+    assert frozen not in engine.checkpoint_state_dict(tmp_path / "ckpt")
+
+    fresh = model_with_seed(1)  # other values for the trained weights: they come from the checkpoint
+    fresh.blocks[0].qkv.weight.requires_grad_(False)
+    with torch.no_grad():
+        fresh.blocks[0].qkv.weight.copy_(base)  # the frozen one comes from the base model, as in the run
+    eng = engine.wrap(fresh, optimizer=engine.AdamW(lr=LR), config=train_config(tmp_path / "b"))
+    eng.load_checkpoint(tmp_path / "ckpt")
+    assert train(fresh, eng, range(2, 4)) == want
+    eng.close()
+
+    trains = model_with_seed(1)  # the parameter takes a gradient here, and the checkpoint has no value for it
+    with engine.wrap(trains, optimizer=engine.AdamW(lr=LR), config=train_config(tmp_path / "c")) as eng:
+        with pytest.raises(CheckpointError, match=r"lacks \['blocks\.0\.qkv\.weight'\].*freeze them"):
+            eng.load_checkpoint(tmp_path / "ckpt")
+
+
 def test_weights_only_load_starts_the_optimizer_afresh(tmp_path):
     model = model_with_seed(0)
     eng = engine.wrap(model, config=engine_config(tmp_path / "a"))

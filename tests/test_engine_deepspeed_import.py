@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 import engine
 import tiered
 from deepspeed_fixtures import (
-    BETAS, EPS, FIXTURES, LR, STEPS_AFTER, STEPS_BEFORE, WEIGHT_DECAY, batch, ds_config, make_model, param_groups,
+    BETAS, EPS, FIXTURES, FIXTURES_ALL, FROZEN_EXCLUDED, LR, STEPS_AFTER, STEPS_BEFORE, WEIGHT_DECAY, batch, ds_config,
+    make_model, param_groups,
 )
 from engine.checkpoint_files import STATE_NAMES, CheckpointError, CheckpointFiles, tensor_name
 from engine.cli import main as cli_main
@@ -41,7 +42,7 @@ def imported(tmp_path: Path, name: str, source: Path | None = None) -> str:
 def wrap_as_deepspeed(tmp_path: Path, name: str, world: int):
     """The fixture's model under the engine, configured from the same DeepSpeed config."""
     model = make_model()
-    ds = ds_config(world, FIXTURES[name][1])
+    ds = ds_config(world, FIXTURES_ALL[name][1])
     config = EngineConfig.from_deepspeed(ds, store=tiered.StoreConfig(path=str(tmp_path / "store")))
     return model, engine.wrap(model, optimizer=optimizer_from_deepspeed(ds, param_groups(model)), config=config)
 
@@ -120,6 +121,42 @@ def test_resumed_run_continues_deepspeeds(tmp_path, name):
             assert scales == [None] * STEPS_AFTER
     finally:
         eng.close()
+
+
+def test_a_checkpoint_saved_without_frozen_parameters_resumes_with_the_models_own(tmp_path, capsys):
+    """DeepSpeed's save_checkpoint(exclude_frozen_parameters=True), which the Trainer uses for a
+    PEFT model, records no frozen parameter at all: the import says so, the load keeps the model's
+    own value for the frozen ``gate`` (the base model's) and the run goes on to DeepSpeed's losses."""
+    meta, want = expected(FROZEN_EXCLUDED)
+    out = tmp_path / "imported"
+    assert cli_main(["import-deepspeed", str(FIXTURE_DIR / FROZEN_EXCLUDED), str(out)]) == 0
+    assert "saved with exclude_frozen_parameters" in capsys.readouterr().out
+    with CheckpointFiles(out) as files:
+        assert files.frozen_excluded and sorted(files.params) == sorted(TRAINABLE)
+        for param in TRAINABLE:
+            for state in STATE_NAMES:
+                assert torch.equal(files.whole(param, state), want[f"{param}/{state}"]), (param, state)
+    model, eng = wrap_as_deepspeed(tmp_path, FROZEN_EXCLUDED, 2)
+    try:
+        eng.load_checkpoint(out)
+        losses = []
+        for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+            loss = model(*batch(step))
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+        assert losses == pytest.approx(meta["losses_after"], rel=1e-6)
+    finally:
+        eng.close()
+    model = make_model()
+    model.gate.requires_grad_(True)  # trained here: the checkpoint has no value for it
+    trains = engine.wrap(model, optimizer=engine.AdamW(param_groups(model), lr=LR),
+                         config=EngineConfig(store=tiered.StoreConfig(path=str(tmp_path / "other"))))
+    try:
+        with pytest.raises(CheckpointError, match=r"lacks \['gate'\].*left out the parameters that were frozen"):
+            trains.load_checkpoint(out)
+    finally:
+        trains.close()
 
 
 def _resume_at_two_ranks(rank: int, root: str) -> None:

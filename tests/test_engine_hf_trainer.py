@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import engine
+from engine.checkpoint_files import CheckpointFiles
 from engine.hf_trainer import EngineCheckpointCallback, engine_checkpoint
 from engine_models import store_config
 
@@ -102,3 +104,20 @@ def test_trainer_checkpoints_resume_with_the_engine_checkpoint(tmp_path):
             assert losses_of(trainer) == whole  # steps 1-2 from the checkpoint's log, 3-4 trained again
         finally:
             eng.close()
+
+
+def test_the_callback_can_leave_frozen_parameters_out(tmp_path):
+    """For a PEFT model, as the Trainer has DeepSpeed save one: the frozen weights stay out."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    model.transformer.wpe.weight.requires_grad_(False)
+    eng = wrapped(model, tmp_path / "store")
+    try:
+        (tmp_path / "checkpoint-3").mkdir()  # the Trainer's own checkpoint, written before on_save
+        callback = EngineCheckpointCallback(eng, exclude_frozen_parameters=True)
+        callback.on_save(SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=3), None)
+    finally:
+        eng.close()
+    with CheckpointFiles(engine_checkpoint(tmp_path / "checkpoint-3")) as files:
+        assert files.frozen_excluded
+        assert "transformer.wpe.weight" not in files.params and "transformer.wte.weight" in files.params
