@@ -16,9 +16,11 @@ Inside the wrapped forward the engine's access mode sees a read first and fetche
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch
+import torch.nn.parallel.distributed
 from torch import nn
 
 from engine.access_mode import reads_data
@@ -32,6 +34,8 @@ _ALSO_METADATA = frozenset({"_has_compatible_shallow_copy_type", "is_leaf", "__s
 #: Attributes of the released class (set per parameter by :func:`released_class`).
 _NAME_ATTR = "_tiered_name"
 _CLOSED_ATTR = "_tiered_closed"
+#: DistributedDataParallel's source file: its constructor broadcasts every parameter's values.
+_DDP_FILE = torch.nn.parallel.distributed.__file__
 
 
 class ReleasedParameterError(RuntimeError):
@@ -137,9 +141,27 @@ def _message(cls: type, what: str) -> str:
             "Its values stay in the store directory: use eng.unwrap() instead of eng.close() to keep them in the "
             "model, or wrap the model again (engine.wrap(..., config=EngineConfig(resume=True)) or state_dict=...)"
         )
+    if _called_by_ddp():
+        return (
+            f"parameter {name!r} is released by the tiered engine, and DistributedDataParallel cannot wrap a model "
+            "the engine wraps (it reads every parameter's values; accelerate's prepare(model) and the Hugging Face "
+            "Trainer apply it at world size > 1). The engine already shards the parameters and averages the "
+            "gradients across ranks: leave the model out of DDP (with accelerate, prepare only the optimizer and "
+            "the data loaders; docs/migrating.md)."
+        )
     return (
         f"parameter {name!r} is released by the tiered engine: its values are in the store, not in memory, so "
         f"{what} cannot run on it here. Read or change it inside `with eng.gathered([param]):` (add writeback=True "
         "to keep changes), use model.state_dict() / eng.state_dict(), or eng.unwrap() for a plain model again. "
         "Conversions (model.to(...), model.half()) go before engine.wrap (or EngineConfig(train_dtype=...))."
     )
+
+
+def _called_by_ddp() -> bool:
+    """True when DistributedDataParallel's own code is on the stack (only asked when raising)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename == _DDP_FILE:
+            return True
+        frame = frame.f_back
+    return False

@@ -1,0 +1,99 @@
+"""accelerate's training loop (``Accelerator``: ``prepare``, ``accumulate``, ``backward``) over a
+wrapped model. The oracle is the same loop over a plain copy with torch.optim.AdamW, clipped with
+``accelerator.clip_grad_norm_``: the same losses, bit for bit, in one process and in two (where
+the plain copy is in DistributedDataParallel, as ``prepare(model)`` puts it, and the wrapped model
+is left out of ``prepare``; there the clipped steps agree to rounding)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import engine
+from engine.released import ReleasedParameterError
+from engine_models import store_config
+from test_engine_distributed import run_ranks
+
+CONFIG = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
+LR, CLIP, ACCUMULATION = 1e-3, 0.5, 2
+
+
+def examples() -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+def train(path: Path, *, wrapped: bool, prepare_model: bool = True) -> list[float]:
+    """Eight micro-batches of 2 (per rank) through accelerate's loop; the losses."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    eng = None
+    if wrapped:  # the engine clips, and accelerate's clip_grad_norm_ would see no gradients
+        eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
+            store=store_config(path), param_tier="nvme", optimizer_tier="nvme", max_grad_norm=CLIP))
+        optimizer = eng.optimizer
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    loader = DataLoader(examples(), batch_size=2)
+    if prepare_model:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    else:
+        optimizer, loader = accelerator.prepare(optimizer, loader)
+    losses = []
+    try:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if not wrapped and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), CLIP)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+    finally:
+        if eng is not None:
+            eng.close()
+    return losses
+
+
+def test_accelerator_loop_trains_a_wrapped_model_as_the_plain_one(tmp_path):
+    want = train(tmp_path / "plain", wrapped=False)
+    assert train(tmp_path / "engine", wrapped=True) == want and len(want) == 8
+
+
+def _two_ranks(rank: int, root: str) -> None:
+    root_path = Path(root)
+    losses = {"ddp": train(root_path / f"plain{rank}", wrapped=False),
+              "engine": train(root_path / f"engine{rank}", wrapped=True, prepare_model=False)}
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    with engine.wrap(model, config=engine.EngineConfig(store=store_config(root_path / f"ddp{rank}"))):
+        try:
+            DistributedDataParallel(model)
+            losses["refused"] = ""
+        except ReleasedParameterError as exc:
+            losses["refused"] = str(exc)
+    (root_path / f"rank{rank}.json").write_text(json.dumps(losses))
+
+
+def test_two_ranks_train_as_distributed_data_parallel(tmp_path):
+    """accelerate's data loader gives each rank its own batches; the engine averages the gradients
+    across the ranks as DDP does. DDP itself cannot wrap the engine's model, and says why."""
+    run_ranks(_two_ranks, str(tmp_path))
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in results:
+        # The clip's global norm is summed in another order (each rank's shard of the averaged
+        # gradient, then across ranks; DDP: every rank over the whole), so it agrees to rounding.
+        assert res["engine"] == pytest.approx(res["ddp"], rel=1e-6) and len(res["ddp"]) == 4
+        assert res["engine"][:2] == res["ddp"][:2]  # before the first step: bit for bit
+        assert "DistributedDataParallel cannot wrap" in res["refused"]
+        assert "prepare only the optimizer" in res["refused"]
+    assert results[0]["ddp"] != results[1]["ddp"]  # each rank trained on its own batches
