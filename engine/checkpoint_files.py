@@ -234,6 +234,12 @@ def deepspeed_model_file(path: "str | os.PathLike[str]", rank: int) -> str:
     return os.path.join(path, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
 
 
+def deepspeed_zero12_model_file(path: "str | os.PathLike[str]") -> str:
+    """Where DeepSpeed's ``save_checkpoint`` at ZeRO stage 0, 1 or 2 puts the model states (rank 0
+    writes them alone: the whole module); at stages 1 and 2 each rank's optimizer states are beside it."""
+    return os.path.join(path, "mp_rank_00_model_states.pt")
+
+
 def read_metadata(path: str) -> dict[str, Any]:
     """The checkpoint's ``metadata.json``, checked for the fields readers rely on."""
     file = os.path.join(path, METADATA_FILE)
@@ -241,8 +247,8 @@ def read_metadata(path: str) -> dict[str, Any]:
         hint = ""
         if os.path.isdir(path + PARTIAL_SUFFIX):
             hint = " (a save that did not finish leaves only a .partial directory)"
-        elif os.path.isfile(deepspeed_model_file(path, 0)):
-            hint = (": it is a DeepSpeed ZeRO-3 checkpoint; convert it once with `tiered import-deepspeed "
+        elif os.path.isfile(deepspeed_model_file(path, 0)) or os.path.isfile(deepspeed_zero12_model_file(path)):
+            hint = (": it is a DeepSpeed checkpoint; convert it once with `tiered import-deepspeed "
                     f"{path} OUT` (or engine.import_deepspeed_checkpoint) and load OUT")
         raise CheckpointError(f"{path!r} is not a checkpoint: it has no {METADATA_FILE}{hint}")
     try:

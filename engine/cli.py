@@ -14,7 +14,7 @@ from tiered.cli import main as store_main
 TRAIN_USAGE = "  train         train a GPT-style model with parameters and optimizer states on NVMe (--demo)"
 ESTIMATE_USAGE = "  estimate      memory and disk a model needs per tier under a config, before allocating any"
 EXPORT_USAGE = "  export        a training checkpoint's weights as Hugging Face safetensors files (zero_to_fp32)"
-IMPORT_USAGE = "  import-deepspeed  a DeepSpeed ZeRO-3 checkpoint as an engine checkpoint, to resume from"
+IMPORT_USAGE = "  import-deepspeed  a DeepSpeed ZeRO (1, 2, 3) checkpoint as an engine checkpoint, to resume from"
 
 
 def _train(argv: Sequence[str]) -> int:

@@ -1,22 +1,30 @@
-"""Import a DeepSpeed ZeRO-3 checkpoint as an engine checkpoint (``tiered import-deepspeed``).
+"""Import a DeepSpeed ZeRO-1, 2 or 3 checkpoint as an engine checkpoint (``tiered import-deepspeed``).
 
-DeepSpeed's ``model_engine.save_checkpoint(dir)`` writes, for each data-parallel rank ``r`` of
-``W``, ``<dir>/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (parameter shapes, the frozen
-parameters' pieces, buffers, step counts, the caller's ``client_state``) and
+DeepSpeed's ``model_engine.save_checkpoint(dir)`` at ZeRO-3 writes, for each data-parallel rank
+``r`` of ``W``, ``<dir>/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (parameter shapes,
+the frozen parameters' pieces, buffers, step counts, the caller's ``client_state``) and
 ``..._optim_states.pt`` (``bf16_`` in front under bf16): the rank's fp32 master weights and Adam
 moments, as flat tensors of "sub-groups". In a sub-group each parameter takes ``S = ceil(numel /
 W)`` elements of every rank, rank ``r`` holding elements ``[r*S, (r+1)*S)`` of it flattened: the
 layout of an engine checkpoint saved by ``W`` ranks (``engine.checkpoint_files``). So an import
 rewrites each DeepSpeed rank's pieces into one rank file of an engine checkpoint, one tensor at a
-time, and then ``eng.load_checkpoint(out)`` resumes it at any world size (master weights, moments,
-step counts, hyperparameters, the fp16 loss scale; DeepSpeed's LR scheduler state comes back as
+time.
+
+At ZeRO-1 and 2, rank 0 writes the model states alone (``mp_rank_00_model_states.pt``: the whole
+module, frozen parameters included) and each rank its optimizer states: each parameter group's
+parameters, flattened and concatenated, split into ``W`` equal partitions, with a map of where
+each parameter's piece lies in the rank's partition. The import joins each parameter's pieces
+into a one-rank engine checkpoint, one parameter at a time.
+
+Then ``eng.load_checkpoint(out)`` resumes either at any world size (master weights, moments, step
+counts, hyperparameters, the fp16 loss scale; DeepSpeed's LR scheduler state comes back as
 ``client_state["lr_scheduler"]``), ``tiered export`` writes its weights in Hugging Face's layout,
 and ``engine.wrap(model, state_dict=out)`` serves it.
 
 The files are pickles. They are read with ``torch.load(weights_only=True)``, which builds tensors
-and plain containers only; DeepSpeed's own two classes in them (the ZeRO stage and the loss
-scaler) are read as inert records, so DeepSpeed need not be installed. A file holding any other
-object (a ``client_state`` with arbitrary objects) is refused unless ``trust_pickle=True``.
+and plain containers only; DeepSpeed's own classes in them (the ZeRO stage, the loss scaler, a
+piece's address) are read as inert records, so DeepSpeed need not be installed. A file holding any
+other object (a ``client_state`` with arbitrary objects) is refused unless ``trust_pickle=True``.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ import torch
 
 from engine.checkpoint import buffer_record, param_record, prepare_partial, publish, write_tensors
 from engine.checkpoint_files import (
-    FORMAT, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, deepspeed_model_file, rank_file, tensor_name,
+    FORMAT, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, deepspeed_model_file, deepspeed_zero12_model_file,
+    rank_file, tensor_name,
 )
 from engine.checkpoint_paths import resolve_checkpoint
 from engine.layout import ShardLayout
@@ -69,6 +78,8 @@ _DEEPSPEED_CLASSES: dict[str, Callable[..., Any]] = {
     "deepspeed.runtime.zero.config.ZeroStageEnum": _zero_stage,
     "deepspeed.runtime.fp16.loss_scaler.LossScaler": _DeepSpeedRecord,
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": _DeepSpeedRecord,
+    # where a ZeRO-1/2 rank's piece of a parameter lies in its partition (numel, start)
+    "deepspeed.utils.tensor_fragment.fragment_address": _DeepSpeedRecord,
 }
 
 
@@ -111,45 +122,50 @@ class _Param:
 
 
 class DeepSpeedCheckpoint:
-    """A DeepSpeed ZeRO-3 checkpoint (its tag directory: ``path/tag``, or the tag ``path/latest``
-    names, or ``path`` itself), checked on open; each rank's files are read when written out."""
+    """A DeepSpeed ZeRO checkpoint of stage 1, 2 or 3 (its tag directory: ``path/tag``, or the tag
+    ``path/latest`` names, or ``path`` itself), checked on open; each rank's files are read when
+    written out."""
 
     def __init__(self, path: "str | os.PathLike[str]", tag: Optional[str] = None, *,
                  trust_pickle: bool = False) -> None:
         self.path = resolve_checkpoint(path, tag)
         self._trust_pickle = trust_pickle
-        if not os.path.isfile(deepspeed_model_file(self.path, 0)):
-            raise CheckpointError(_not_zero3(self.path))
-        model = self._load(deepspeed_model_file(self.path, 0))
-        optim = self._load(self._optim_file(0))["optimizer_state_dict"]
-        self._rank0 = (model, optim)  # read once, used again when rank 0's file is written
-        self.world_size = int(model.get("dp_world_size", 0))
+        zero3 = os.path.isfile(deepspeed_model_file(self.path, 0))
+        if not zero3 and not os.path.isfile(deepspeed_zero12_model_file(self.path)):
+            raise CheckpointError(f"{self.path!r} is not a DeepSpeed checkpoint: it has neither "
+                                  f"{os.path.basename(deepspeed_model_file(self.path, 0))} (ZeRO-3) nor "
+                                  f"{os.path.basename(deepspeed_zero12_model_file(self.path))}")
+        model = self._load(deepspeed_model_file(self.path, 0) if zero3 else deepspeed_zero12_model_file(self.path))
+        self.ds_world_size = int(model.get("dp_world_size", 0))
         if model.get("mp_world_size", 1) != 1:
             raise CheckpointError(
                 f"{self.path!r} was saved with model (tensor) parallelism of {model['mp_world_size']}; only data "
-                "parallel ZeRO-3 checkpoints import"
+                "parallel ZeRO checkpoints import"
             )
-        if self.world_size < 1:
+        if self.ds_world_size < 1:
             raise CheckpointError(f"{self.path!r}: its model states give no data-parallel world size")
+        optim = self._load(self._optim_file(0))["optimizer_state_dict"]
+        self._rank0 = (model, optim)  # read once, used again when rank 0's file is written
+        self.zero_stage = self._check_stage(optim, zero3)
+        #: Ranks of the engine checkpoint written: DeepSpeed's at ZeRO-3, whose layout is the engine's;
+        #: one at ZeRO-1/2, whose ranks split the concatenated parameters, so each is written whole.
+        self.world_size = self.ds_world_size if zero3 else 1
         self.global_steps = int(model.get("global_steps", 0))
         self.skipped_steps = int(model.get("skipped_steps", 0))
         self.ds_version = str(model.get("ds_version", "unknown"))
         self.ds_config: dict[str, Any] = model.get("ds_config") or {}
-        if optim.get("zero_stage") != 3:
-            raise CheckpointError(f"{self.path!r} is a ZeRO stage {optim.get('zero_stage')!r} checkpoint; only "
-                                  "stage 3 imports")
-        if optim.get("partition_count") != self.world_size:
-            raise CheckpointError(f"{self.path!r}: the optimizer is split {optim.get('partition_count')!r} ways, "
-                                  f"the model over {self.world_size} ranks")
-        inner = optim["optimizer_state_dict"]
+        inner = optim["optimizer_state_dict" if zero3 else "base_optimizer_state"]
         self._check_adam(inner)
         self._state_steps = {int(i): int(s["step"]) for i, s in inner["state"].items()}
-        self.params = self._layout(model, optim)
-        self.groups = self._param_groups(inner, len(optim["fp32_flat_groups"]))
+        flats = optim["fp32_flat_groups" if zero3 else "single_partition_of_fp32_groups"]
+        self.params = self._layout(model, flats)
+        self.groups = self._param_groups(inner, len(flats))
         self.tied = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
         #: Saved with ``exclude_frozen_parameters=True`` (as the Trainer saves a PEFT model): DeepSpeed
         #: then records no frozen parameters at all, so a load keeps the model's own values for them.
-        self.frozen_excluded = model.get("frozen_param_shapes") is None
+        #: (ZeRO-1 never records their shapes, but keeps them in the module states unless left out.)
+        self.frozen_excluded = (model.get("frozen_param_shapes") is None
+                                and not any(not p.trainable for p in self.params))
         self.buffers = {name: model["module"][name] for name in model.get("buffer_names", [])
                         if name in model["module"]}
         self.loss_scale = self._loss_scale(optim)
@@ -190,8 +206,10 @@ class DeepSpeedCheckpoint:
             if os.path.isfile(file):
                 return file
         raise CheckpointError(
-            f"{self.path!r} has no optimizer states file for rank {rank} ({_OPTIM_FILES[0].format(rank)}): ZeRO-3 "
-            "keeps the weights there, so every rank's file is needed"
+            f"{self.path!r} has no optimizer states file for rank {rank} ({_OPTIM_FILES[0].format(rank)}): ZeRO "
+            "keeps the fp32 weights there, so every rank's file is needed. (A checkpoint saved without ZeRO, stage "
+            "0, has none: its weights are the 'module' entry of mp_rank_00_model_states.pt, for engine.wrap("
+            "state_dict=...).)"
         )
 
     # ------------------------------------------------------------------ what rank 0's files say
@@ -208,13 +226,26 @@ class DeepSpeedCheckpoint:
                 "to engine.wrap(state_dict=...)"
             )
 
-    def _layout(self, model: dict[str, Any], optim: dict[str, Any]) -> list[_Param]:
+    def _check_stage(self, optim: dict[str, Any], zero3: bool) -> int:
+        """The ZeRO stage of rank 0's optimizer states, checked against the files' layout and world size."""
+        stage = optim.get("zero_stage")
+        if stage is None and not zero3 and "base_optimizer_state" in optim:
+            stage = 1  # DeepSpeed's bf16 optimizer (bf16 at ZeRO-1) partitions as ZeRO-1 and records no stage
+        if stage not in ((3,) if zero3 else (1, 2)):
+            raise CheckpointError(f"{self.path!r}: its optimizer states say ZeRO stage {stage!r} where its files "
+                                  f"are laid out as stage {'3' if zero3 else '1 or 2'}'s")
+        counts = optim.get("partition_count")
+        if any(int(c) != self.ds_world_size for c in (counts if isinstance(counts, (list, tuple)) else [counts])):
+            raise CheckpointError(f"{self.path!r}: the optimizer is split {counts!r} ways, the model over "
+                                  f"{self.ds_world_size} ranks")
+        return int(stage)
+
+    def _layout(self, model: dict[str, Any], flats: list[torch.Tensor]) -> list[_Param]:
         module, world = model["module"], self.world_size
-        flats = optim["fp32_flat_groups"]
         shapes = model.get("param_shapes") or []
         if len(shapes) != len(flats):
             raise CheckpointError(f"{self.path!r}: {len(shapes)} parameter shape groups for {len(flats)} flat "
-                                  "optimizer groups (not a ZeRO-3 checkpoint this importer knows)")
+                                  "optimizer groups (not a ZeRO checkpoint this importer knows)")
         params: list[_Param] = []
         for index, group in enumerate(shapes):
             offset = 0
@@ -222,10 +253,14 @@ class DeepSpeedCheckpoint:
                 param = _Param.of(name, shape, _dtype(module, name, self.path), world, index, offset)
                 params.append(param)
                 offset += param.layout.shard_numel
-            if offset != flats[index].numel():
+            if self.zero_stage == 3 and offset != flats[index].numel():
                 raise CheckpointError(f"{self.path!r}: flat optimizer group {index} holds {flats[index].numel()} "
                                       f"elements per rank, its parameters {offset}")
-        for name, shape in (model.get("frozen_param_shapes") or {}).items():
+        frozen = model.get("frozen_param_shapes") or {}
+        if self.zero_stage < 3:  # the module states hold the whole model: its other tensors are frozen parameters
+            known = {*(p.name for p in params), *model.get("buffer_names", []), *(model.get("shared_params") or {})}
+            frozen = {n: v.shape for n, v in module.items() if n not in known and isinstance(v, torch.Tensor)}
+        for name, shape in frozen.items():
             params.append(_Param.of(name, shape, _dtype(module, name, self.path), world))
         return params
 
@@ -285,6 +320,9 @@ class DeepSpeedCheckpoint:
 
     def rank_sources(self, rank: int) -> list[tuple[TensorSpec, Callable[[], torch.Tensor]]]:
         """Rank ``rank``'s tensors as an engine checkpoint's rank file names them, each with a getter."""
+        if self.zero_stage != 3:
+            assert rank == 0, rank
+            return self._zero12_sources()
         if rank == 0:
             model, optim = self._rank0
         else:
@@ -319,6 +357,58 @@ class DeepSpeedCheckpoint:
             for name in STATE_NAMES:
                 sources.append((TensorSpec(tensor_name(param.name, name), torch.float32, (param.layout.shard_numel,)),
                                 _piece(flats_of[name], param, rank, torch.float32)))
+        return sources + self._buffer_sources(model, rank)
+
+    def _zero12_sources(self) -> list[tuple[TensorSpec, Callable[[], torch.Tensor]]]:
+        """ZeRO-1/2: the one rank file's tensors, every parameter whole. DeepSpeed's ranks split each
+        group's parameters, concatenated, into equal partitions; each rank's ``param_slice_mappings``
+        say where in its partition its piece of a parameter lies, so a parameter is its pieces in
+        rank order."""
+        model, optim = self._rank0
+        optims = [optim, *(self._load(self._optim_file(r))["optimizer_state_dict"]
+                           for r in range(1, self.ds_world_size))]
+        for rank, each in enumerate(optims):
+            if "param_slice_mappings" not in each:
+                raise CheckpointError(f"rank {rank}'s optimizer states have no param_slice_mappings (DeepSpeed "
+                                      f"{self.ds_version}); a ZeRO-1/2 checkpoint of DeepSpeed >= 0.10 imports")
+        sources: list[tuple[TensorSpec, Callable[[], torch.Tensor]]] = []
+        for param in self.params:
+            layout = param.layout
+            spec = TensorSpec(tensor_name(param.name), layout.dtype, (layout.numel,))
+            if param.trainable:
+                sources.append((spec, self._joined(optims, param, "master", layout.dtype)))
+            else:  # a frozen parameter: the module states hold it whole
+                value = model["module"][param.name]
+                sources.append((spec, lambda v=value, d=layout.dtype: v.reshape(-1).to(d, copy=True)))
+        for param in self._trainable():
+            if param.sub_group in self._state_steps:
+                for name in STATE_NAMES:
+                    sources.append((TensorSpec(tensor_name(param.name, name), torch.float32, (param.layout.numel,)),
+                                    self._joined(optims, param, name, torch.float32)))
+        return sources + self._buffer_sources(model, 0)
+
+    def _joined(self, optims: list[dict[str, Any]], param: _Param, state: str, dtype: torch.dtype
+                ) -> Callable[[], torch.Tensor]:
+        """A getter of ``param``'s fp32 master (``state`` "master") or Adam moment, whole, from the
+        pieces of it every ZeRO-1/2 rank holds, as ``dtype``."""
+        def get() -> torch.Tensor:
+            pieces = []
+            for optim in optims:
+                where = optim["param_slice_mappings"][param.sub_group].get(param.name)
+                if where is None:
+                    continue  # none of it on this rank
+                flat = (optim["single_partition_of_fp32_groups"][param.sub_group] if state == "master"
+                        else optim["base_optimizer_state"]["state"][param.sub_group][state])
+                pieces.append(flat.reshape(-1).narrow(0, int(where.start), int(where.numel)))
+            out = torch.cat(pieces).to(dtype) if pieces else torch.empty(0, dtype=dtype)
+            if out.numel() != param.layout.numel:
+                raise CheckpointError(f"{self.path!r}: DeepSpeed's ranks hold {out.numel()} elements of "
+                                      f"{param.name!r} ({state}), which has {param.layout.numel}")
+            return out
+        return get
+
+    def _buffer_sources(self, model: dict[str, Any], rank: int) -> list[tuple[TensorSpec, Callable[[], torch.Tensor]]]:
+        sources: list[tuple[TensorSpec, Callable[[], torch.Tensor]]] = []
         module = model["module"]
         for name in self.buffers:
             value = module.get(name)
@@ -352,7 +442,8 @@ class DeepSpeedCheckpoint:
             "format": FORMAT, "version": VERSION, "world_size": self.world_size, "params": params,
             "frozen_excluded": self.frozen_excluded, "buffers": buffers, "optimizer": optimizer, "files": files,
             "client_state": self.client_state,
-            "imported_from": {"format": "deepspeed-zero3", "path": self.path, "ds_version": self.ds_version,
+            "imported_from": {"format": f"deepspeed-zero{self.zero_stage}", "path": self.path,
+                              "ds_version": self.ds_version, "dp_world_size": self.ds_world_size,
                               "global_steps": self.global_steps, "skipped_steps": self.skipped_steps},
         }
 
@@ -360,9 +451,9 @@ class DeepSpeedCheckpoint:
 def import_deepspeed_checkpoint(path: "str | os.PathLike[str]", out: "str | os.PathLike[str]", *,
                                 tag: Optional[str] = None, overwrite: bool = False, trust_pickle: bool = False,
                                 progress: bool = True) -> str:
-    """Convert the DeepSpeed ZeRO-3 checkpoint at ``path`` (``path/tag``, or the tag its ``latest``
-    names) into an engine checkpoint at ``out`` (its parent created if missing), written
-    atomically; return ``out``'s absolute path.
+    """Convert the DeepSpeed ZeRO checkpoint (stage 1, 2 or 3) at ``path`` (``path/tag``, or the tag
+    its ``latest`` names) into an engine checkpoint at ``out`` (its parent created if missing),
+    written atomically; return ``out``'s absolute path.
 
     ``eng.load_checkpoint(out)`` then resumes training from it at any world size, with an
     ``engine.AdamW`` whose parameter groups hold the same parameters as DeepSpeed's did (checked
@@ -431,13 +522,6 @@ def _json_or_none(value: Any) -> Any:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError):
         return None
-
-
-def _not_zero3(path: str) -> str:
-    if os.path.isfile(os.path.join(path, "mp_rank_00_model_states.pt")):
-        return (f"{path!r} is a DeepSpeed checkpoint of ZeRO stage 0, 1 or 2; only stage 3 imports. For its "
-                "weights, run DeepSpeed's zero_to_fp32.py on it and pass the file to engine.wrap(state_dict=...)")
-    return f"{path!r} is not a DeepSpeed ZeRO-3 checkpoint: it has no {os.path.basename(deepspeed_model_file(path, 0))}"
 
 
 __all__ = ["DeepSpeedCheckpoint", "import_deepspeed_checkpoint"]

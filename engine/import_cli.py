@@ -1,4 +1,4 @@
-"""``tiered import-deepspeed DS_CKPT OUT``: a DeepSpeed ZeRO-3 checkpoint as an engine checkpoint,
+"""``tiered import-deepspeed DS_CKPT OUT``: a DeepSpeed ZeRO checkpoint as an engine checkpoint,
 which ``eng.load_checkpoint(OUT)`` resumes at any world size."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from engine.deepspeed_checkpoint import import_deepspeed_checkpoint
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tiered import-deepspeed",
-        description="Convert a checkpoint written by DeepSpeed's model_engine.save_checkpoint under ZeRO stage 3 "
-        "(fp32 master weights, Adam moments, step counts, fp16 loss scale, buffers, client_state) into an engine "
-        "checkpoint at OUT. Then eng.load_checkpoint(OUT) resumes training at any world size, tiered export OUT "
+        description="Convert a checkpoint written by DeepSpeed's model_engine.save_checkpoint under ZeRO stage 1, "
+        "2 or 3 (fp32 master weights, Adam moments, step counts, fp16 loss scale, buffers, client_state) into an "
+        "engine checkpoint at OUT. Then eng.load_checkpoint(OUT) resumes training at any world size, tiered export OUT "
         "writes its weights, and engine.wrap(model, state_dict=OUT) reads them. DeepSpeed need not be installed.",
     )
     p.add_argument("checkpoint", help="DeepSpeed's checkpoint directory (with its 'latest' file), or one tag "
-                   "directory of it (with zero_pp_rank_*_mp_rank_00_*_states.pt)")
+                   "directory of it (with *_mp_rank_00_*_states.pt)")
     p.add_argument("out", help="the engine checkpoint directory to create")
     p.add_argument("--tag", default=None, help="import CHECKPOINT/TAG instead of the one 'latest' names")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
@@ -37,14 +37,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out = import_deepspeed_checkpoint(args.checkpoint, args.out, tag=args.tag, overwrite=args.overwrite,
                                           trust_pickle=args.trust_pickle)
         with CheckpointFiles(out) as files:
-            params, world, stepped = len(files.params), files.world_size, len(files.stepped)
+            params, stepped = len(files.params), len(files.stepped)
             source, frozen_excluded = files.metadata["imported_from"], files.frozen_excluded
+            world = source.get("dp_world_size", files.world_size)
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"tiered import-deepspeed: {exc}", file=sys.stderr)
         return 1
     skipped = f", {source['skipped_steps']} of them skipped (fp16 overflow)" if source["skipped_steps"] else ""
-    print(f"{out}: {params} parameters ({stepped} with optimizer state) from {world} DeepSpeed rank(s) at step "
-          f"{source['global_steps']}{skipped}")
+    stage = source["format"].removeprefix("deepspeed-")
+    print(f"{out}: {params} parameters ({stepped} with optimizer state) from {world} DeepSpeed rank(s) ({stage}) at "
+          f"step {source['global_steps']}{skipped}")
     if frozen_excluded:
         print("  saved with exclude_frozen_parameters: no frozen parameter is in it; the load keeps the model's own "
               "values for them (load the base model's weights first)")

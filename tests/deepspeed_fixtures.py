@@ -1,4 +1,4 @@
-"""What DeepSpeed itself does, recorded for tests that run without it: ZeRO-3 checkpoints it
+"""What DeepSpeed itself does, recorded for tests that run without it: ZeRO checkpoints it
 wrote (the import tests) and the losses of a run it trained (the parity test).
 
 The committed fixtures in ``tests/fixtures/deepspeed/`` were made by running this file with
@@ -7,7 +7,7 @@ DeepSpeed installed (``pip install deepspeed``; CPU is enough)::
     python tests/deepspeed_fixtures.py tests/fixtures/deepspeed [NAME ... | training]
 
 Each fixture is a tiny model trained by ``deepspeed.initialize`` for ``STEPS_BEFORE`` steps and
-saved with ``model_engine.save_checkpoint`` (ZeRO-3 at world size 1 or 2), plus
+saved with ``model_engine.save_checkpoint`` (ZeRO-3 at world size 1 or 2, ZeRO-1/2 at 2), plus
 ``expected.safetensors``: DeepSpeed's own view of that state at the save, per parameter
 (``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``), and ``expected.json``: its
 step counts and the losses (under fp16 also the loss scales and skipped steps) DeepSpeed went on
@@ -51,8 +51,20 @@ FIXTURES: dict[str, tuple[int, dict[str, Any]]] = {
 #: Saved with ``save_checkpoint(exclude_frozen_parameters=True)``, as the Trainer saves a PEFT model:
 #: the frozen ``gate`` is not in it. Otherwise as zero3_fp32_world2.
 FROZEN_EXCLUDED = "zero3_fp32_frozen_excluded_world2"
+#: ZeRO stages 1 and 2: rank 0 writes the whole model's states, each rank its optimizer partition.
+ZERO12_FIXTURES: dict[str, tuple[int, dict[str, Any]]] = {
+    "zero2_fp32_world2": (2, {"zero_optimization": {"stage": 2}}),
+    "zero1_fp32_world2": (2, {"zero_optimization": {"stage": 1}}),
+    "zero2_bf16_world2": (2, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}),
+    # bf16 at stage 1 is DeepSpeed's BF16_Optimizer: bf16_ optimizer files, partitioned as ZeRO-1
+    "zero1_bf16_world2": (2, {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}),
+    # ZeRO-Offload as DeepSpeed's tutorial has it: stage 2, DeepSpeed's CPU Adam
+    "zero2_offload_world2": (2, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                 "optimizer": {"type": "AdamW", "params": {
+                                     "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}}}),
+}
 FIXTURES_ALL: dict[str, tuple[int, dict[str, Any]]] = {
-    **FIXTURES, FROZEN_EXCLUDED: (2, {"zero_optimization": {"stage": 3, "sub_group_size": 200}}),
+    **FIXTURES, FROZEN_EXCLUDED: (2, {"zero_optimization": {"stage": 3, "sub_group_size": 200}}), **ZERO12_FIXTURES,
 }
 
 
@@ -161,6 +173,12 @@ def _run(rank: int, world: int, name: str, out: str, port: int) -> None:
 
     before = [train(s) for s in range(STEPS_BEFORE)]
     eng.save_checkpoint(os.path.join(out, name), exclude_frozen_parameters=name == FROZEN_EXCLUDED)
+    if config["zero_optimization"]["stage"] < 3:
+        # DeepSpeed 0.19's ZeRO-1/2 links each parameter to its optimizer state once, after the first
+        # group's first step, when later groups have none yet, and never again: so its
+        # safe_get_full_optimizer_state finds no moments for them. Linking again reads them as they are.
+        eng.optimizer._hp_optimizer_states_linked = False
+        eng.optimizer._lazy_init_hp_params_optimizer_state()
     expected: dict[str, torch.Tensor] = {}
     for pname, p in model.named_parameters():
         if not p.requires_grad:

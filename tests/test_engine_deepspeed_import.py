@@ -1,4 +1,4 @@
-"""Importing DeepSpeed ZeRO-3 checkpoints (``engine.import_deepspeed_checkpoint``, ``tiered
+"""Importing DeepSpeed ZeRO checkpoints, stages 1 to 3 (``engine.import_deepspeed_checkpoint``, ``tiered
 import-deepspeed``), against checkpoints DeepSpeed 0.19.8 itself wrote (tests/fixtures/deepspeed,
 made by tests/deepspeed_fixtures.py) and DeepSpeed's own view of their state and of the training
 that followed. DeepSpeed is not needed to run these tests."""
@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 import engine
 import tiered
 from deepspeed_fixtures import (
-    BETAS, EPS, FIXTURES, FIXTURES_ALL, FROZEN_EXCLUDED, LR, STEPS_AFTER, STEPS_BEFORE, WEIGHT_DECAY, batch, ds_config,
-    make_model, param_groups,
+    BETAS, EPS, FIXTURES, FIXTURES_ALL, FROZEN_EXCLUDED, LR, STEPS_AFTER, STEPS_BEFORE, WEIGHT_DECAY, ZERO12_FIXTURES,
+    batch, ds_config, make_model, param_groups,
 )
 from engine.checkpoint_files import STATE_NAMES, CheckpointError, CheckpointFiles, tensor_name
 from engine.cli import main as cli_main
@@ -28,6 +28,8 @@ from test_engine_distributed import run_ranks
 
 FIXTURE_DIR = Path(__file__).parent / "fixtures" / "deepspeed"
 TRAINABLE = ["embed.weight", "proj.weight", "proj.bias", "norm.weight", "norm.bias"]
+#: Every ZeRO stage: 3 (each rank's pieces become a rank file) and 1/2 (parameters joined whole).
+ALL_STAGES = sorted(FIXTURES) + sorted(ZERO12_FIXTURES)
 
 
 def expected(name: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -42,22 +44,24 @@ def imported(tmp_path: Path, name: str, source: Path | None = None) -> str:
 def wrap_as_deepspeed(tmp_path: Path, name: str, world: int):
     """The fixture's model under the engine, configured from the same DeepSpeed config."""
     model = make_model()
-    ds = ds_config(world, FIXTURES_ALL[name][1])
+    changes = FIXTURES_ALL[name][1]  # the engine is ZeRO-3, whatever stage DeepSpeed's run used
+    ds = ds_config(world, {**changes, "zero_optimization": {**changes["zero_optimization"], "stage": 3}})
     config = EngineConfig.from_deepspeed(ds, store=tiered.StoreConfig(path=str(tmp_path / "store")))
     return model, engine.wrap(model, optimizer=optimizer_from_deepspeed(ds, param_groups(model)), config=config)
 
 
 def scheduler_as_deepspeed(eng: engine.Engine, name: str, world: int):
     """The fixture's LR scheduler from its DeepSpeed config (None when it has none), built before the load."""
-    return scheduler_from_deepspeed(ds_config(world, FIXTURES[name][1]), eng.optimizer)
+    return scheduler_from_deepspeed(ds_config(world, FIXTURES_ALL[name][1]), eng.optimizer)
 
 
-@pytest.mark.parametrize("name", sorted(FIXTURES))
+@pytest.mark.parametrize("name", ALL_STAGES)
 def test_import_holds_deepspeeds_own_view_of_its_state(tmp_path, name):
     meta, want = expected(name)
     dtype = getattr(torch, meta["dtype"])
     with CheckpointFiles(imported(tmp_path, name)) as files:
-        assert files.world_size == meta["world_size"] == FIXTURES[name][0]
+        assert meta["world_size"] == FIXTURES_ALL[name][0] == files.metadata["imported_from"]["dp_world_size"]
+        assert files.world_size == (meta["world_size"] if name in FIXTURES else 1)  # ZeRO-1/2: written whole
         for param in TRAINABLE:  # safe_get_full_fp32_param / safe_get_full_optimizer_state, bit for bit
             for state in STATE_NAMES:
                 assert torch.equal(files.whole(param, state), want[f"{param}/{state}"]), (param, state)
@@ -84,12 +88,12 @@ def test_import_holds_deepspeeds_own_view_of_its_state(tmp_path, name):
     assert torch.equal(state_dict["embed.weight"], want["embed.weight/master"])
 
 
-@pytest.mark.parametrize("name", sorted(FIXTURES))
+@pytest.mark.parametrize("name", ALL_STAGES)
 def test_resumed_run_continues_deepspeeds(tmp_path, name):
-    """The engine, in one process, resumes DeepSpeed's run from the imported checkpoint (saved by 1
-    or 2 ranks) and reaches the losses DeepSpeed reached. fp32 agrees to float rounding (the
-    ranks' reductions); under bf16 and fp16 DeepSpeed's ZeRO-3 linear layers add the bias in a
-    separate kernel, which rounds differently from the first step on, before any import."""
+    """The engine, in one process, resumes DeepSpeed's run from the imported checkpoint (ZeRO 1,
+    2 or 3, saved by 1 or 2 ranks) and reaches the losses DeepSpeed reached. fp32 agrees to float
+    rounding (the ranks' reductions); under bf16 and fp16 DeepSpeed's ZeRO-3 linear layers add the
+    bias in a separate kernel, which rounds differently from the first step on, before any import."""
     meta, _ = expected(name)
     out = imported(tmp_path, name)
     model, eng = wrap_as_deepspeed(tmp_path, name, meta["world_size"])
@@ -246,8 +250,9 @@ def test_optimizer_groups_must_hold_the_same_parameters(tmp_path):
 def test_a_deepspeed_directory_given_to_load_names_the_import(tmp_path):
     model, eng = wrap_as_deepspeed(tmp_path, "zero3_fp32_world2", 2)
     try:
-        with pytest.raises(CheckpointError, match="tiered import-deepspeed"):
-            eng.load_checkpoint(FIXTURE_DIR / "zero3_fp32_world2")
+        for name in ("zero3_fp32_world2", "zero2_fp32_world2"):
+            with pytest.raises(CheckpointError, match="DeepSpeed checkpoint; convert it once with `tiered import"):
+                eng.load_checkpoint(FIXTURE_DIR / name)
     finally:
         eng.close()
 
@@ -285,18 +290,19 @@ def test_client_state_pickles_and_unsupported_checkpoints(tmp_path):
     (source / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(CheckpointError, match="no optimizer states file for rank 1"), pytest.warns(UserWarning):
         engine.import_deepspeed_checkpoint(source, tmp_path / "other", trust_pickle=True)
-    stage2 = tmp_path / "stage2"
-    stage2.mkdir()
-    (stage2 / "mp_rank_00_model_states.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="stage 0, 1 or 2"):
-        engine.import_deepspeed_checkpoint(stage2, tmp_path / "other")
+    stage0 = tmp_path / "stage0"  # no ZeRO: the optimizer's state is pickled into the model states
+    stage0.mkdir()
+    torch.save({"module": {}, "dp_world_size": 1, "mp_world_size": 1}, stage0 / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match="no optimizer states file for rank 0.*without ZeRO, stage 0"):
+        engine.import_deepspeed_checkpoint(stage0, tmp_path / "other")
 
 
 def test_cli_imports_and_export_reads_the_result(tmp_path, capsys):
     out, weights = tmp_path / "imported", tmp_path / "hf"
     assert cli_main(["import-deepspeed", str(FIXTURE_DIR / "zero3_fp16_world2"), str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "6 parameters (5 with optimizer state) from 2 DeepSpeed rank(s) at step 3, 2 of them skipped" in printed
+    assert ("6 parameters (5 with optimizer state) from 2 DeepSpeed rank(s) (zero3) at step 3, 2 of them "
+            "skipped") in printed
     assert cli_main(["export", str(out), str(weights)]) == 0
     exported = load_file(weights / "model.safetensors")
     _, want = expected("zero3_fp16_world2")
@@ -305,4 +311,4 @@ def test_cli_imports_and_export_reads_the_result(tmp_path, capsys):
     tied = engine.checkpoint_state_dict(out)  # DeepSpeed recorded the tie in this checkpoint
     assert tied["head.weight"] is tied["embed.weight"]
     assert cli_main(["import-deepspeed", str(tmp_path / "missing"), str(tmp_path / "x")]) == 1
-    assert "not a DeepSpeed ZeRO-3 checkpoint" in capsys.readouterr().err
+    assert "is not a DeepSpeed checkpoint" in capsys.readouterr().err
