@@ -320,9 +320,13 @@ class DeepSpeedCheckpoint:
 
     def rank_sources(self, rank: int) -> list[tuple[TensorSpec, Callable[[], torch.Tensor]]]:
         """Rank ``rank``'s tensors as an engine checkpoint's rank file names them, each with a getter."""
-        if self.zero_stage != 3:
-            assert rank == 0, rank
-            return self._zero12_sources()
+        if self.zero_stage == 3:
+            return self._zero3_sources(rank)
+        assert rank == 0, rank  # a ZeRO-1/2 import writes one rank file
+        return self._zero12_sources()
+
+    def _zero3_sources(self, rank: int) -> list[tuple[TensorSpec, Callable[[], torch.Tensor]]]:
+        """ZeRO-3: DeepSpeed rank ``rank``'s pieces of every parameter, as the engine's rank ``rank`` holds them."""
         if rank == 0:
             model, optim = self._rank0
         else:
@@ -408,6 +412,7 @@ class DeepSpeedCheckpoint:
         return get
 
     def _buffer_sources(self, model: dict[str, Any], rank: int) -> list[tuple[TensorSpec, Callable[[], torch.Tensor]]]:
+        """The buffers, whole, from a model states file."""
         sources: list[tuple[TensorSpec, Callable[[], torch.Tensor]]] = []
         module = model["module"]
         for name in self.buffers:
