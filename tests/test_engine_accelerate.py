@@ -31,7 +31,7 @@ def examples() -> list[dict[str, torch.Tensor]]:
 
 
 def train(path: Path, *, wrapped: bool, prepare_model: bool = True) -> list[float]:
-    """Eight micro-batches of 2 (per rank) through accelerate's loop; the losses."""
+    """Sixteen examples in micro-batches of 2 (split over the ranks) through accelerate's loop; the losses."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
