@@ -18,6 +18,7 @@ rank of a larger world reads about its share, not every shard it touches.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Mapping, Optional
@@ -228,6 +229,26 @@ class CheckpointFiles:
         self.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointSummary:
+    """What a checkpoint holds, as the commands that write or read one report it."""
+
+    params: int
+    #: Parameters with optimizer state (fp32 master weights and moments).
+    stepped: int
+    world_size: int
+    frozen_excluded: bool
+    #: ``imported_from`` of an imported checkpoint (format, DeepSpeed's world size and steps), else None.
+    imported_from: Optional[dict[str, Any]]
+
+
+def summarize(path: "str | os.PathLike[str]") -> CheckpointSummary:
+    """The :class:`CheckpointSummary` of the checkpoint at ``path`` (reads its metadata only)."""
+    with CheckpointFiles(path) as files:
+        return CheckpointSummary(len(files.params), len(files.stepped), files.world_size, files.frozen_excluded,
+                                 files.metadata.get("imported_from"))
+
+
 def deepspeed_model_file(path: "str | os.PathLike[str]", rank: int) -> str:
     """Where DeepSpeed's ZeRO-3 ``save_checkpoint`` puts data-parallel rank ``rank``'s model states
     in a tag directory (``engine.deepspeed_checkpoint`` imports such checkpoints)."""
@@ -308,7 +329,7 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 __all__ = [
-    "CRC_CHUNK_BYTES", "CheckpointError", "CheckpointFiles", "FORMAT", "METADATA_FILE", "PARTIAL_SUFFIX",
-    "STATE_NAMES", "VERSION", "deepspeed_model_file", "dtype_of", "dtype_str", "read_checked", "read_metadata",
-    "rank_file", "tensor_name",
+    "CRC_CHUNK_BYTES", "CheckpointError", "CheckpointFiles", "CheckpointSummary", "FORMAT", "METADATA_FILE",
+    "PARTIAL_SUFFIX", "STATE_NAMES", "VERSION", "deepspeed_model_file", "deepspeed_zero12_model_file", "dtype_of",
+    "dtype_str", "read_checked", "read_metadata", "rank_file", "summarize", "tensor_name",
 ]

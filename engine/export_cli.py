@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.checkpoint_export import export_checkpoint
-from engine.checkpoint_files import CheckpointError, CheckpointFiles
+from engine.checkpoint_files import CheckpointError, summarize
 from engine.checkpoint_paths import resolve_checkpoint
 from engine.export import DEFAULT_MAX_SHARD_BYTES
 from tiered.bench.options import parse_size
@@ -46,18 +46,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         max_shard = DEFAULT_MAX_SHARD_BYTES if args.max_shard_size is None else parse_size(args.max_shard_size)
         source = resolve_checkpoint(args.checkpoint, args.tag)
-        with CheckpointFiles(source) as files:
-            params, world, stepped = len(files.params), files.world_size, len(files.stepped)
-            frozen_excluded = files.frozen_excluded
+        summary = summarize(source)
         written = export_checkpoint(source, args.out, master_weights=not args.training_weights,
                                     dtype=_DTYPES.get(args.dtype), max_shard_bytes=max_shard)
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"tiered export: {exc}", file=sys.stderr)
         return 1
-    weights = "training-dtype weights" if args.training_weights or not stepped else (
-        f"fp32 master weights of {stepped} of {params} parameters")
-    print(f"{source} (saved by {world} rank(s)): {params} parameters, {weights}")
-    if frozen_excluded:
+    weights = "training-dtype weights" if args.training_weights or not summary.stepped else (
+        f"fp32 master weights of {summary.stepped} of {summary.params} parameters")
+    print(f"{source} (saved by {summary.world_size} rank(s)): {summary.params} parameters, {weights}")
+    if summary.frozen_excluded:
         print("  the checkpoint left out the frozen parameters (exclude_frozen_parameters): the export holds the "
               "trained ones only")
     for file in written:

@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from engine.checkpoint_files import CheckpointError, CheckpointFiles
+from engine.checkpoint_files import CheckpointError, summarize
 from engine.deepspeed_checkpoint import import_deepspeed_checkpoint
 
 
@@ -36,18 +36,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         out = import_deepspeed_checkpoint(args.checkpoint, args.out, tag=args.tag, overwrite=args.overwrite,
                                           trust_pickle=args.trust_pickle)
-        with CheckpointFiles(out) as files:
-            params, stepped = len(files.params), len(files.stepped)
-            source, frozen_excluded = files.metadata["imported_from"], files.frozen_excluded
-            world = source.get("dp_world_size", files.world_size)
+        summary = summarize(out)
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"tiered import-deepspeed: {exc}", file=sys.stderr)
         return 1
+    source = summary.imported_from
+    assert source is not None
     skipped = f", {source['skipped_steps']} of them skipped (fp16 overflow)" if source["skipped_steps"] else ""
     stage = source["format"].removeprefix("deepspeed-")
-    print(f"{out}: {params} parameters ({stepped} with optimizer state) from {world} DeepSpeed rank(s) ({stage}) at "
-          f"step {source['global_steps']}{skipped}")
-    if frozen_excluded:
+    print(f"{out}: {summary.params} parameters ({summary.stepped} with optimizer state) from "
+          f"{source['dp_world_size']} DeepSpeed rank(s) ({stage}) at step {source['global_steps']}{skipped}")
+    if summary.frozen_excluded:
         print("  saved with exclude_frozen_parameters: no frozen parameter is in it; the load keeps the model's own "
               "values for them (load the base model's weights first)")
     print(f"  resume with eng.load_checkpoint({out!r}); export weights with: tiered export {out} OUT")
