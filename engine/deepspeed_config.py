@@ -33,6 +33,10 @@ DEEPSPEED_AIO_THREADS = 1
 #: DeepSpeed clips gradients at this global norm when a config leaves ``gradient_clipping`` out
 #: (since deepspeedai/DeepSpeed#8068, mid-2026; 0, no clipping, before it): 1.0 in 0.19.8.
 DEEPSPEED_GRADIENT_CLIPPING = 1.0
+#: The ZeRO stages a config may name. The engine is ZeRO-3: a stage-1 or stage-2 run (optimizer state,
+#: and gradients, sharded) takes the same steps here with its parameters sharded as well, so their
+#: configs (ZeRO-Offload's among them) are taken as they are written.
+ZERO_STAGES_RUN_AS_3 = (1, 2, 3)
 #: A mapped aio section never starts more store I/O threads than this.
 MAX_MAPPED_IO_THREADS = 256
 FP32_BYTES = 4
@@ -166,7 +170,8 @@ OFFLOAD_OPTIMIZER: Schema = {
 }
 
 ZERO: Schema = {
-    "stage": Key(_int(), MAP, "must be 3: the engine is ZeRO-3 (parameters, gradients and optimizer state sharded)"),
+    "stage": Key(_int(), MAP, "1, 2 or 3, each run as ZeRO-3: the engine shards parameters, gradients and optimizer "
+                 "state (at 1 and 2 too: the same steps, less memory per rank); 0 (no sharding) is refused"),
     "offload_param": OFFLOAD_PARAM,
     "offload_optimizer": OFFLOAD_OPTIMIZER,
     "stage3_prefetch_bucket_size": Key(_int(), MAP, "prefetch_bytes = elements x training-dtype bytes"),
@@ -201,7 +206,7 @@ ZERO: Schema = {
     "enable_sanity_checks": Key(_bool, ACCEPT, "DeepSpeed's internal checks; the engine's invariants are always on"),
     "load_from_fp32_weights": Key(_bool, DEFAULT_ONLY, "checkpoints always restore the fp32 master weights", True),
     "elastic_checkpoint": Key(_bool, DEFAULT_ONLY, "elastic checkpoints are not supported", False),
-    "legacy_stage1": Key(_bool, DEFAULT_ONLY, "stage 1 is not supported", False),
+    "legacy_stage1": Key(_bool, DEFAULT_ONLY, "DeepSpeed's legacy stage-1 implementation is not supported", False),
     "pipeline_loading_checkpoint": Key(_bool, DEFAULT_ONLY, "pipeline-parallel loading is not supported", False),
     "zero_hpz_partition_size": Key(_int(), DEFAULT_ONLY, "ZeRO++ hierarchical partitioning is not supported", 1),
     "zero_quantized_weights": Key(_bool, DEFAULT_ONLY, "ZeRO++ quantized weights are not supported", False),
@@ -388,9 +393,10 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
     sto: dict[str, Any] = {}
     z = "zero_optimization"
     stage = found.get(f"{z}.stage")
-    if stage != 3:
-        got = "missing" if stage is None else f"got {stage}"
-        problems.append(f"{z}.stage: must be 3 (the engine is ZeRO-3), {got}")
+    if stage not in ZERO_STAGES_RUN_AS_3:
+        got = "missing (DeepSpeed's default is 0, no sharding)" if stage is None else f"got {stage}"
+        problems.append(f"{z}.stage: must be 1, 2 or 3 (the engine runs each as ZeRO-3, sharding parameters, "
+                        f"gradients and optimizer state; stage 0 is plain data parallelism), {got}")
 
     param_device = _offload_device(found, problems, f"{z}.offload_param.device", f"{z}.cpu_offload_param")
     if param_device is not None:

@@ -231,16 +231,29 @@ def test_unsupported_or_invalid_values_are_named(store, fragment, path, expected
 
 
 @pytest.mark.parametrize("config,expected", [
-    ({}, "must be 3 (the engine is ZeRO-3), missing"),
-    ({"zero_optimization": {"stage": 2}}, "got 2"),
+    ({}, "must be 1, 2 or 3 (the engine runs each as ZeRO-3"),
+    ({}, "missing (DeepSpeed's default is 0, no sharding)"),
+    ({"zero_optimization": {"stage": 0}}, "stage 0 is plain data parallelism), got 0"),
+    ({"zero_optimization": {"stage": 4}}, "got 4"),
     ({"zero_optimization": True}, "zero_optimization: must be an object"),
 ])
-def test_stage_must_be_3(store, config, expected):
+def test_stage_must_be_1_2_or_3(store, config, expected):
     assert expected in problems_of(config, store)
 
 
+def test_zero_offload_stage_2_config_runs_as_stage_3(store):
+    """DeepSpeed's ZeRO-Offload config (stage 2, optimizer state on the CPU), as its tutorial writes
+    it, configures the engine as the same config at stage 3 does."""
+    zero = {"offload_optimizer": {"device": "cpu", "pin_memory": True}, "allgather_partitions": True,
+            "allgather_bucket_size": 2e8, "overlap_comm": True, "reduce_scatter": True,
+            "reduce_bucket_size": 2e8, "contiguous_gradients": True}
+    by_stage = {s: EngineConfig.from_deepspeed(ds(zero={**zero, "stage": s}), store=store) for s in (1, 2, 3)}
+    assert by_stage[1] == by_stage[2] == by_stage[3]
+    assert by_stage[2].optimizer_tier == "host"
+
+
 def test_problems_in_several_sections_are_reported_together(store):
-    config = ds(zero={"stage": 1, "foo": 1}, optimizer={"type": "Lamb"}, scheduler={"type": "OneCycle"},
+    config = ds(zero={"stage": 0, "foo": 1}, optimizer={"type": "Lamb"}, scheduler={"type": "OneCycle"},
                 fp16={"enabled": True, "fp16_master_weights_and_grads": True})
     message = problems_of(config, store)
     for path in ("zero_optimization.stage", "zero_optimization.foo", "optimizer.type", "scheduler.type",
