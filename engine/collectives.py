@@ -65,6 +65,13 @@ class Collectives:
         ``shard`` may be this rank's slice of ``out`` (in place, as FSDP does)."""
         _all_gather_single(out, shard, group=self.group)
 
+    def ranks_where(self, flag: bool, device: torch.device) -> list[int]:
+        """The ranks that passed ``flag=True``, in rank order (every rank learns the same list).
+        ``device`` is where the collective runs: a CUDA device under NCCL."""
+        flags = torch.zeros(self.world, dtype=torch.int32, device=device)
+        _all_gather_single(flags, torch.tensor([int(flag)], dtype=torch.int32, device=device), group=self.group)
+        return [r for r, f in enumerate(flags.tolist()) if f]
+
     def reduce_scatter_mean(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         """The mean over ranks of ``flat`` (``world`` x ``out``'s numel), this rank's part into ``out``."""
         _reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group)

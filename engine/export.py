@@ -94,7 +94,8 @@ def write_weights(
     """Read every tensor of ``tensors`` in order and, when ``writing``, write them into ``directory``
     (which exists) in the layout of the module docstring and publish the files. Returns the files
     (index last) and the first error, after removing what a failed write left. Unless ``alone``,
-    the readers are collective, so every tensor is read even after an error."""
+    the readers are collective, so every tensor is read even after a write error; a failed read
+    raises on every rank at the same tensor (``ShardIO.read_copy``), so all stop there alike."""
     shards = _split(tensors, max_shard_bytes)
     names = _file_names(len(shards))
     files = [os.path.join(directory, n) for n in [*names, *([INDEX_FILE] if len(names) > 1 else [])]]

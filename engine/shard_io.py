@@ -22,7 +22,7 @@ import torch
 from engine.collectives import Collectives
 from engine.handle import ParamHandle
 from engine.layout import ShardLayout
-from tiered import Tier, TieredStore
+from tiered import Tier, TieredStore, TransferError
 
 T = TypeVar("T")
 
@@ -68,8 +68,12 @@ class ShardIO:
             return layout.unflatten(flat)
         gathered = torch.empty(layout.padded_numel, dtype=dtype or layout.dtype, device=handle.flat.device)
         shard = gathered[layout.shard_offset : layout.shard_offset + layout.shard_numel]
-        local = self.store.sync.get_future(key, handle.flat.device, out=shard)
-        flat = self._comm().run(self._gather, local, gathered, shard, layout.numel, None)
+        try:
+            local = self.store.sync.get_future(key, handle.flat.device, out=shard)
+        except Exception as exc:  # noqa: BLE001 - e.g. a closed store: the other ranks must still hear of it
+            local = concurrent.futures.Future()
+            local.set_exception(exc)
+        flat = self._comm().run(self._gather_checked, local, gathered, shard, layout.numel, handle.name)
         return layout.unflatten(flat)
 
     def write(self, handle: ParamHandle) -> "concurrent.futures.Future[None]":
@@ -160,7 +164,37 @@ class ShardIO:
         Returns the whole flat parameter (``flat`` when given, else ``gathered`` without padding)."""
         # An error here leaves the other ranks waiting in this all-gather: a failed rank must stop
         # the job (torchrun does), since skipping the collective would desynchronize the sequence.
+        # Fetches do not agree on failures first (read_copy does), which would double their collectives.
         local.result()
+        return self._all_gather(gathered, shard, numel, flat)
+
+    def _gather_checked(
+        self, local: "concurrent.futures.Future[torch.Tensor]", gathered: torch.Tensor, shard: torch.Tensor,
+        numel: int, name: str,
+    ) -> torch.Tensor:
+        """``_gather`` for a value handed to the caller (``read_copy``): the ranks first agree that
+        each read its shard, so when one could not, every rank raises (that rank its own error, the
+        others a TransferError naming it) instead of waiting in the all-gather or returning a value
+        with another rank's part missing. Every rank then issues the same collectives either way."""
+        error: Optional[BaseException] = None
+        try:
+            local.result()
+        except Exception as exc:  # noqa: BLE001 - raised below, once the other ranks know of it
+            error = exc
+        comm = self._comm()
+        with _device_of(gathered):
+            failed = comm.ranks_where(error is not None, gathered.device)
+        if error is not None:
+            raise error
+        if failed:
+            ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
+            raise TransferError(f"reading parameter {name!r} failed on {ranks} (the error raised there says why); "
+                                "every rank stops here rather than return it with that rank's part missing")
+        return self._all_gather(gathered, shard, numel, None)
+
+    def _all_gather(self, gathered: torch.Tensor, shard: torch.Tensor, numel: int, flat: Optional[torch.Tensor]
+                    ) -> torch.Tensor:
+        """All-gather the shards into ``gathered``; the whole flat parameter as ``_gather`` returns it."""
         comm = self._comm()
         with _device_of(gathered):
             comm.all_gather(gathered, shard)

@@ -91,6 +91,31 @@ def new_model() -> TinyGPT:
 # ---------------------------------------------------------------------------- plain torch optimizer
 
 
+LOST = "blocks.0.fc.weight"
+
+
+def _lost_shard_rank(rank: int, root: str) -> dict[str, str]:
+    """Rank 1's store loses its shard of ``LOST``; each call that gathers whole parameters is tried
+    on both ranks, and what it raised recorded (a hang would fail the test by the group's timeout)."""
+    model = new_model()
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=WD), config=_adamw_config(root, "lost"))
+    _train(model, eng, rank, range(1))
+    if rank == 1:
+        eng.store.sync.delete("param/" + LOST)
+    outcome = {}
+    calls = {"save_weights": lambda: eng.save_weights(os.path.join(root, "lost-weights"), max_shard_bytes=4000),
+             "state_dict": eng.state_dict}
+    for what, call in calls.items():
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome[what] = f"{type(exc).__name__}: {exc}"
+        else:
+            outcome[what] = "returned"
+    eng.close()
+    return outcome
+
+
 def _plain_rank(rank: int, root: str) -> dict[str, Any]:
     """Wrap (default group), 3 steps of a plain torch AdamW, the consolidated state dict; FSDP2 on
     the same data; wraps with explicit groups."""
@@ -217,7 +242,7 @@ def trained(tmp_path_factory) -> tuple[Any, list[dict[str, Any]]]:
 
 
 def _train_rank(rank: int, root: str) -> None:
-    result = {"plain": _plain_rank(rank, root), "adamw": _adamw_rank(rank, root)}
+    result = {"plain": _plain_rank(rank, root), "adamw": _adamw_rank(rank, root), "lost": _lost_shard_rank(rank, root)}
     torch.save(result, os.path.join(root, f"train{rank}.pt"))
 
 
@@ -480,6 +505,19 @@ def test_world2_save_weights_gathers_every_parameter_and_rank0_writes(trained):
     whole = runs[0]["adamw"]["state_dict"]
     assert set(whole) - set(saved) == {"lm_head.weight"}  # tied to wte.weight, written once
     assert all(torch.equal(v, whole[k]) for k, v in saved.items())
+
+
+def test_world2_a_rank_that_cannot_read_a_shard_stops_every_rank(trained):
+    """A whole parameter needs every rank's shard: when one rank's read fails, that rank raises its
+    own error and the others say which rank and parameter, instead of waiting for it in the
+    all-gather (until the group's timeout) or returning the parameter with a part missing; an
+    export publishes nothing."""
+    root, runs = trained
+    for what in ("save_weights", "state_dict"):
+        mine, theirs = runs[1]["lost"][what], runs[0]["lost"][what]
+        assert mine.startswith("KeyNotFoundError") and f"param/{LOST}" in mine, mine
+        assert theirs.startswith("TransferError") and f"reading parameter {LOST!r} failed on rank 1" in theirs, theirs
+    assert not os.path.exists(root / "lost-weights") or os.listdir(root / "lost-weights") == []
 
 
 def test_world2_loss_scaling_skips_and_scales_on_every_rank_alike(trained):
