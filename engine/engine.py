@@ -109,6 +109,7 @@ class Engine:
         except BaseException:
             self._remove_hooks()
             raise
+        self._step_applied = False
         self._baseline = bytes_out_by_tier(store.stats())
         self._last_store_stats: Optional[StoreStats] = None
         self._closed = False
@@ -184,8 +185,9 @@ class Engine:
 
         With ``EngineConfig.gradient_accumulation_steps = N > 1``, DeepSpeed's ``model_engine.step``:
         call it after every micro-batch; every N-th call steps the optimizer and then zeroes the
-        gradients, the others only count. Returns True when the optimizer stepped (step an LR
-        scheduler then)."""
+        gradients, the others only count. Returns True when the optimizer stepped and the step was
+        applied, False as well for a step loss scaling skipped for an overflow: step an LR scheduler
+        on True, and it advances where DeepSpeed's ``model_engine.step()`` advances it."""
         self._check_open()
         if self._optimizer is None:
             raise RuntimeError("eng.step() needs an optimizer: pass optimizer=engine.AdamW(...) to engine.wrap")
@@ -193,11 +195,19 @@ class Engine:
         if not accumulation.is_boundary():
             accumulation.count_step()
             return False
+        skipped = self._skipped_steps()
         self._optimizer.step()
         accumulation.count_step()
+        self._step_applied = self._skipped_steps() == skipped
         if accumulation.managed:
             self.zero_grad()
-        return True
+        return self._step_applied
+
+    def was_step_applied(self) -> bool:
+        """Whether the last :meth:`step` that reached the optimizer changed the parameters: False
+        after one loss scaling skipped for an overflow, and before the first. DeepSpeed's
+        ``model_engine.was_step_applied()``."""
+        return self._step_applied
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next :meth:`step` steps the optimizer (always, without gradient
@@ -358,6 +368,11 @@ class Engine:
             activation_peak_write_bytes=a.peak_write_bytes,
         )
 
+    def _skipped_steps(self) -> int:
+        """Steps loss scaling skipped for an overflow (0 without it)."""
+        scaler = self._training.scaler if self._training is not None else None
+        return scaler.skipped_steps if scaler is not None else 0
+
     def _training_stats(self) -> dict[str, Any]:
         if self._training is None:
             return {}
@@ -369,7 +384,7 @@ class Engine:
             optimizer_bytes_written=t.bytes_written,
             optimizer_stall_seconds=t.stall_seconds,
             grad_bytes_offloaded=self._training.grads.bytes_offloaded,
-            skipped_steps=self._training.scaler.skipped_steps if self._training.scaler is not None else 0,
+            skipped_steps=self._skipped_steps(),
             loss_scale=self.loss_scale,
             grad_norm=self._training.last_grad_norm,
         )

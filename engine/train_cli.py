@@ -195,9 +195,9 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
                 x, y = (t.to(args.device) for t in data.batch((step - 1) * args.grad_accum + micro))
                 loss = model(x, y)
                 eng.backward(loss)
-                stepped = eng.step()
+                assert eng.is_gradient_accumulation_boundary() == (micro == args.grad_accum - 1)
+                eng.step()
                 loss_sum += loss.item()
-            assert stepped
             if args.grad_accum == 1:  # with accumulation the engine zeroes the gradients itself
                 eng.zero_grad()
             losses.append(loss_sum / args.grad_accum)

@@ -104,11 +104,14 @@ def test_fp16_loss_scaling_divides_then_scales(tmp_path):
     )
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1), config=config)
     try:
-        scales = []
+        scales, applied = [], []
         for window in range(6):
             for m in range(2):
                 eng.backward(gpt_loss(model, 2 * window + m))
-                assert eng.step() is (m == 1)
+                assert eng.is_gradient_accumulation_boundary() is (m == 1)
+                stepped = eng.step()
+                assert not stepped or m == 1
+            applied.append(stepped)  # the window's last call: False when the overflow skipped its step
             scales.append(eng.loss_scale)
         for window in range(6):
             for m in range(2):
@@ -117,8 +120,10 @@ def test_fp16_loss_scaling_divides_then_scales(tmp_path):
                 for master, p in zip(ref.masters, ref.model.parameters()):  # the engine sums in fp32
                     master.grad = p.grad.float() if master.grad is None else master.grad + p.grad.float()
                     p.grad = None
+            scale = ref.scaler.get_scale()
             ref.scaler.step(ref.opt)
             ref.scaler.update()
+            assert applied[window] is (ref.scaler.get_scale() >= scale), window  # a skip halves the scale
             ref.opt.zero_grad()
             with torch.no_grad():
                 for master, p in zip(ref.masters, ref.model.parameters()):

@@ -45,6 +45,7 @@ class Reference:
         self.max_grad_norm = max_grad_norm
 
     def step(self, i: int) -> float:
+        scale = self.scaler.get_scale()
         loss = gpt_loss(self.model, i)
         self.scaler.scale(loss).backward()
         for master, p in zip(self.masters, self.model.parameters()):
@@ -55,6 +56,8 @@ class Reference:
         self.norm = torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm or float("inf")).item()
         self.scaler.step(self.opt)
         self.scaler.update()
+        #: Whether the step was applied (as accelerate's ``optimizer_step_was_skipped`` tells: a skip halves the scale).
+        self.applied = self.scaler.get_scale() >= scale
         self.opt.zero_grad()
         with torch.no_grad():
             for master, p in zip(self.masters, self.model.parameters()):
@@ -68,12 +71,17 @@ class Reference:
             assert torch.equal(eng.store.sync.get(live[name].master_key), master.detach().reshape(-1)), name
 
 
-def train(eng: engine.Engine, model: torch.nn.Module, steps: range) -> tuple[list[float], list[float]]:
+def train(eng: engine.Engine, model: torch.nn.Module, steps: range, applied: Optional[list[bool]] = None
+          ) -> tuple[list[float], list[float]]:
+    """Loss and loss scale after each step; what ``eng.step()`` returned appended to ``applied``."""
     losses, scales = [], []
     for i in steps:
         loss = gpt_loss(model, i)
         eng.backward(loss)
-        eng.step()
+        stepped = eng.step()
+        assert stepped == eng.was_step_applied()
+        if applied is not None:
+            applied.append(stepped)
         eng.zero_grad()
         losses.append(loss.item())
         scales.append(eng.loss_scale)
@@ -89,17 +97,19 @@ def test_fp16_loss_scaling_equals_grad_scaler(tmp_path, max_grad_norm):
                       config=scaled_config(tmp_path, max_grad_norm=max_grad_norm))
     try:
         assert all(p.dtype == torch.float16 for p in model.parameters())
-        losses, ref_losses, scales, ref_scales = [], [], [], []
+        losses, ref_losses, scales, ref_scales, applied, ref_applied = [], [], [], [], [], []
         for i in range(14):
-            (loss,), (scale,) = train(eng, model, range(i, i + 1))
+            (loss,), (scale,) = train(eng, model, range(i, i + 1), applied)
             losses.append(loss)
             scales.append(scale)
             ref_losses.append(ref.step(i))
             ref_scales.append(ref.scaler.get_scale())
+            ref_applied.append(ref.applied)
             norm = eng.get_global_grad_norm()
             assert norm == ref.norm or not (math.isfinite(norm) or math.isfinite(ref.norm)), (i, norm, ref.norm)
         assert losses == ref_losses
         assert scales == ref_scales
+        assert applied == ref_applied and not all(applied)  # eng.step() is False where the step was skipped
         stats = eng.stats()
         # With hysteresis 1 the scale halves exactly at each skipped step.
         halvings = sum(1 for a, b in zip([INITIAL] + scales, scales) if b < a)
