@@ -142,6 +142,11 @@ class Engine:
         return self._optimizer
 
     @property
+    def world_size(self) -> int:
+        """Processes the parameters are sharded over (1 in one process). DeepSpeed's name."""
+        return self._io.world
+
+    @property
     def completed_steps(self) -> int:
         """Optimizer steps of ``engine.AdamW`` completed on this store, including those of the run a
         resumed engine continues (0 without an engine optimizer)."""

@@ -14,9 +14,13 @@ callback saves the engine's own checkpoint into each, and a resume loads it firs
     trainer.train(resume_from_checkpoint=ckpt)
 
 A resume without that first line is refused by ``engine.AdamW.load_state_dict`` (step counts
-without their moments) rather than training on from fresh moments. One process only: with
-several ranks the Trainer wraps the model in ``DistributedDataParallel``, which cannot read
-released parameters. Needs ``transformers``.
+without their moments) rather than training on from fresh moments.
+
+With several processes (``torchrun``), use :class:`EngineTrainer`: the plain Trainer would put
+the model in ``DistributedDataParallel`` (which cannot read released parameters, and whose
+gradient averaging the engine already does) and save the weights from rank 0 alone (a gather
+every rank must join). ``EngineTrainer(eng, model=model, args=args, ...)`` takes the engine's
+optimizer and adds the callback itself, at any world size. Needs ``transformers``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from transformers import TrainerCallback
+from typing import Optional
+
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 #: The engine checkpoint's directory inside a Trainer checkpoint.
@@ -53,4 +59,42 @@ class EngineCheckpointCallback(TrainerCallback):  # type: ignore[misc]
                                   exclude_frozen_parameters=self._exclude_frozen)
 
 
-__all__ = ["ENGINE_SUBDIR", "EngineCheckpointCallback", "engine_checkpoint"]
+class EngineTrainer(Trainer):  # type: ignore[misc]
+    """The Trainer over a model ``engine.wrap`` returned ``eng`` for, at any world size.
+
+    Same arguments as ``Trainer`` (``model`` must be ``eng.model``); ``optimizers`` defaults to
+    ``(eng.optimizer, None)`` and an :class:`EngineCheckpointCallback` is added unless one is
+    given. With several processes the model is kept out of ``DistributedDataParallel`` (the
+    engine shards the parameters and averages the gradients across ranks itself) and
+    ``save_model`` consolidates the weights on every rank before rank 0 writes them, as the
+    Trainer does for FSDP's full state dict."""
+
+    def __init__(self, eng: Any, *args: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model", args[0] if args else None)
+        if model is not eng.model:
+            raise ValueError("EngineTrainer(eng, model=...): model must be the model eng wraps (eng.model)")
+        kwargs.setdefault("optimizers", (eng.optimizer, None))
+        callbacks = list(kwargs.pop("callbacks", None) or [])
+        if not any(isinstance(c, EngineCheckpointCallback) for c in callbacks):
+            callbacks.append(EngineCheckpointCallback(eng))
+        self.engine = eng
+        if eng.world_size > 1:
+            # accelerate's own mark for a model it has prepared: its prepare() then leaves the
+            # model as it is instead of putting it in DistributedDataParallel.
+            eng.model._is_accelerate_prepared = True
+        super().__init__(*args, callbacks=callbacks, **kwargs)
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Write the model as the Trainer does (``save_pretrained``); every rank must call it (the
+        Trainer does, at each checkpoint). With several processes every rank gathers the whole
+        state dict (``eng.state_dict()``) and rank 0 writes it: memory for the whole model, as for
+        FSDP's full state dict; ``eng.save_weights(dir)`` streams one tensor at a time instead."""
+        if self.engine.world_size == 1:
+            super().save_model(output_dir, _internal_call)
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = self.engine.state_dict()
+        self._save(output_dir, state_dict=state_dict)
+
+
+__all__ = ["ENGINE_SUBDIR", "EngineCheckpointCallback", "EngineTrainer", "engine_checkpoint"]

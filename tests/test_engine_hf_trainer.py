@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import engine
 from engine.checkpoint_files import CheckpointFiles
-from engine.hf_trainer import EngineCheckpointCallback, engine_checkpoint
+from engine.hf_trainer import EngineCheckpointCallback, EngineTrainer, engine_checkpoint
 from engine_models import store_config
 
 CONFIG = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
@@ -79,10 +80,14 @@ def test_trainer_checkpoints_resume_with_the_engine_checkpoint(tmp_path):
     model = GPT2LMHeadModel(CONFIG)
     eng = wrapped(model, tmp_path / "a")
     try:
-        trainer = Trainer(model=model, args=arguments(out, save_strategy="steps", save_steps=2), train_dataset=Tokens(),
-                          optimizers=(eng.optimizer, None), callbacks=[EngineCheckpointCallback(eng)])
+        # EngineTrainer: the Trainer with eng.optimizer and EngineCheckpointCallback(eng) added
+        trainer = EngineTrainer(eng, model=model, args=arguments(out, save_strategy="steps", save_steps=2),
+                                train_dataset=Tokens())
+        assert trainer.optimizer is eng.optimizer
         trainer.train()
         whole = losses_of(trainer)
+        with pytest.raises(ValueError, match=r"model must be the model eng wraps"):
+            EngineTrainer(eng, model=GPT2LMHeadModel(CONFIG), args=arguments(out))
     finally:
         eng.close()
     ckpt = out / "checkpoint-2"
@@ -121,3 +126,65 @@ def test_the_callback_can_leave_frozen_parameters_out(tmp_path):
     with CheckpointFiles(engine_checkpoint(tmp_path / "checkpoint-3")) as files:
         assert files.frozen_excluded
         assert "transformer.wpe.weight" not in files.params and "transformer.wte.weight" in files.params
+
+
+def _two_ranks(rank: int, root: str) -> None:
+    """The Trainer over a plain copy (in DistributedDataParallel, as the Trainer puts it) and
+    EngineTrainer over the wrapped model, no clipping; losses and saved weights to the parent."""
+    import json
+
+    from safetensors.torch import load_file
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    root_path = Path(root)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    ref = copy.deepcopy(model)
+    plain = Trainer(model=ref, args=arguments(root_path / "ref", max_grad_norm=0.0), train_dataset=Tokens(),
+                    optimizers=(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0), None))
+    plain.train()
+    config = engine.EngineConfig(store=store_config(root_path / f"store{rank}"), param_tier="nvme",
+                                 optimizer_tier="nvme")
+    with engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.0), config=config) as eng:
+        trainer = EngineTrainer(eng, model=model, train_dataset=Tokens(),
+                                args=arguments(root_path / "eng", max_grad_norm=0.0, save_strategy="steps",
+                                               save_steps=2))
+        trainer.train()
+        trainer.save_model(str(root_path / "final"))  # every rank, as the Trainer calls it
+        result = {"plain": losses_of(plain), "engine": losses_of(trainer), "world": eng.world_size,
+                  "plain_wrapped": type(plain.model_wrapped).__name__,
+                  "engine_wrapped": type(trainer.model_wrapped).__name__}
+        trained = eng.state_dict()
+    if rank == 0:
+        saved = load_file(str(root_path / "final" / "model.safetensors"))
+        result["saved"] = sorted(saved)
+        result["saved_as_trained"] = all(torch.equal(v, trained[k]) for k, v in saved.items())
+        # DDP averages each gradient whole, the engine each rank's shard of it: the same to rounding,
+        # which AdamW's normalization can enlarge for gradients near 0 (to ~4e-6 here, lr 1e-3).
+        want = ref.state_dict()
+        result["near_ddp"] = all(torch.allclose(v, want[k], rtol=0, atol=2e-5) for k, v in saved.items())
+        result["saved"] = sorted(saved)
+    (root_path / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_path):
+    """torchrun with the Trainer: the plain Trainer puts a model in DistributedDataParallel, which
+    cannot read the engine's released parameters; EngineTrainer keeps it out (the engine averages
+    the gradients itself), saves its checkpoints from every rank (the weights are gathered), and
+    trains to the losses of DDP over a plain copy."""
+    import json
+
+    from test_engine_distributed import run_ranks
+
+    run_ranks(_two_ranks, str(tmp_path))
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in results:
+        assert res["world"] == 2 and res["plain_wrapped"] == "DistributedDataParallel"
+        assert res["engine_wrapped"] == "GPT2LMHeadModel"
+        assert res["engine"] == res["plain"] and len(res["engine"]) == 4
+    assert results[0]["saved_as_trained"] and results[0]["near_ddp"] and "transformer.wte.weight" in results[0]["saved"]
+    for step in (2, 4):
+        ckpt = tmp_path / "eng" / f"checkpoint-{step}"
+        assert (ckpt / "model.safetensors").is_file()
+        with CheckpointFiles(engine_checkpoint(ckpt)) as files:
+            assert files.world_size == 2
