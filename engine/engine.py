@@ -336,6 +336,15 @@ class Engine:
         DeepSpeed's name; also ``eng.stats().grad_norm``."""
         return self._training.last_grad_norm if self._training is not None else None
 
+    def pending_grad_norm(self) -> Optional[float]:
+        """The 2-norm of the gradient the next ``engine.AdamW`` step will use (every parameter, every
+        rank; unscaled, before clipping): what ``clip_grad_norm_`` returns before a plain model's
+        step, and what :meth:`get_global_grad_norm` reports after it. Non-finite when loss scaling
+        will skip the step; None without ``engine.AdamW``. At world size > 1 every rank must call it
+        (the ranks' sums are added)."""
+        self._check_open()
+        return self._training.pending_grad_norm() if self._training is not None else None
+
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and the store's (see :class:`EngineStats`)."""
         store_stats = self._last_store_stats if self._closed else self._store.stats()

@@ -78,11 +78,18 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         if not any(isinstance(c, EngineCheckpointCallback) for c in callbacks):
             callbacks.append(EngineCheckpointCallback(eng))
         self.engine = eng
-        if eng.world_size > 1:
-            # accelerate's own mark for a model it has prepared: its prepare() then leaves the
-            # model as it is instead of putting it in DistributedDataParallel.
-            eng.model._is_accelerate_prepared = True
         super().__init__(*args, callbacks=callbacks, **kwargs)
+        _check_clipping(self.args.max_grad_norm, eng)
+        if eng.world_size > 1:
+            # accelerate's own mark for a model it has prepared: its prepare() (in train()) then
+            # leaves the model as it is instead of putting it in DistributedDataParallel.
+            eng.model._is_accelerate_prepared = True
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Optional[float]:
+        """The ``grad_norm`` the Trainer logs: the engine's, where the Trainer's own
+        ``clip_grad_norm_`` would find no gradients (they are in the store) and log 0. (A Trainer
+        method since transformers 5; where it is not, the log shows that 0.)"""
+        return self.engine.pending_grad_norm()
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """Write the model as the Trainer does (``save_pretrained``); every rank must call it (the
@@ -95,6 +102,18 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = self.engine.state_dict()
         self._save(output_dir, state_dict=state_dict)
+
+
+def _check_clipping(max_grad_norm: Optional[float], eng: Any) -> None:
+    """ValueError when ``TrainingArguments.max_grad_norm`` asks for clipping the engine does not do:
+    the Trainer clips the model's ``.grad``, which stays empty, so it would silently clip nothing."""
+    wanted = max_grad_norm or 0.0
+    if wanted > 0 and eng.config.max_grad_norm != wanted:
+        raise ValueError(
+            f"TrainingArguments(max_grad_norm={wanted}) clips the model's .grad, which the engine keeps in its store "
+            f"(so the Trainer would clip nothing), and the engine clips at {eng.config.max_grad_norm}: wrap with "
+            f"EngineConfig(max_grad_norm={wanted}) to clip, or pass max_grad_norm=0.0 for no clipping"
+        )
 
 
 __all__ = ["ENGINE_SUBDIR", "EngineCheckpointCallback", "EngineTrainer", "engine_checkpoint"]

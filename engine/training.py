@@ -276,6 +276,20 @@ class Training:
 
     # ------------------------------------------------------------------ the step (AdamW.step -> here)
 
+    def pending_grad_norm(self) -> float:
+        """The 2-norm of the gradients the next step will use, unscaled (non-finite when loss scaling
+        will skip it); the step reports the same value. Collective at world size > 1."""
+        scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        return float(self._stored_grad_norm()) * scale
+
+    def _stored_grad_norm(self) -> torch.Tensor:
+        """The stored (loss-scaled) gradients' global norm, summed in parameter order over every
+        rank, once every gradient shard has reached the store."""
+        self.grads.flush()
+        # Norms taken on the compute device (CUDA) join the step's CPU math as CPU scalars.
+        norms = {n: t.cpu() for n, t in self.grads.norms.items()} if self.grads.norms else {}
+        return total_norm([norms[p.name] for p in self._params if p.name in norms], self.all_reduce)
+
     def _step(self) -> None:
         if self._closed:
             raise RuntimeError(
@@ -294,15 +308,12 @@ class Training:
         if self._restore_pending:
             self._restore_params()
             self._restore_pending = False
-        self.grads.flush()
         cfg = self._config
-        # Norms taken on the compute device (CUDA) join the step's CPU math as CPU scalars.
-        norms = {n: t.cpu() for n, t in self.grads.norms.items()} if self.grads.norms else {}
         grad_scale = 1.0
         scaler_before = self._scaler_state()
-        # The stored (loss-scaled) gradients' global norm, in parameter order: the step clips with it and
-        # reports it. Every rank takes part in the sum, so all of them agree on skipping.
-        stored_norm = total_norm([norms[p.name] for p in self._params if p.name in norms], self.all_reduce)
+        # The step clips with this norm and reports it; every rank takes part in the sum, so all of
+        # them agree on skipping.
+        stored_norm = self._stored_grad_norm()
         if self.scaler is not None:
             if not bool(torch.isfinite(stored_norm)):
                 self.last_grad_norm = float(stored_norm)

@@ -51,6 +51,10 @@ def wrapped(model: GPT2LMHeadModel, path) -> engine.Engine:
     return engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.0), config=config)
 
 
+def grad_norms_of(trainer: Trainer) -> list[float]:
+    return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+
 @pytest.mark.parametrize("bf16", [False, True])  # bf16=True: the Trainer's autocast mixed precision
 def test_trainer_trains_a_wrapped_model_as_the_plain_one(tmp_path, bf16):
     torch.manual_seed(0)
@@ -74,6 +78,30 @@ def test_trainer_trains_a_wrapped_model_as_the_plain_one(tmp_path, bf16):
         eng.close()
 
 
+def test_engine_trainer_clips_and_logs_the_gradient_norm_as_the_trainer_does(tmp_path):
+    """EngineTrainer with the same max_grad_norm in the arguments and in the engine: the same losses,
+    weights and logged grad_norm as the Trainer over a plain copy, bit for bit."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    ref = copy.deepcopy(model)
+    plain = Trainer(model=ref, args=arguments(tmp_path / "ref", max_grad_norm=CLIP), train_dataset=Tokens(),
+                    optimizers=(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0), None))
+    plain.train()
+    eng = wrapped(model, tmp_path / "store")
+    try:
+        with pytest.raises(ValueError, match=r"wrap with EngineConfig\(max_grad_norm=1.0\) to clip"):
+            EngineTrainer(eng, model=model, args=arguments(tmp_path / "eng", max_grad_norm=1.0))
+        trainer = EngineTrainer(eng, model=model, args=arguments(tmp_path / "eng", max_grad_norm=CLIP),
+                                train_dataset=Tokens())
+        trainer.train()
+        assert losses_of(trainer) == losses_of(plain) and len(losses_of(trainer)) == 4
+        assert grad_norms_of(trainer) == grad_norms_of(plain) and min(grad_norms_of(plain)) > CLIP
+        got, want = eng.state_dict(), ref.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    finally:
+        eng.close()
+
+
 def test_trainer_checkpoints_resume_with_the_engine_checkpoint(tmp_path):
     out = tmp_path / "run"
     torch.manual_seed(0)
@@ -81,8 +109,8 @@ def test_trainer_checkpoints_resume_with_the_engine_checkpoint(tmp_path):
     eng = wrapped(model, tmp_path / "a")
     try:
         # EngineTrainer: the Trainer with eng.optimizer and EngineCheckpointCallback(eng) added
-        trainer = EngineTrainer(eng, model=model, args=arguments(out, save_strategy="steps", save_steps=2),
-                                train_dataset=Tokens())
+        trainer = EngineTrainer(eng, model=model, train_dataset=Tokens(),
+                                args=arguments(out, save_strategy="steps", save_steps=2, max_grad_norm=CLIP))
         assert trainer.optimizer is eng.optimizer
         trainer.train()
         whole = losses_of(trainer)
@@ -130,7 +158,7 @@ def test_the_callback_can_leave_frozen_parameters_out(tmp_path):
 
 def _two_ranks(rank: int, root: str) -> None:
     """The Trainer over a plain copy (in DistributedDataParallel, as the Trainer puts it) and
-    EngineTrainer over the wrapped model, no clipping; losses and saved weights to the parent."""
+    EngineTrainer over the wrapped model, clipping; losses, norms and saved weights to the parent."""
     import json
 
     from safetensors.torch import load_file
@@ -140,18 +168,17 @@ def _two_ranks(rank: int, root: str) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
     ref = copy.deepcopy(model)
-    plain = Trainer(model=ref, args=arguments(root_path / "ref", max_grad_norm=0.0), train_dataset=Tokens(),
+    plain = Trainer(model=ref, args=arguments(root_path / "ref", max_grad_norm=CLIP), train_dataset=Tokens(),
                     optimizers=(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0), None))
     plain.train()
-    config = engine.EngineConfig(store=store_config(root_path / f"store{rank}"), param_tier="nvme",
-                                 optimizer_tier="nvme")
-    with engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.0), config=config) as eng:
+    with wrapped(model, root_path / f"store{rank}") as eng:
         trainer = EngineTrainer(eng, model=model, train_dataset=Tokens(),
-                                args=arguments(root_path / "eng", max_grad_norm=0.0, save_strategy="steps",
+                                args=arguments(root_path / "eng", max_grad_norm=CLIP, save_strategy="steps",
                                                save_steps=2))
         trainer.train()
         trainer.save_model(str(root_path / "final"))  # every rank, as the Trainer calls it
         result = {"plain": losses_of(plain), "engine": losses_of(trainer), "world": eng.world_size,
+                  "plain_norms": grad_norms_of(plain), "engine_norms": grad_norms_of(trainer),
                   "plain_wrapped": type(plain.model_wrapped).__name__,
                   "engine_wrapped": type(trainer.model_wrapped).__name__}
         trained = eng.state_dict()
@@ -159,8 +186,9 @@ def _two_ranks(rank: int, root: str) -> None:
         saved = load_file(str(root_path / "final" / "model.safetensors"))
         result["saved"] = sorted(saved)
         result["saved_as_trained"] = all(torch.equal(v, trained[k]) for k, v in saved.items())
-        # DDP averages each gradient whole, the engine each rank's shard of it: the same to rounding,
-        # which AdamW's normalization can enlarge for gradients near 0 (to ~4e-6 here, lr 1e-3).
+        # DDP averages each gradient whole, the engine each rank's shard of it, and the clip's norm is
+        # summed in another order: the same to rounding, which AdamW's normalization can enlarge for
+        # gradients near 0 (to ~4e-6 here, lr 1e-3).
         want = ref.state_dict()
         result["near_ddp"] = all(torch.allclose(v, want[k], rtol=0, atol=2e-5) for k, v in saved.items())
         result["saved"] = sorted(saved)
@@ -171,7 +199,8 @@ def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_pat
     """torchrun with the Trainer: the plain Trainer puts a model in DistributedDataParallel, which
     cannot read the engine's released parameters; EngineTrainer keeps it out (the engine averages
     the gradients itself), saves its checkpoints from every rank (the weights are gathered), and
-    trains to the losses of DDP over a plain copy."""
+    trains to the losses and logged gradient norms of DDP over a plain copy (to rounding once
+    clipping steps: the global norm is summed in another order)."""
     import json
 
     from test_engine_distributed import run_ranks
@@ -181,7 +210,9 @@ def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_pat
     for res in results:
         assert res["world"] == 2 and res["plain_wrapped"] == "DistributedDataParallel"
         assert res["engine_wrapped"] == "GPT2LMHeadModel"
-        assert res["engine"] == res["plain"] and len(res["engine"]) == 4
+        assert res["engine"] == pytest.approx(res["plain"], rel=1e-6) and len(res["engine"]) == 4
+        assert res["engine"][0] == res["plain"][0]  # before the first step: bit for bit
+        assert res["engine_norms"] == pytest.approx(res["plain_norms"], rel=1e-5) and min(res["plain_norms"]) > CLIP
     assert results[0]["saved_as_trained"] and results[0]["near_ddp"] and "transformer.wte.weight" in results[0]["saved"]
     for step in (2, 4):
         ckpt = tmp_path / "eng" / f"checkpoint-{step}"

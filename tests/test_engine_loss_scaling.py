@@ -78,8 +78,11 @@ def train(eng: engine.Engine, model: torch.nn.Module, steps: range, applied: Opt
     for i in steps:
         loss = gpt_loss(model, i)
         eng.backward(loss)
+        pending = eng.pending_grad_norm()  # the norm the step is about to use
         stepped = eng.step()
         assert stepped == eng.was_step_applied()
+        norm = eng.get_global_grad_norm()
+        assert pending == norm or not (math.isfinite(pending) or math.isfinite(norm)), (pending, norm)
         if applied is not None:
             applied.append(stepped)
         eng.zero_grad()
