@@ -1,37 +1,32 @@
-"""Hugging Face ``Trainer`` over a wrapped model: a callback that checkpoints the engine with it.
+"""Hugging Face ``Trainer`` over a wrapped model: :class:`EngineTrainer`, at any world size.
 
-The Trainer runs a wrapped model as it is: pass ``optimizers=(eng.optimizer, None)`` (it builds
-its LR schedule on it), clip with ``EngineConfig.max_grad_norm`` and ``max_grad_norm=0.0`` in
-``TrainingArguments`` (its ``clip_grad_norm_`` sees no gradients; they are in the store). Its
-checkpoints hold the weights (``model.state_dict()`` gathers them) and the optimizer's
-hyperparameters, but not the fp32 master weights and moments, which live in the store; this
-callback saves the engine's own checkpoint into each, and a resume loads it first::
+The Trainer runs a wrapped model as it is (its accumulation, LR schedule, logging, evaluation);
+what it cannot see is the engine's: the gradients (in the store, so its ``clip_grad_norm_`` finds
+none; the engine clips at ``EngineConfig.max_grad_norm``), the fp32 master weights and moments
+(also in the store: :class:`EngineCheckpointCallback` saves the engine's checkpoint into each of
+the Trainer's), and, with several processes, the parameters (the Trainer would put the model in
+``DistributedDataParallel``, which cannot read released ones, and save the weights from rank 0
+alone). :class:`EngineTrainer` handles all of it::
 
-    trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(eng.optimizer, None),
-                      callbacks=[EngineCheckpointCallback(eng)])
+    trainer = EngineTrainer(eng, model=model, args=args, train_dataset=data)
     ...
     eng.load_checkpoint(engine_checkpoint(ckpt))        # before the Trainer loads optimizer.pt
     trainer.train(resume_from_checkpoint=ckpt)
 
 A resume without that first line is refused by ``engine.AdamW.load_state_dict`` (step counts
-without their moments) rather than training on from fresh moments.
-
-With several processes (``torchrun``), use :class:`EngineTrainer`: the plain Trainer would put
-the model in ``DistributedDataParallel`` (which cannot read released parameters, and whose
-gradient averaging the engine already does) and save the weights from rank 0 alone (a gather
-every rank must join). ``EngineTrainer(eng, model=model, args=args, ...)`` takes the engine's
-optimizer and adds the callback itself, at any world size. Needs ``transformers``.
+without their moments) rather than training on from fresh moments. In one process a plain
+``Trainer(..., optimizers=(eng.optimizer, None), callbacks=[EngineCheckpointCallback(eng)])``
+with ``max_grad_norm=0.0`` trains the same (logging a ``grad_norm`` of 0). Needs ``transformers``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
-
-from typing import Optional
+from typing import Any, Optional
 
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 #: The engine checkpoint's directory inside a Trainer checkpoint.
 ENGINE_SUBDIR = "engine"
@@ -65,9 +60,9 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
     Same arguments as ``Trainer`` (``model`` must be ``eng.model``); ``optimizers`` defaults to
     ``(eng.optimizer, None)`` and an :class:`EngineCheckpointCallback` is added unless one is
     given. With several processes the model is kept out of ``DistributedDataParallel`` (the
-    engine shards the parameters and averages the gradients across ranks itself) and
-    ``save_model`` consolidates the weights on every rank before rank 0 writes them, as the
-    Trainer does for FSDP's full state dict."""
+    engine shards the parameters and averages the gradients across ranks itself). ``save_model``
+    streams the weights (``eng.save_weights``) rather than holding the whole model in memory, and
+    the logged ``grad_norm`` is the engine's."""
 
     def __init__(self, eng: Any, *args: Any, **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)
@@ -92,16 +87,22 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         return self.engine.pending_grad_norm()
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """Write the model as the Trainer does (``save_pretrained``); every rank must call it (the
-        Trainer does, at each checkpoint). With several processes every rank gathers the whole
-        state dict (``eng.state_dict()``) and rank 0 writes it: memory for the whole model, as for
-        FSDP's full state dict; ``eng.save_weights(dir)`` streams one tensor at a time instead."""
-        if self.engine.world_size == 1:
-            super().save_model(output_dir, _internal_call)
-            return
+        """Write what the Trainer writes (``save_pretrained``'s files: config, weights, the processing
+        class, the training arguments), the weights streamed one tensor at a time by
+        ``eng.save_weights`` (gathered across ranks, rank 0 writes), so a model larger than host
+        memory saves too. Every rank must call it (the Trainer does, at each checkpoint)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.engine.state_dict()
-        self._save(output_dir, state_dict=state_dict)
+        if self.args.should_save:
+            # The Trainer's own files around an empty state dict, whose weights file then goes, as
+            # the Trainer itself does when DeepSpeed keeps the weights.
+            self._save(output_dir, state_dict={})
+            for name in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME):
+                path = os.path.join(output_dir, name)
+                if os.path.isfile(path):
+                    os.remove(path)
+        self.engine.save_weights(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
 
 def _check_clipping(max_grad_norm: Optional[float], eng: Any) -> None:

@@ -182,10 +182,21 @@ def _two_ranks(rank: int, root: str) -> None:
                   "plain_wrapped": type(plain.model_wrapped).__name__,
                   "engine_wrapped": type(trainer.model_wrapped).__name__}
         trained = eng.state_dict()
+    torch.manual_seed(1)  # other initial values: a resume takes everything from checkpoint-2
+    model = GPT2LMHeadModel(CONFIG)
+    ckpt = str(root_path / "eng" / "checkpoint-2")
+    with wrapped(model, root_path / f"resumed{rank}") as eng:
+        trainer = EngineTrainer(eng, model=model, train_dataset=Tokens(),
+                                args=arguments(root_path / "eng", max_grad_norm=CLIP, save_strategy="no"))
+        eng.load_checkpoint(engine_checkpoint(ckpt))
+        trainer.train(resume_from_checkpoint=ckpt)
+        result["resumed"] = losses_of(trainer)
     if rank == 0:
         saved = load_file(str(root_path / "final" / "model.safetensors"))
         result["saved"] = sorted(saved)
         result["saved_as_trained"] = all(torch.equal(v, trained[k]) for k, v in saved.items())
+        loaded = GPT2LMHeadModel.from_pretrained(str(root_path / "final")).state_dict()  # config.json and weights
+        result["loads_as_trained"] = all(torch.equal(loaded[k], v) for k, v in trained.items())
         # DDP averages each gradient whole, the engine each rank's shard of it, and the clip's norm is
         # summed in another order: the same to rounding, which AdamW's normalization can enlarge for
         # gradients near 0 (to ~4e-6 here, lr 1e-3).
@@ -200,7 +211,8 @@ def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_pat
     cannot read the engine's released parameters; EngineTrainer keeps it out (the engine averages
     the gradients itself), saves its checkpoints from every rank (the weights are gathered), and
     trains to the losses and logged gradient norms of DDP over a plain copy (to rounding once
-    clipping steps: the global norm is summed in another order)."""
+    clipping steps: the global norm is summed in another order); a resume from one of its
+    checkpoints trains the same last steps again, bit for bit."""
     import json
 
     from test_engine_distributed import run_ranks
@@ -213,9 +225,12 @@ def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_pat
         assert res["engine"] == pytest.approx(res["plain"], rel=1e-6) and len(res["engine"]) == 4
         assert res["engine"][0] == res["plain"][0]  # before the first step: bit for bit
         assert res["engine_norms"] == pytest.approx(res["plain_norms"], rel=1e-5) and min(res["plain_norms"]) > CLIP
+        assert res["resumed"] == res["engine"]  # steps 1-2 from checkpoint-2's log, 3-4 trained again
     assert results[0]["saved_as_trained"] and results[0]["near_ddp"] and "transformer.wte.weight" in results[0]["saved"]
+    assert results[0]["loads_as_trained"]
     for step in (2, 4):
         ckpt = tmp_path / "eng" / f"checkpoint-{step}"
-        assert (ckpt / "model.safetensors").is_file()
+        for name in ("model.safetensors", "config.json", "training_args.bin", "optimizer.pt"):
+            assert (ckpt / name).is_file(), name
         with CheckpointFiles(engine_checkpoint(ckpt)) as files:
             assert files.world_size == 2
