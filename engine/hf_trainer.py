@@ -76,9 +76,11 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         super().__init__(*args, callbacks=callbacks, **kwargs)
         _check_clipping(self.args.max_grad_norm, eng)
         if eng.world_size > 1:
-            # accelerate's own mark for a model it has prepared: its prepare() (in train()) then
-            # leaves the model as it is instead of putting it in DistributedDataParallel.
-            eng.model._is_accelerate_prepared = True
+            # What the Trainer does for a model that reduces its own gradients: accelerate's
+            # evaluation-mode preparation (autocast under bf16/fp16 arguments, no DDP), which also
+            # marks the model prepared, so the prepare() in train() leaves it as it is.
+            self.accelerator.prepare_model(eng.model, device_placement=False, evaluation_mode=True)
+            assert getattr(eng.model, "_is_accelerate_prepared", False), "accelerate no longer marks prepared models"
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Optional[float]:
         """The ``grad_norm`` the Trainer logs: the engine's, where the Trainer's own

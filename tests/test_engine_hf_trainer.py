@@ -156,7 +156,7 @@ def test_the_callback_can_leave_frozen_parameters_out(tmp_path):
         assert "transformer.wpe.weight" not in files.params and "transformer.wte.weight" in files.params
 
 
-def _two_ranks(rank: int, root: str) -> None:
+def _two_ranks(rank: int, root: str, bf16: bool) -> None:
     """The Trainer over a plain copy (in DistributedDataParallel, as the Trainer puts it) and
     EngineTrainer over the wrapped model, clipping; losses, norms and saved weights to the parent."""
     import json
@@ -168,13 +168,13 @@ def _two_ranks(rank: int, root: str) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
     ref = copy.deepcopy(model)
-    plain = Trainer(model=ref, args=arguments(root_path / "ref", max_grad_norm=CLIP), train_dataset=Tokens(),
+    plain = Trainer(model=ref, args=arguments(root_path / "ref", max_grad_norm=CLIP, bf16=bf16), train_dataset=Tokens(),
                     optimizers=(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0), None))
     plain.train()
     with wrapped(model, root_path / f"store{rank}") as eng:
         trainer = EngineTrainer(eng, model=model, train_dataset=Tokens(),
                                 args=arguments(root_path / "eng", max_grad_norm=CLIP, save_strategy="steps",
-                                               save_steps=2))
+                                               save_steps=2, bf16=bf16))
         trainer.train()
         trainer.save_model(str(root_path / "final"))  # every rank, as the Trainer calls it
         result = {"plain": losses_of(plain), "engine": losses_of(trainer), "world": eng.world_size,
@@ -187,7 +187,7 @@ def _two_ranks(rank: int, root: str) -> None:
     ckpt = str(root_path / "eng" / "checkpoint-2")
     with wrapped(model, root_path / f"resumed{rank}") as eng:
         trainer = EngineTrainer(eng, model=model, train_dataset=Tokens(),
-                                args=arguments(root_path / "eng", max_grad_norm=CLIP, save_strategy="no"))
+                                args=arguments(root_path / "eng", max_grad_norm=CLIP, save_strategy="no", bf16=bf16))
         eng.load_checkpoint(engine_checkpoint(ckpt))
         trainer.train(resume_from_checkpoint=ckpt)
         result["resumed"] = losses_of(trainer)
@@ -198,15 +198,16 @@ def _two_ranks(rank: int, root: str) -> None:
         loaded = GPT2LMHeadModel.from_pretrained(str(root_path / "final")).state_dict()  # config.json and weights
         result["loads_as_trained"] = all(torch.equal(loaded[k], v) for k, v in trained.items())
         # DDP averages each gradient whole, the engine each rank's shard of it, and the clip's norm is
-        # summed in another order: the same to rounding, which AdamW's normalization can enlarge for
-        # gradients near 0 (to ~4e-6 here, lr 1e-3).
+        # summed in another order: the same to rounding, which AdamW's normalization enlarges for
+        # gradients near 0.
         want = ref.state_dict()
-        result["near_ddp"] = all(torch.allclose(v, want[k], rtol=0, atol=2e-5) for k, v in saved.items())
+        result["ddp_difference"] = max((v - want[k]).abs().max().item() for k, v in saved.items())
         result["saved"] = sorted(saved)
     (root_path / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_path):
+@pytest.mark.parametrize("bf16", [False, True])  # bf16=True: accelerate's autocast, as the Trainer prepares it
+def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_path, bf16):
     """torchrun with the Trainer: the plain Trainer puts a model in DistributedDataParallel, which
     cannot read the engine's released parameters; EngineTrainer keeps it out (the engine averages
     the gradients itself), saves its checkpoints from every rank (the weights are gathered), and
@@ -217,16 +218,22 @@ def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_pat
 
     from test_engine_distributed import run_ranks
 
-    run_ranks(_two_ranks, str(tmp_path))
+    run_ranks(_two_ranks, str(tmp_path), bf16)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for res in results:
         assert res["world"] == 2 and res["plain_wrapped"] == "DistributedDataParallel"
         assert res["engine_wrapped"] == "GPT2LMHeadModel"
         assert res["engine"] == pytest.approx(res["plain"], rel=1e-6) and len(res["engine"]) == 4
         assert res["engine"][0] == res["plain"][0]  # before the first step: bit for bit
-        assert res["engine_norms"] == pytest.approx(res["plain_norms"], rel=1e-5) and min(res["plain_norms"]) > CLIP
+        # bf16 gradients carry the summation-order difference in their 8-bit mantissas, more visibly
+        norm_tolerance = 1e-4 if bf16 else 1e-5
+        assert res["engine_norms"] == pytest.approx(res["plain_norms"], rel=norm_tolerance)
+        assert min(res["plain_norms"]) > CLIP
         assert res["resumed"] == res["engine"]  # steps 1-2 from checkpoint-2's log, 3-4 trained again
-    assert results[0]["saved_as_trained"] and results[0]["near_ddp"] and "transformer.wte.weight" in results[0]["saved"]
+    assert results[0]["saved_as_trained"] and "transformer.wte.weight" in results[0]["saved"]
+    # AdamW moves a weight by up to lr (1e-3) a step whatever the gradient's size, so a gradient near 0
+    # that rounds differently moves differently: measured 4e-6 in fp32, 1.1e-4 under bf16 autocast.
+    assert results[0]["ddp_difference"] < (5e-4 if bf16 else 2e-5), results[0]["ddp_difference"]
     assert results[0]["loads_as_trained"]
     for step in (2, 4):
         ckpt = tmp_path / "eng" / f"checkpoint-{step}"
