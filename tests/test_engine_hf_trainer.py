@@ -51,18 +51,25 @@ def wrapped(model: GPT2LMHeadModel, path) -> engine.Engine:
     return engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.0), config=config)
 
 
+def model_and_plain_run(out, **args) -> tuple[GPT2LMHeadModel, GPT2LMHeadModel, Trainer]:
+    """A new model (seed 0), and the Trainer trained over a copy of it with torch.optim.AdamW (the
+    oracle), clipping at CLIP; ``args`` change the TrainingArguments."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    ref = copy.deepcopy(model)
+    plain = Trainer(model=ref, args=arguments(out, max_grad_norm=CLIP, **args), train_dataset=Tokens(),
+                    optimizers=(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0), None))
+    plain.train()
+    return model, ref, plain
+
+
 def grad_norms_of(trainer: Trainer) -> list[float]:
     return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
 
 
 @pytest.mark.parametrize("bf16", [False, True])  # bf16=True: the Trainer's autocast mixed precision
 def test_trainer_trains_a_wrapped_model_as_the_plain_one(tmp_path, bf16):
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(CONFIG)
-    ref = copy.deepcopy(model)
-    plain = Trainer(model=ref, args=arguments(tmp_path / "ref", max_grad_norm=CLIP, bf16=bf16), train_dataset=Tokens(),
-                    optimizers=(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0), None))
-    plain.train()
+    model, ref, plain = model_and_plain_run(tmp_path / "ref", bf16=bf16)
 
     eng = wrapped(model, tmp_path / "store")
     try:
@@ -81,12 +88,7 @@ def test_trainer_trains_a_wrapped_model_as_the_plain_one(tmp_path, bf16):
 def test_engine_trainer_clips_and_logs_the_gradient_norm_as_the_trainer_does(tmp_path):
     """EngineTrainer with the same max_grad_norm in the arguments and in the engine: the same losses,
     weights and logged grad_norm as the Trainer over a plain copy, bit for bit."""
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(CONFIG)
-    ref = copy.deepcopy(model)
-    plain = Trainer(model=ref, args=arguments(tmp_path / "ref", max_grad_norm=CLIP), train_dataset=Tokens(),
-                    optimizers=(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0), None))
-    plain.train()
+    model, ref, plain = model_and_plain_run(tmp_path / "ref")
     eng = wrapped(model, tmp_path / "store")
     try:
         with pytest.raises(ValueError, match=r"wrap with EngineConfig\(max_grad_norm=1.0\) to clip"):
@@ -165,12 +167,7 @@ def _two_ranks(rank: int, root: str, bf16: bool) -> None:
 
     os.environ["LOCAL_RANK"] = str(rank)
     root_path = Path(root)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(CONFIG)
-    ref = copy.deepcopy(model)
-    plain = Trainer(model=ref, args=arguments(root_path / "ref", max_grad_norm=CLIP, bf16=bf16), train_dataset=Tokens(),
-                    optimizers=(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0), None))
-    plain.train()
+    model, ref, plain = model_and_plain_run(root_path / "ref", bf16=bf16)
     with wrapped(model, root_path / f"store{rank}") as eng:
         trainer = EngineTrainer(eng, model=model, train_dataset=Tokens(),
                                 args=arguments(root_path / "eng", max_grad_norm=CLIP, save_strategy="steps",
