@@ -1,6 +1,8 @@
-"""Hugging Face's Trainer over a wrapped model. The oracle is the same Trainer over a plain copy
-with torch.optim.AdamW: the same losses and weights, bit for bit, with its gradient accumulation,
-its LR schedule, clipping (the engine's) and bf16 autocast, and a resume from a Trainer checkpoint."""
+"""Hugging Face's Trainer over a wrapped model (plain, and as EngineTrainer). The oracle is the same
+Trainer over a plain copy with torch.optim.AdamW: the same losses and weights, bit for bit, with its
+gradient accumulation, its LR schedule, clipping (the engine's) and bf16 autocast, the same logged
+grad_norm, and a resume from a Trainer checkpoint; at two ranks (EngineTrainer against the Trainer
+with DistributedDataParallel) the same to rounding."""
 
 from __future__ import annotations
 
