@@ -25,6 +25,7 @@ import os
 from typing import Any, Optional
 
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_pt_utils import remove_dummy_checkpoint
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
@@ -94,14 +95,10 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         ``eng.save_weights`` (gathered across ranks, rank 0 writes), so a model larger than host
         memory saves too. Every rank must call it (the Trainer does, at each checkpoint)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.args.should_save:
-            # The Trainer's own files around an empty state dict, whose weights file then goes, as
-            # the Trainer itself does when DeepSpeed keeps the weights.
-            self._save(output_dir, state_dict={})
-            for name in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME):
-                path = os.path.join(output_dir, name)
-                if os.path.isfile(path):
-                    os.remove(path)
+        # The Trainer's own files around an empty state dict, whose weights file then goes, as the
+        # Trainer itself does when DeepSpeed keeps the weights.
+        self._save(output_dir, state_dict={})  # returns at once on the ranks that do not write
+        remove_dummy_checkpoint(self.args.should_save, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
         self.engine.save_weights(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
