@@ -15,13 +15,14 @@ from engine.engine import Engine, EngineClosedError, wrap
 from engine.layout import ShardLayout, param_key
 from engine.loss_scaling import LossScaling
 from engine.memory_estimate import MemoryEstimate, estimate_memory
+from engine.overflow_scheduler import OverflowAwareScheduler
 from engine.released import ReleasedParameterError
 from engine.stats import EngineStats
 
 __all__ = [
     "AdamW", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "LossScaling", "MemoryEstimate",
-    "ReleasedParameterError", "ShardLayout", "checkpoint_state_dict", "estimate_memory", "export_checkpoint",
-    "import_deepspeed_checkpoint", "param_key", "wrap",
+    "OverflowAwareScheduler", "ReleasedParameterError", "ShardLayout", "checkpoint_state_dict", "estimate_memory",
+    "export_checkpoint", "import_deepspeed_checkpoint", "param_key", "wrap",
 ]
 
 

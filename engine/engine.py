@@ -30,6 +30,7 @@ from engine.pager import Pager
 from engine.placement import InitFn, Placement, model_device
 from engine.progress import byte_progress
 from engine.saved_activations import SavedActivations, discard_activations
+from engine.scaled_loss import scale_in_backward
 from engine.shard_io import ShardIO
 from engine.state_dict_hooks import StateDictHooks
 from engine.stats import EngineCounters, EngineStats, MemoryMeter, bytes_out_by_tier
@@ -158,6 +159,13 @@ class Engine:
         scaler = self._training.scaler if self._training is not None else None
         return scaler.scale if scaler is not None else None
 
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps loss scaling skipped for an overflow, over the run (0 without loss
+        scaling); DeepSpeed's ``model_engine.skipped_steps``."""
+        scaler = self._training.scaler if self._training is not None else None
+        return scaler.skipped_steps if scaler is not None else 0
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)``, DeepSpeed's ``model_engine.backward``: the loss is divided by
         ``EngineConfig.gradient_accumulation_steps`` and multiplied by :attr:`loss_scale` when
@@ -182,6 +190,20 @@ class Engine:
         finally:
             self._accumulation.in_engine_backward = False
 
+    def with_loss_scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` for a training loop that calls ``loss.backward()`` itself (the Hugging Face
+        Trainer: :class:`engine.hf_trainer.EngineTrainer` uses it): the same value, and a backward
+        through it multiplies the gradient by :attr:`loss_scale`, as :meth:`backward` does. Returns
+        ``loss`` as it is without ``EngineConfig.loss_scaling``. Gradient accumulation in the
+        engine (``EngineConfig.gradient_accumulation_steps`` > 1) still needs :meth:`backward`."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"eng.with_loss_scale takes the loss tensor, got {type(loss).__name__}")
+        training = self._training
+        if training is None or training.scaler is None or not loss.requires_grad:
+            return loss
+        return scale_in_backward(loss, training)
+
     def step(self) -> bool:
         """One optimizer step: ``optimizer.step()``, so LR schedulers and step hooks see it. With
         ``engine.AdamW`` the gradient shards stream through the offloaded AdamW and the new
@@ -200,10 +222,10 @@ class Engine:
         if not accumulation.is_boundary():
             accumulation.count_step()
             return False
-        skipped = self._skipped_steps()
+        skipped = self.skipped_steps
         self._optimizer.step()
         accumulation.count_step()
-        self._step_applied = self._skipped_steps() == skipped
+        self._step_applied = self.skipped_steps == skipped
         if accumulation.managed:
             self.zero_grad()
         return self._step_applied
@@ -382,11 +404,6 @@ class Engine:
             activation_peak_write_bytes=a.peak_write_bytes,
         )
 
-    def _skipped_steps(self) -> int:
-        """Steps loss scaling skipped for an overflow (0 without it)."""
-        scaler = self._training.scaler if self._training is not None else None
-        return scaler.skipped_steps if scaler is not None else 0
-
     def _training_stats(self) -> dict[str, Any]:
         if self._training is None:
             return {}
@@ -398,7 +415,7 @@ class Engine:
             optimizer_bytes_written=t.bytes_written,
             optimizer_stall_seconds=t.stall_seconds,
             grad_bytes_offloaded=self._training.grads.bytes_offloaded,
-            skipped_steps=self._skipped_steps(),
+            skipped_steps=self.skipped_steps,
             loss_scale=self.loss_scale,
             grad_norm=self._training.last_grad_norm,
         )

@@ -6,7 +6,9 @@ none; the engine clips at ``EngineConfig.max_grad_norm``), the fp32 master weigh
 (also in the store: :class:`EngineCheckpointCallback` saves the engine's checkpoint into each of
 the Trainer's), and, with several processes, the parameters (the Trainer would put the model in
 ``DistributedDataParallel``, which cannot read released ones, and save the weights from rank 0
-alone). :class:`EngineTrainer` handles all of it::
+alone), and, with the engine's fp16 loss scaling, the scale (the Trainer's ``loss.backward()``
+would not apply it, and a step skipped for an overflow would still advance the LR schedule).
+:class:`EngineTrainer` handles all of it::
 
     trainer = EngineTrainer(eng, model=model, args=args, train_dataset=data)
     ...
@@ -24,10 +26,17 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+import torch
 from transformers import Trainer, TrainerCallback
+from transformers.optimization import GreedyLR
 from transformers.trainer_pt_utils import remove_dummy_checkpoint
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+
+from engine.overflow_scheduler import OverflowAwareScheduler
+
+#: Schedulers the Trainer steps on evaluation metrics rather than after each optimizer step.
+_METRIC_STEPPED = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
 
 #: The engine checkpoint's directory inside a Trainer checkpoint.
 ENGINE_SUBDIR = "engine"
@@ -62,8 +71,9 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
     ``(eng.optimizer, None)`` and an :class:`EngineCheckpointCallback` is added unless one is
     given. With several processes the model is kept out of ``DistributedDataParallel`` (the
     engine shards the parameters and averages the gradients across ranks itself). ``save_model``
-    streams the weights (``eng.save_weights``) rather than holding the whole model in memory, and
-    the logged ``grad_norm`` is the engine's."""
+    streams the weights (``eng.save_weights``) rather than holding the whole model in memory, the
+    logged ``grad_norm`` is the engine's, and the engine's fp16 loss scaling (DeepSpeed's ``fp16``
+    section) scales the Trainer's backward and holds its LR schedule on skipped steps."""
 
     def __init__(self, eng: Any, *args: Any, **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)
@@ -76,12 +86,30 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         self.engine = eng
         super().__init__(*args, callbacks=callbacks, **kwargs)
         _check_clipping(self.args.max_grad_norm, eng)
+        _check_mixed_precision(self.args.fp16)
         if eng.world_size > 1:
             # What the Trainer does for a model that reduces its own gradients: accelerate's
             # evaluation-mode preparation (autocast under bf16/fp16 arguments, no DDP), which also
             # marks the model prepared, so the prepare() in train() leaves it as it is.
             self.accelerator.prepare_model(eng.model, device_placement=False, evaluation_mode=True)
             assert getattr(eng.model, "_is_accelerate_prepared", False), "accelerate no longer marks prepared models"
+
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loss; under the engine's fp16 loss scaling, passed through
+        ``eng.with_loss_scale`` so the Trainer's ``backward`` scales it (as DeepSpeed's does)."""
+        result = super().compute_loss(model, inputs, *args, **kwargs)
+        if isinstance(result, tuple):  # return_outputs=True
+            return (self.engine.with_loss_scale(result[0]), *result[1:])
+        return self.engine.with_loss_scale(result)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The Trainer's LR scheduler; under the engine's loss scaling wrapped in
+        :class:`OverflowAwareScheduler`, so a step skipped for an overflow leaves it where it is (as
+        DeepSpeed leaves its scheduler): the Trainer asks accelerate, which sees no overflow."""
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if self.engine.loss_scale is not None and not isinstance(scheduler, (OverflowAwareScheduler, *_METRIC_STEPPED)):
+            scheduler = self.lr_scheduler = OverflowAwareScheduler(scheduler, self.engine)
+        return scheduler
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Optional[float]:
         """The ``grad_norm`` the Trainer logs: the engine's, where the Trainer's own
@@ -102,6 +130,19 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         self.engine.save_weights(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def _check_mixed_precision(fp16: bool) -> None:
+    """ValueError for ``TrainingArguments(fp16=True)``: accelerate's ``GradScaler`` unscales and checks
+    the model's ``.grad``, which stays empty, and its step then fails."""
+    if fp16:
+        raise ValueError(
+            "TrainingArguments(fp16=True) has accelerate scale the loss with a GradScaler that checks the model's "
+            ".grad, which the engine keeps in its store: train fp16 as DeepSpeed does, with the engine's loss "
+            "scaling (EngineConfig.from_deepspeed with an \"fp16\": {\"enabled\": true} section, or "
+            "EngineConfig(train_dtype=\"float16\", loss_scaling=engine.LossScaling())) and fp16=False here; "
+            "or use bf16=True"
+        )
 
 
 def _check_clipping(max_grad_norm: Optional[float], eng: Any) -> None:

@@ -388,8 +388,9 @@ class Training:
         if self.scaler is not None and not self.scaled_backward:
             raise RuntimeError(
                 "EngineConfig.loss_scaling is set, so the loss must be scaled before backward: call "
-                "eng.backward(loss) instead of loss.backward() (unscaled fp16 gradients underflow, and the "
-                "step would divide them by the scale)"
+                "eng.backward(loss) instead of loss.backward(), or, where other code calls backward, pass it "
+                "eng.with_loss_scale(loss) (unscaled fp16 gradients underflow, and the step would divide them "
+                "by the scale)"
             )
         self._start_prefetch()
 

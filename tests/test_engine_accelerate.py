@@ -22,6 +22,8 @@ from engine_models import store_config
 from test_engine_distributed import run_ranks
 
 CONFIG = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
+#: Dropout off, for loops whose random masks would differ from their oracle's.
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 LR, CLIP, ACCUMULATION = 1e-3, 0.5, 2
 
 
@@ -97,3 +99,64 @@ def test_two_ranks_train_as_distributed_data_parallel(tmp_path):
         assert "DistributedDataParallel cannot wrap" in res["refused"]
         assert "prepare only the optimizer" in res["refused"]
     assert results[0]["ddp"] != results[1]["ddp"]  # each rank trained on its own batches
+
+
+def fp16_engine(path: Path, accumulation: int) -> tuple[GPT2LMHeadModel, engine.Engine]:
+    """A model without dropout (seed 0) wrapped with fp16 parameters and a loss scale that
+    overflows some steps (DeepSpeed's fp16 section, initial_scale_power 18, hysteresis 1)."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**{**CONFIG.to_dict(), **NO_DROPOUT}))
+    scaling = engine.LossScaling(initial_scale=2.0**18, hysteresis=1, growth_interval=2)
+    return model, engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
+        store=store_config(path), param_tier="nvme", optimizer_tier="nvme", max_grad_norm=CLIP, train_dtype="float16",
+        loss_scaling=scaling, gradient_accumulation_steps=accumulation))
+
+
+def linear_decay(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / 8)
+
+
+def test_accelerator_loop_trains_fp16_with_the_engines_loss_scaling(tmp_path):
+    """accelerate's loop over an fp16 engine: backward through eng.with_loss_scale, and the prepared
+    LR schedule in engine.OverflowAwareScheduler. The oracle is the engine's own loop
+    (eng.backward, the scheduler stepped when eng.step() applied the step): the same losses,
+    learning rates and skipped steps, bit for bit."""
+    model, eng = fp16_engine(tmp_path / "accelerate", accumulation=1)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    losses, lrs = [], []
+    try:
+        optimizer, loader = accelerator.prepare(eng.optimizer, DataLoader(examples(), batch_size=2))
+        # accelerate's scheduler steps at the end of each window; the engine's skips hold it.
+        schedule = engine.OverflowAwareScheduler(accelerator.prepare(linear_decay(eng.optimizer)), eng)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(eng.with_loss_scale(loss))
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+            lrs.append(schedule.get_last_lr()[0])
+        skipped = eng.skipped_steps
+    finally:
+        eng.close()
+
+    model, eng = fp16_engine(tmp_path / "own", accumulation=ACCUMULATION)
+    want_losses, want_lrs, applied = [], [], []
+    try:
+        schedule = linear_decay(eng.optimizer)
+        for batch in DataLoader(examples(), batch_size=2):
+            loss = model(**batch).loss
+            eng.backward(loss)
+            boundary = eng.is_gradient_accumulation_boundary()
+            if eng.step():
+                schedule.step()
+            if boundary:
+                applied.append(eng.was_step_applied())
+            want_losses.append(loss.item())
+            want_lrs.append(schedule.get_last_lr()[0])
+        assert eng.skipped_steps == applied.count(False) > 0
+    finally:
+        eng.close()
+    assert losses == want_losses and lrs == want_lrs and skipped == applied.count(False)
+    assert len(set(lrs)) == len(applied) - applied.count(False) + 1  # the LR moved on applied steps only

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from safetensors.torch import load_file
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, get_scheduler
 
 import engine
 from engine.checkpoint_files import CheckpointFiles
@@ -22,6 +23,8 @@ from engine.hf_trainer import EngineCheckpointCallback, EngineTrainer, engine_ch
 from engine_models import store_config
 
 CONFIG = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
+#: Dropout off, for loops whose random masks would differ from their oracle's.
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 LR, CLIP = 1e-3, 0.5
 
 
@@ -158,6 +161,91 @@ def test_the_callback_can_leave_frozen_parameters_out(tmp_path):
     with CheckpointFiles(engine_checkpoint(tmp_path / "checkpoint-3")) as files:
         assert files.frozen_excluded
         assert "transformer.wpe.weight" not in files.params and "transformer.wte.weight" in files.params
+
+
+class RecordingTrainer(EngineTrainer):
+    """EngineTrainer that records what each training forward saw (the micro-batch and the
+    ``num_items_in_batch`` the Trainer passed), the loss it returned, and the LR after each step."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple[dict[str, torch.Tensor], object]] = []
+        self.losses: list[float] = []
+        self.lrs: list[float] = []
+        self.add_callback(LearningRates(self.lrs))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training:
+            self.seen.append(({k: v.clone() for k, v in inputs.items()}, num_items_in_batch))
+            self.losses.append(loss.item())
+        return loss
+
+
+class LearningRates(TrainerCallback):
+    def __init__(self, lrs: list[float]) -> None:
+        self.lrs = lrs
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs) -> None:
+        self.lrs.append(lr_scheduler.get_last_lr()[0])
+
+
+def fp16_wrapped(model: GPT2LMHeadModel, path) -> engine.Engine:
+    """fp16 parameters, fp32 masters and a dynamic loss scale that overflows the first steps
+    (DeepSpeed's fp16 section with initial_scale_power 18, hysteresis 1)."""
+    config = engine.EngineConfig(store=store_config(path), param_tier="nvme", optimizer_tier="nvme",
+                                 train_dtype="float16", max_grad_norm=CLIP,
+                                 loss_scaling=engine.LossScaling(2.0**18, hysteresis=1, growth_interval=2))
+    return engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.0), config=config)
+
+
+def test_engine_trainer_trains_fp16_with_the_engines_loss_scaling(tmp_path):
+    """fp16 as DeepSpeed trains it under the Trainer: the oracle is the engine's own loop
+    (eng.backward scaling the loss, an LR schedule stepped when eng.step() applied the step) over
+    the micro-batches the Trainer trained on: the same losses, learning rates, skipped steps and
+    weights, bit for bit. A plain Trainer would refuse the unscaled backward, and step its LR
+    schedule on skipped steps."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**{**CONFIG.to_dict(), **NO_DROPOUT}))
+    ref_model = copy.deepcopy(model)
+    steps = 6
+    eng = fp16_wrapped(model, tmp_path / "a")
+    try:
+        with pytest.raises(ValueError, match=r"fp16=True.*engine's loss scaling"):
+            EngineTrainer(eng, model=model, args=arguments(tmp_path / "out", max_grad_norm=CLIP, fp16=True))
+        trainer = RecordingTrainer(eng, model=model, train_dataset=Tokens(),
+                                   args=arguments(tmp_path / "out", max_grad_norm=CLIP, max_steps=steps))
+        trainer.train()
+        assert isinstance(trainer.lr_scheduler, engine.OverflowAwareScheduler)
+        assert 0 < eng.skipped_steps < steps and len(trainer.lrs) == steps
+        got, got_masters = eng.state_dict(), load_file(eng.save_weights(tmp_path / "a-masters", master_weights=True)[0])
+    finally:
+        eng.close()
+
+    ref = fp16_wrapped(ref_model, tmp_path / "b")
+    try:
+        schedule = get_scheduler("linear", ref.optimizer, num_warmup_steps=0, num_training_steps=steps)
+        losses, lrs, applied = [], [], []
+        for i, (batch, num_items) in enumerate(trainer.seen):  # two micro-batches a step
+            loss = ref_model(**batch, num_items_in_batch=num_items).loss
+            ref.backward(loss)
+            losses.append(loss.item())
+            if i % 2 == 1:
+                applied.append(ref.step())
+                if applied[-1]:
+                    schedule.step()
+                ref.zero_grad()
+                lrs.append(schedule.get_last_lr()[0])
+        assert losses == trainer.losses and len(losses) == 2 * steps
+        assert lrs == trainer.lrs and ref.skipped_steps == eng.skipped_steps == applied.count(False)
+        held = [i for i, a in enumerate(applied) if not a]  # skipped steps: the LR stays where it was
+        assert held and all(lrs[i] == ([LR] + lrs)[i] for i in held), (applied, lrs)
+        want = ref.state_dict()
+        want_masters = load_file(ref.save_weights(tmp_path / "b-masters", master_weights=True)[0])
+        assert all(torch.equal(got[k], v) and v.dtype == torch.float16 for k, v in want.items())
+        assert all(torch.equal(got_masters[k], v) for k, v in want_masters.items())
+    finally:
+        ref.close()
 
 
 def _two_ranks(rank: int, root: str, bf16: bool) -> None:

@@ -71,13 +71,27 @@ class Reference:
             assert torch.equal(eng.store.sync.get(live[name].master_key), master.detach().reshape(-1)), name
 
 
-def train(eng: engine.Engine, model: torch.nn.Module, steps: range, applied: Optional[list[bool]] = None
-          ) -> tuple[list[float], list[float]]:
+def backward(eng: engine.Engine, loss: torch.Tensor, through: str) -> None:
+    """The scaled backward: ``eng.backward(loss)``, ``eng.with_loss_scale(loss).backward()`` (a loop
+    that calls backward itself), or both (scaled once)."""
+    if through == "eng.backward":
+        eng.backward(loss)
+    elif through == "with_loss_scale":
+        scaled = eng.with_loss_scale(loss)
+        assert scaled.item() == loss.item()  # the value is the loss's; only its backward is scaled
+        scaled.backward()
+    else:
+        assert through == "both", through
+        eng.backward(eng.with_loss_scale(loss))
+
+
+def train(eng: engine.Engine, model: torch.nn.Module, steps: range, applied: Optional[list[bool]] = None,
+          through: str = "eng.backward") -> tuple[list[float], list[float]]:
     """Loss and loss scale after each step; what ``eng.step()`` returned appended to ``applied``."""
     losses, scales = [], []
     for i in steps:
         loss = gpt_loss(model, i)
-        eng.backward(loss)
+        backward(eng, loss, through)
         pending = eng.pending_grad_norm()  # the norm the step is about to use
         stepped = eng.step()
         assert stepped == eng.was_step_applied()
@@ -91,8 +105,9 @@ def train(eng: engine.Engine, model: torch.nn.Module, steps: range, applied: Opt
     return losses, scales
 
 
-@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
-def test_fp16_loss_scaling_equals_grad_scaler(tmp_path, max_grad_norm):
+@pytest.mark.parametrize("max_grad_norm,through", [
+    (None, "eng.backward"), (0.5, "eng.backward"), (0.5, "with_loss_scale"), (None, "both")])
+def test_fp16_loss_scaling_equals_grad_scaler(tmp_path, max_grad_norm, through):
     torch.manual_seed(6)
     model = TinyGPT()
     ref = Reference(model, max_grad_norm)
@@ -102,7 +117,7 @@ def test_fp16_loss_scaling_equals_grad_scaler(tmp_path, max_grad_norm):
         assert all(p.dtype == torch.float16 for p in model.parameters())
         losses, ref_losses, scales, ref_scales, applied, ref_applied = [], [], [], [], [], []
         for i in range(14):
-            (loss,), (scale,) = train(eng, model, range(i, i + 1), applied)
+            (loss,), (scale,) = train(eng, model, range(i, i + 1), applied, through)
             losses.append(loss)
             scales.append(scale)
             ref_losses.append(ref.step(i))
@@ -117,7 +132,7 @@ def test_fp16_loss_scaling_equals_grad_scaler(tmp_path, max_grad_norm):
         # With hysteresis 1 the scale halves exactly at each skipped step.
         halvings = sum(1 for a, b in zip([INITIAL] + scales, scales) if b < a)
         growths = sum(1 for a, b in zip([INITIAL] + scales, scales) if b > a)
-        assert stats.skipped_steps == halvings > 0 and growths > 0, scales
+        assert stats.skipped_steps == halvings == eng.skipped_steps > 0 and growths > 0, scales
         assert stats.optimizer_steps == 14 - halvings == eng.completed_steps
         assert stats.loss_scale == scales[-1]
         ref.assert_masters_equal(eng)
@@ -133,11 +148,14 @@ def test_unscaled_backward_is_refused(tmp_path):
     model = TinyGPT()
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=scaled_config(tmp_path))
     try:
-        with pytest.raises(RuntimeError, match=r"eng\.backward\(loss\)"):
+        with pytest.raises(RuntimeError, match=r"eng\.backward\(loss\).*eng\.with_loss_scale\(loss\)"):
             gpt_loss(model, 0).backward()
         eng.zero_grad()  # the engine stays usable: the same loop with eng.backward trains
         train(eng, model, range(2))
         assert eng.completed_steps + eng.stats().skipped_steps == 2
+        train(eng, model, range(2, 3), through="with_loss_scale")
+        with pytest.raises(RuntimeError, match=r"eng\.backward\(loss\)"):  # its scaled backward ended with it
+            gpt_loss(model, 3).backward()
     finally:
         eng.close()
 
@@ -216,6 +234,8 @@ def test_backward_without_scaling_is_plain_backward(tmp_path):
             assert loss.item() == ref_loss.item()
         with pytest.raises(TypeError, match="loss tensor"):
             eng.backward(1.0)  # type: ignore[arg-type]
+        loss = gpt_loss(model, 0)
+        assert eng.with_loss_scale(loss) is loss and eng.skipped_steps == 0
     finally:
         eng.close()
 
