@@ -83,10 +83,13 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         callbacks = list(kwargs.pop("callbacks", None) or [])
         if not any(isinstance(c, EngineCheckpointCallback) for c in callbacks):
             callbacks.append(EngineCheckpointCallback(eng))
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)  # None: the Trainer's defaults
+        _check_mixed_precision(getattr(training_args, "fp16", False))
+        if eng.world_size > 1:
+            _check_compile(getattr(training_args, "torch_compile", False))
         self.engine = eng
         super().__init__(*args, callbacks=callbacks, **kwargs)
         _check_clipping(self.args.max_grad_norm, eng)
-        _check_mixed_precision(self.args.fp16)
         if eng.world_size > 1:
             # What the Trainer does for a model that reduces its own gradients: accelerate's
             # evaluation-mode preparation (autocast under bf16/fp16 arguments, no DDP), which also
@@ -130,6 +133,18 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         self.engine.save_weights(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def _check_compile(torch_compile: bool) -> None:
+    """ValueError for ``TrainingArguments(torch_compile=True)`` with several processes: accelerate
+    would return a compiled wrapper and prepare (put in DDP) the model itself."""
+    if torch_compile:
+        raise ValueError(
+            "TrainingArguments(torch_compile=True) is not supported by EngineTrainer with several processes: "
+            "accelerate would compile a wrapper and put the model itself in DistributedDataParallel, which cannot "
+            "read the engine's released parameters. Pass torch_compile=False (the engine's hooks split dynamo's "
+            "graph at every module, so compiling measured no speed-up; docs/training.md), or run one process"
+        )
 
 
 def _check_mixed_precision(fp16: bool) -> None:
