@@ -14,6 +14,15 @@ from typing import Optional
 from engine.checkpoint_files import METADATA_FILE, CheckpointError
 
 LATEST_FILE = "latest"
+#: The engine checkpoint's directory inside a Trainer checkpoint or an ``accelerator.save_state`` one.
+ENGINE_SUBDIR = "engine"
+
+
+def engine_checkpoint(checkpoint: "str | os.PathLike[str]") -> str:
+    """The engine checkpoint saved inside ``checkpoint``, a Trainer checkpoint
+    (``engine.hf_trainer.EngineCheckpointCallback``) or an ``accelerator.save_state`` directory
+    (``engine.hf_accelerate.register_engine_state``)."""
+    return os.path.join(os.fspath(checkpoint), ENGINE_SUBDIR)
 
 
 def tagged_path(path: "str | os.PathLike[str]", tag: Optional[str]) -> str:

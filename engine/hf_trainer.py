@@ -33,18 +33,11 @@ from transformers.trainer_pt_utils import remove_dummy_checkpoint
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
+from engine.checkpoint_paths import ENGINE_SUBDIR, engine_checkpoint
 from engine.overflow_scheduler import OverflowAwareScheduler
 
 #: Schedulers the Trainer steps on evaluation metrics rather than after each optimizer step.
 _METRIC_STEPPED = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
-
-#: The engine checkpoint's directory inside a Trainer checkpoint.
-ENGINE_SUBDIR = "engine"
-
-
-def engine_checkpoint(trainer_checkpoint: "str | os.PathLike[str]") -> str:
-    """The engine checkpoint saved by :class:`EngineCheckpointCallback` inside ``trainer_checkpoint``."""
-    return os.path.join(os.fspath(trainer_checkpoint), ENGINE_SUBDIR)
 
 
 class EngineCheckpointCallback(TrainerCallback):  # type: ignore[misc]

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import engine
+from engine.hf_accelerate import register_engine_state
 from engine.released import ReleasedParameterError
 from engine_models import store_config
 from test_engine_distributed import run_ranks
@@ -160,3 +161,61 @@ def test_accelerator_loop_trains_fp16_with_the_engines_loss_scaling(tmp_path):
         eng.close()
     assert losses == want_losses and lrs == want_lrs and skipped == applied.count(False)
     assert len(set(lrs)) == len(applied) - applied.count(False) + 1  # the LR moved on applied steps only
+
+
+def checkpointed_run(path: Path, *, seed: int, save_after: int = 0, resume_from: str = "") -> list[float]:
+    """accelerate's loop with a prepared LR schedule and register_engine_state: saved with
+    ``accelerator.save_state`` after ``save_after`` micro-batches, or resumed with ``load_state``
+    (then the loader skips the batches already trained on). The losses of the micro-batches it ran."""
+    torch.manual_seed(seed)
+    # Without dropout and shuffling: their random streams are accelerate's to restore, not the engine's.
+    model = GPT2LMHeadModel(GPT2Config(**{**CONFIG.to_dict(), **NO_DROPOUT}))
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
+        store=store_config(path / f"store{seed}"), param_tier="nvme", optimizer_tier="nvme", max_grad_norm=CLIP))
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    register_engine_state(accelerator, eng)
+    optimizer, loader = accelerator.prepare(eng.optimizer, DataLoader(examples(), batch_size=2))
+    schedule = accelerator.prepare(linear_decay(eng.optimizer))
+    losses = []
+    try:
+        if resume_from:
+            accelerator.load_state(resume_from)
+            loader = accelerator.skip_first_batches(loader, save_after)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+            if not resume_from and len(losses) == save_after:
+                accelerator.save_state(str(path / "state"))
+    finally:
+        eng.close()
+    return losses
+
+
+def test_save_state_and_load_state_carry_the_engine_checkpoint(tmp_path):
+    """register_engine_state: accelerator.save_state writes the engine's checkpoint beside
+    accelerate's files, and a run resumed from it with load_state (other initial weights, a fresh
+    store) trains the remaining micro-batches to the same losses, bit for bit."""
+    whole = checkpointed_run(tmp_path, seed=0, save_after=4)
+    assert (tmp_path / "state" / "engine" / "metadata.json").is_file()
+    assert (tmp_path / "state" / "optimizer.bin").is_file()
+    resumed = checkpointed_run(tmp_path, seed=1, save_after=4, resume_from=str(tmp_path / "state"))
+    assert resumed == whole[4:] and len(whole) == 8
+
+    # Without the hooks accelerate restores the optimizer's step counts alone, which is refused.
+    torch.manual_seed(1)
+    model = GPT2LMHeadModel(CONFIG)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
+        store=store_config(tmp_path / "bare"), param_tier="nvme", optimizer_tier="nvme", max_grad_norm=CLIP))
+    try:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+        accelerator.prepare(eng.optimizer, DataLoader(examples(), batch_size=2))
+        accelerator.prepare(linear_decay(eng.optimizer))
+        with pytest.raises(ValueError, match=r"eng\.load_checkpoint"):
+            accelerator.load_state(str(tmp_path / "state"))
+    finally:
+        eng.close()
