@@ -109,6 +109,26 @@ def test_engine_trainer_clips_and_logs_the_gradient_norm_as_the_trainer_does(tmp
         eng.close()
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_engine_trainer_with_gradient_checkpointing(tmp_path, reentrant):
+    """TrainingArguments(gradient_checkpointing=True), the model's own activation checkpointing
+    (torch.utils.checkpoint, re-running each block's forward in backward, where the engine fetches
+    its parameters again): the same losses and weights as the plain Trainer's, bit for bit."""
+    kw = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model, ref, plain = model_and_plain_run(tmp_path / "ref", **kw)
+    eng = wrapped(model, tmp_path / "store")
+    try:
+        trainer = EngineTrainer(eng, model=model, args=arguments(tmp_path / "eng", max_grad_norm=CLIP, **kw),
+                                train_dataset=Tokens())
+        trainer.train()
+        assert model.is_activation_checkpointing
+        assert losses_of(trainer) == losses_of(plain) and len(losses_of(trainer)) == 4
+        got, want = eng.state_dict(), ref.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    finally:
+        eng.close()
+
+
 def test_trainer_checkpoints_resume_with_the_engine_checkpoint(tmp_path):
     out = tmp_path / "run"
     torch.manual_seed(0)
