@@ -75,7 +75,8 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         kwargs.setdefault("optimizers", (eng.optimizer, None))
         callbacks = list(kwargs.pop("callbacks", None) or [])
         if not any(isinstance(c, EngineCheckpointCallback) for c in callbacks):
-            callbacks.append(EngineCheckpointCallback(eng))
+            # A PEFT model's frozen base stays out, as the Trainer has DeepSpeed leave it out.
+            callbacks.append(EngineCheckpointCallback(eng, exclude_frozen_parameters=is_peft_model(model)))
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)  # None: the Trainer's defaults
         _check_mixed_precision(getattr(training_args, "fp16", False))
         if eng.world_size > 1:
@@ -107,6 +108,12 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
             scheduler = self.lr_scheduler = OverflowAwareScheduler(scheduler, self.engine)
         return scheduler
 
+    def _trainable_state_dict(self) -> dict[str, Any]:
+        """The parameters that take a gradient, by ``state_dict`` name, gathered (every rank)."""
+        named = {name: p for name, p in self.engine.model.named_parameters() if p.requires_grad}
+        with self.engine.gathered(list(named.values())):
+            return {name: p.detach().clone() for name, p in named.items()}
+
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Optional[float]:
         """The ``grad_norm`` the Trainer logs: the engine's, where the Trainer's own
         ``clip_grad_norm_`` would find no gradients (they are in the store) and log 0. (A Trainer
@@ -117,15 +124,30 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         """Write what the Trainer writes (``save_pretrained``'s files: config, weights, the processing
         class, the training arguments), the weights streamed one tensor at a time by
         ``eng.save_weights`` (gathered across ranks, rank 0 writes), so a model larger than host
-        memory saves too. Every rank must call it (the Trainer does, at each checkpoint)."""
+        memory saves too; for a PEFT model, its adapter (``adapter_model.safetensors``), as the
+        Trainer writes it. Every rank must call it (the Trainer does, at each checkpoint)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        # The Trainer's own files around an empty state dict, whose weights file then goes, as the
-        # Trainer itself does when DeepSpeed keeps the weights.
-        self._save(output_dir, state_dict={})  # returns at once on the ranks that do not write
-        remove_dummy_checkpoint(self.args.should_save, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
-        self.engine.save_weights(output_dir)
+        if is_peft_model(self.model):
+            # PEFT's save_pretrained keeps the adapter's entries of the state dict it is given: the
+            # trainable parameters, gathered (small), rather than the whole model.
+            self._save(output_dir, state_dict=self._trainable_state_dict())
+        else:
+            # The Trainer's own files around an empty state dict, whose weights file then goes, as
+            # the Trainer itself does when DeepSpeed keeps the weights.
+            self._save(output_dir, state_dict={})  # returns at once on the ranks that do not write
+            remove_dummy_checkpoint(self.args.should_save, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
+            self.engine.save_weights(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether ``model`` is a PEFT model (``peft.PeftModel``: LoRA and the other adapters)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
 
 
 def _check_compile(torch_compile: bool) -> None:
@@ -165,4 +187,4 @@ def _check_clipping(max_grad_norm: Optional[float], eng: Any) -> None:
         )
 
 
-__all__ = ["ENGINE_SUBDIR", "EngineCheckpointCallback", "EngineTrainer", "engine_checkpoint"]
+__all__ = ["ENGINE_SUBDIR", "EngineCheckpointCallback", "EngineTrainer", "engine_checkpoint", "is_peft_model"]

@@ -183,6 +183,62 @@ def test_the_callback_can_leave_frozen_parameters_out(tmp_path):
         assert "transformer.wpe.weight" not in files.params and "transformer.wte.weight" in files.params
 
 
+def lora_model(seed: int = 0):
+    """A PEFT LoRA model over a GPT-2 base made with ``seed`` (the "pretrained" base)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    return get_peft_model(GPT2LMHeadModel(CONFIG), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True))
+
+
+def test_engine_trainer_saves_a_peft_model_as_the_trainer_does(tmp_path):
+    """A LoRA fine-tune: the same losses and weights as the plain Trainer's, bit for bit; each
+    checkpoint holds the adapter (not the whole model), equal to the plain Trainer's, and an engine
+    checkpoint without the frozen base; a resume from it trains the last steps again bit for bit."""
+    from peft import PeftModel
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME
+
+    model = lora_model()
+    ref = copy.deepcopy(model)
+    saving = dict(max_grad_norm=CLIP, save_strategy="steps", save_steps=2)
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    plain = Trainer(model=ref, args=arguments(tmp_path / "ref", **saving), train_dataset=Tokens(),
+                    optimizers=(torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0), None))
+    plain.train()
+    eng = wrapped(model, tmp_path / "a")
+    try:
+        trainer = EngineTrainer(eng, model=model, args=arguments(tmp_path / "eng", **saving), train_dataset=Tokens())
+        trainer.train()
+        assert losses_of(trainer) == losses_of(plain) and len(losses_of(trainer)) == 4
+        got, want = eng.state_dict(), ref.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    finally:
+        eng.close()
+    for step in (2, 4):
+        ckpt, ref_ckpt = tmp_path / "eng" / f"checkpoint-{step}", tmp_path / "ref" / f"checkpoint-{step}"
+        assert sorted(os.listdir(ckpt)) == sorted(os.listdir(ref_ckpt) + ["engine"])  # no model.safetensors
+        adapter, ref_adapter = (load_file(str(c / SAFETENSORS_WEIGHTS_NAME)) for c in (ckpt, ref_ckpt))
+        assert adapter.keys() == ref_adapter.keys() and len(adapter) == 4  # lora_A and lora_B of 2 blocks
+        assert all(torch.equal(adapter[k], v) for k, v in ref_adapter.items())
+        with CheckpointFiles(engine_checkpoint(ckpt)) as files:
+            assert files.frozen_excluded and all("lora_" in name for name in files.params)
+    loaded = PeftModel.from_pretrained(GPT2LMHeadModel(CONFIG), str(tmp_path / "eng" / "checkpoint-4"))
+    assert all(torch.equal(p, want[k]) for k, p in loaded.state_dict().items() if "lora_" in k)
+
+    model = lora_model()  # the same base, as a resumed fine-tune loads it; the adapter comes from the checkpoint
+    ckpt = str(tmp_path / "eng" / "checkpoint-2")
+    eng = wrapped(model, tmp_path / "b")
+    try:
+        trainer = EngineTrainer(eng, model=model, args=arguments(tmp_path / "eng", max_grad_norm=CLIP),
+                                train_dataset=Tokens())
+        eng.load_checkpoint(engine_checkpoint(ckpt))
+        trainer.train(resume_from_checkpoint=ckpt)
+        assert losses_of(trainer) == losses_of(plain)
+    finally:
+        eng.close()
+
+
 class RecordingTrainer(EngineTrainer):
     """EngineTrainer that records what each training forward saw (the micro-batch and the
     ``num_items_in_batch`` the Trainer passed), the loss it returned, and the LR after each step."""
