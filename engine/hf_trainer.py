@@ -65,8 +65,9 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
     given. With several processes the model is kept out of ``DistributedDataParallel`` (the
     engine shards the parameters and averages the gradients across ranks itself). ``save_model``
     streams the weights (``eng.save_weights``) rather than holding the whole model in memory, the
-    logged ``grad_norm`` is the engine's, and the engine's fp16 loss scaling (DeepSpeed's ``fp16``
-    section) scales the Trainer's backward and holds its LR schedule on skipped steps."""
+    logged ``grad_norm`` is the engine's, the engine's fp16 loss scaling (DeepSpeed's ``fp16``
+    section) scales the Trainer's backward and holds its LR schedule on skipped steps, and a PEFT
+    model saves its adapter and leaves its frozen base out of the engine's checkpoints."""
 
     def __init__(self, eng: Any, *args: Any, **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)

@@ -110,11 +110,14 @@ def test_engine_trainer_clips_and_logs_the_gradient_norm_as_the_trainer_does(tmp
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_engine_trainer_with_gradient_checkpointing(tmp_path, reentrant):
-    """TrainingArguments(gradient_checkpointing=True), the model's own activation checkpointing
+def test_engine_trainer_with_activation_checkpointing(tmp_path, reentrant):
+    """TrainingArguments(activation_checkpointing=True), the model's own activation checkpointing
     (torch.utils.checkpoint, re-running each block's forward in backward, where the engine fetches
     its parameters again): the same losses and weights as the plain Trainer's, bit for bit."""
-    kw = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    name = "activation_checkpointing"  # transformers 5's name; gradient_checkpointing before
+    if name not in TrainingArguments.__dataclass_fields__:
+        name = "gradient_checkpointing"
+    kw = {name: True, f"{name}_kwargs": {"use_reentrant": reentrant}}
     model, ref, plain = model_and_plain_run(tmp_path / "ref", **kw)
     eng = wrapped(model, tmp_path / "store")
     try:
@@ -192,6 +195,7 @@ def lora_model(seed: int = 0):
         r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True))
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's own call
 def test_engine_trainer_saves_a_peft_model_as_the_trainer_does(tmp_path):
     """A LoRA fine-tune: the same losses and weights as the plain Trainer's, bit for bit; each
     checkpoint holds the adapter (not the whole model), equal to the plain Trainer's, and an engine
