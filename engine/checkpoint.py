@@ -78,16 +78,20 @@ class EngineParts:
 # ---------------------------------------------------------------------------- consolidated state dict
 
 
-def consolidated_state_dict(model: nn.Module, handles: Sequence[ParamHandle], io: ShardIO) -> dict[str, Any]:
+def consolidated_state_dict(model: nn.Module, handles: Sequence[ParamHandle], io: ShardIO, *,
+                            exclude_frozen_parameters: bool = False) -> dict[str, Any]:
     """``model.state_dict()`` with every parameter whole (gathered across ranks) and every tensor a
     CPU copy: what a plain model's ``load_state_dict`` accepts. Tied parameters appear under each of
-    their names as one tensor, as in ``state_dict()``. Collective at world size > 1: every rank calls
-    it and gets the whole dict."""
+    their names as one tensor, as in ``state_dict()``. ``exclude_frozen_parameters``: without the
+    parameters that take no gradient. Collective at world size > 1: every rank calls it and gets
+    the whole dict."""
     by_id = {id(h.param): h for h in handles}
     whole: dict[int, torch.Tensor] = {}
     out: dict[str, Any] = {}
     for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: the Parameter objects, untouched
         handle = by_id.get(id(value))
+        if handle is not None and exclude_frozen_parameters and not handle.trainable:
+            continue
         if handle is not None:
             if id(value) not in whole:
                 whole[id(value)] = io.read_copy(handle).detach().to("cpu")  # a new tensor already

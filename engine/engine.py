@@ -294,16 +294,20 @@ class Engine:
         else:
             self._model.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
         """The model's whole state as ``{name: tensor}`` on the CPU, every parameter consolidated
         (gathered across ranks): a plain model's ``load_state_dict`` accepts it. Parameters are in
-        the training dtype. With several ranks every rank must call it and each gets the whole dict."""
+        the training dtype. ``exclude_frozen_parameters`` (DeepSpeed's name): without the
+        parameters that take no gradient (a LoRA fine-tune's base weights; what PEFT's
+        ``save_pretrained(state_dict=...)`` keeps is among the rest). With several ranks every rank
+        must call it and each gets the whole dict."""
         self._check_open()
-        return checkpoint.consolidated_state_dict(self._model, self._handles, self._io)
+        return checkpoint.consolidated_state_dict(self._model, self._handles, self._io,
+                                                  exclude_frozen_parameters=exclude_frozen_parameters)
 
     def save_weights(
         self, path: "str | os.PathLike[str]", *, max_shard_bytes: int = export.DEFAULT_MAX_SHARD_BYTES,
-        dtype: Optional[torch.dtype] = None, master_weights: bool = False,
+        dtype: Optional[torch.dtype] = None, master_weights: bool = False, exclude_frozen_parameters: bool = False,
     ) -> list[str]:
         """Write the model's weights to the directory ``path`` in Hugging Face's safetensors layout
         (``model.safetensors``, or shards of at most ``max_shard_bytes`` and
@@ -312,11 +316,12 @@ class Engine:
         ``config.json`` is there, and so does ``engine.wrap(model, state_dict=path)``. Floating
         tensors are cast to ``dtype`` when given (default: the training dtype). With
         ``master_weights``, parameters ``engine.AdamW`` has stepped come from their fp32 master
-        weights (the bits a bf16 or fp16 copy rounds away; fp32 unless ``dtype``). Every rank calls
-        it; rank 0 writes. Returns the files written. DeepSpeed's ``save_16bit_model``."""
+        weights (the bits a bf16 or fp16 copy rounds away; fp32 unless ``dtype``).
+        ``exclude_frozen_parameters``: leave out the parameters that take no gradient. Every rank
+        calls it; rank 0 writes. Returns the files written. DeepSpeed's ``save_16bit_model``."""
         self._check_open()
         return export.save_weights(self._checkpoint_parts(), path, max_shard_bytes=max_shard_bytes, dtype=dtype,
-                                   master_weights=master_weights)
+                                   master_weights=master_weights, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def save_checkpoint(
         self, path: "str | os.PathLike[str]", *, overwrite: bool = False, tag: Optional[str] = None,

@@ -44,16 +44,17 @@ _PARTIAL = ".partial"
 
 def save_weights(
     parts: EngineParts, path: "str | os.PathLike[str]", *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    dtype: Optional[torch.dtype] = None, master_weights: bool = False,
+    dtype: Optional[torch.dtype] = None, master_weights: bool = False, exclude_frozen_parameters: bool = False,
 ) -> list[str]:
     """Write the model's weights to the directory ``path`` (created if missing); return the files
     written, index last. With ``master_weights``, a parameter ``engine.AdamW`` has stepped is its
-    fp32 master weight. Collective: every rank calls it, rank 0 writes."""
+    fp32 master weight; ``exclude_frozen_parameters`` leaves out the parameters that take no
+    gradient. Collective: every rank calls it, rank 0 writes."""
     check_export_arguments(max_shard_bytes, dtype)
     directory = os.path.abspath(os.fspath(path))
     io = parts.io
     masters = _master_keys(parts) if master_weights else {}
-    tensors = _tensors(parts, dtype, masters)  # the same on every rank: its errors need no agreement
+    tensors = _tensors(parts, dtype, masters, exclude_frozen_parameters)  # the same on every rank
     writing = io.rank == 0
     error = attempt(lambda: check_between_steps(parts, "save weights"))
     if writing and error is None:
@@ -160,10 +161,11 @@ def _master_keys(parts: EngineParts) -> dict[str, str]:
     return {name: key for name, key in mine.items() if name in common}
 
 
-def _tensors(parts: EngineParts, dtype: Optional[torch.dtype], masters: Mapping[str, str]
-             ) -> list[tuple[TensorSpec, Reader]]:
+def _tensors(parts: EngineParts, dtype: Optional[torch.dtype], masters: Mapping[str, str],
+             exclude_frozen: bool = False) -> list[tuple[TensorSpec, Reader]]:
     """``model.state_dict()``'s tensors in order, each tied parameter once, with a reader each
-    (from the fp32 master weight for the parameters in ``masters``)."""
+    (from the fp32 master weight for the parameters in ``masters``); without the frozen
+    parameters when ``exclude_frozen``."""
     by_id = {id(h.param): h for h in parts.handles}
     seen: set[int] = set()
     out: list[tuple[TensorSpec, Reader]] = []
@@ -176,6 +178,8 @@ def _tensors(parts: EngineParts, dtype: Optional[torch.dtype], masters: Mapping[
             continue
         seen.add(id(value))
         handle = by_id.get(id(value))
+        if handle is not None and exclude_frozen and not handle.trainable:
+            continue
         master = masters.get(handle.name) if handle is not None else None
         saved = torch.float32 if master is not None else value.dtype
         target = export_dtype(saved, dtype)

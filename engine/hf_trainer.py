@@ -109,12 +109,6 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
             scheduler = self.lr_scheduler = OverflowAwareScheduler(scheduler, self.engine)
         return scheduler
 
-    def _trainable_state_dict(self) -> dict[str, Any]:
-        """The parameters that take a gradient, by ``state_dict`` name, gathered (every rank)."""
-        named = {name: p for name, p in self.engine.model.named_parameters() if p.requires_grad}
-        with self.engine.gathered(list(named.values())):
-            return {name: p.detach().clone() for name, p in named.items()}
-
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Optional[float]:
         """The ``grad_norm`` the Trainer logs: the engine's, where the Trainer's own
         ``clip_grad_norm_`` would find no gradients (they are in the store) and log 0. (A Trainer
@@ -130,8 +124,8 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if is_peft_model(self.model):
             # PEFT's save_pretrained keeps the adapter's entries of the state dict it is given: the
-            # trainable parameters, gathered (small), rather than the whole model.
-            self._save(output_dir, state_dict=self._trainable_state_dict())
+            # model without its frozen base (gathered one tensor at a time on every rank).
+            self._save(output_dir, state_dict=self.engine.state_dict(exclude_frozen_parameters=True))
         else:
             # The Trainer's own files around an empty state dict, whose weights file then goes, as
             # the Trainer itself does when DeepSpeed keeps the weights.

@@ -173,6 +173,14 @@ def test_a_save_without_the_frozen_parameters_resumes_with_the_models_own(tmp_pa
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=train_config(tmp_path / "a"))
     train(model, eng, range(2))
     eng.save_checkpoint(tmp_path / "ckpt", exclude_frozen_parameters=True)
+    # The weights without it too (DeepSpeed's save_16bit_model and consolidated state dict take the flag)
+    whole = eng.state_dict()
+    assert eng.state_dict(exclude_frozen_parameters=True).keys() == whole.keys() - {frozen}
+    for exclude in (False, True):
+        eng.save_weights(tmp_path / f"weights{exclude}", exclude_frozen_parameters=exclude)
+    everything, saved = (safetensors.torch.load_file(str(tmp_path / f"weights{exclude}" / "model.safetensors"))
+                         for exclude in (False, True))
+    assert saved.keys() == everything.keys() - {frozen} and all(torch.equal(v, whole[k]) for k, v in saved.items())
     want = train(model, eng, range(2, 4))
     eng.close()
     meta = json.loads((tmp_path / "ckpt" / METADATA_FILE).read_text())
