@@ -15,7 +15,7 @@ import torch
 
 from engine.checkpoint_paths import holds_checkpoint
 
-StateDictLike = Union[Mapping[str, torch.Tensor], str, "os.PathLike[str]"]
+StateDictLike = Union[Mapping[str, torch.Tensor], str, "os.PathLike[str]", "WeightSource"]
 
 
 class WeightSource:
@@ -36,6 +36,8 @@ class WeightSource:
         """A source over ``state_dict`` (a mapping, or a path to a .safetensors or torch file); None for None."""
         if state_dict is None:
             return None
+        if isinstance(state_dict, WeightSource):  # already open (e.g. engine.hf_peft.peft_base_weights)
+            return state_dict
         if isinstance(state_dict, Mapping):
             _check_tensors(state_dict, "state_dict")
             return cls(state_dict, state_dict.__getitem__, lambda name: tuple(state_dict[name].shape))
@@ -92,6 +94,26 @@ class WeightSource:
     def unused(self) -> list[str]:
         """Names never read, sorted."""
         return sorted(self._names - self.used)
+
+    def renamed(self, names: Mapping[str, str]) -> "WeightSource":
+        """This source under other names: ``names`` maps a new name to the name here it reads (several
+        new names may read one tensor). Names here that no new name reads stay visible to
+        :meth:`unused` (as entries that match nothing), so a file with tensors the model lacks is
+        still reported."""
+        targeted = {old for old in names.values() if old in self._names}
+        mapped = {new: old for new, old in names.items() if old in self._names}
+        untouched = self._names - targeted
+
+        def get(name: str) -> Any:
+            return self.read(mapped[name]) if name in mapped else self.read(name)
+
+        def shape(name: str) -> tuple[int, ...]:
+            return self._shape(mapped.get(name, name))
+
+        view = WeightSource({**dict.fromkeys(mapped), **dict.fromkeys(untouched)}, get, shape, self._close,
+                            origin=self.origin)
+        self._close = None  # the view closes the file now
+        return view
 
     def close(self) -> None:
         """Release the file (safetensors)."""
