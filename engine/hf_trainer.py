@@ -79,6 +79,7 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
             # A PEFT model's frozen base stays out, as the Trainer has DeepSpeed leave it out.
             callbacks.append(EngineCheckpointCallback(eng, exclude_frozen_parameters=is_peft_model(model)))
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)  # None: the Trainer's defaults
+        _check_sharding(getattr(training_args, "deepspeed", None), getattr(training_args, "fsdp", None))
         _check_mixed_precision(getattr(training_args, "fp16", False))
         if eng.world_size > 1:
             _check_compile(getattr(training_args, "torch_compile", False))
@@ -143,6 +144,22 @@ def is_peft_model(model: Any) -> bool:
     except ImportError:
         return False
     return isinstance(model, PeftModel)
+
+
+def _check_sharding(deepspeed: Any, fsdp: Any) -> None:
+    """ValueError for ``TrainingArguments(deepspeed=...)`` or ``(fsdp=...)``: the Trainer would hand
+    the model to DeepSpeed or FSDP, which would shard parameters the engine already holds."""
+    if deepspeed:
+        raise ValueError(
+            f"TrainingArguments(deepspeed={deepspeed!r}) would hand the model to DeepSpeed, but the engine already "
+            "shards and offloads it: build the engine's config from that DeepSpeed config instead "
+            "(engine.EngineConfig.from_deepspeed(json.load(open(path)), store=...)) and leave deepspeed unset"
+        )
+    if fsdp:
+        raise ValueError(
+            f"TrainingArguments(fsdp={fsdp!r}) would wrap the model in FSDP, but the engine already shards and "
+            "offloads it: leave fsdp unset (EngineConfig's tiers set where the parameters live)"
+        )
 
 
 def _check_compile(torch_compile: bool) -> None:
