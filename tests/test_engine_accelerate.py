@@ -75,7 +75,10 @@ def test_accelerator_loop_trains_a_wrapped_model_as_the_plain_one(tmp_path):
 def _two_ranks(rank: int, root: str) -> None:
     root_path = Path(root)
     losses = {"ddp": train(root_path / f"plain{rank}", wrapped=False),
-              "engine": train(root_path / f"engine{rank}", wrapped=True, prepare_model=False)}
+              "engine": train(root_path / f"engine{rank}", wrapped=True, prepare_model=False),
+              # save_state / load_state with register_engine_state: the engine's checkpoint is collective
+              "saved": checkpointed_run(root_path, seed=0, save_after=2)}
+    losses["resumed"] = checkpointed_run(root_path, seed=1, save_after=2, resume_from=str(root_path / "state"))
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
     with engine.wrap(model, config=engine.EngineConfig(store=store_config(root_path / f"ddp{rank}"))):
@@ -89,7 +92,8 @@ def _two_ranks(rank: int, root: str) -> None:
 
 def test_two_ranks_train_as_distributed_data_parallel(tmp_path):
     """accelerate's data loader gives each rank its own batches; the engine averages the gradients
-    across the ranks as DDP does. DDP itself cannot wrap the engine's model, and says why."""
+    across the ranks as DDP does; save_state / load_state resume every rank bit for bit. DDP itself
+    cannot wrap the engine's model, and says why."""
     run_ranks(_two_ranks, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for res in results:
@@ -97,6 +101,7 @@ def test_two_ranks_train_as_distributed_data_parallel(tmp_path):
         # gradient, then across ranks; DDP: every rank over the whole), so it agrees to rounding.
         assert res["engine"] == pytest.approx(res["ddp"], rel=1e-6) and len(res["ddp"]) == 4
         assert res["engine"][:2] == res["ddp"][:2]  # before the first step: bit for bit
+        assert res["resumed"] == res["saved"][2:] and len(res["saved"]) == 4
         assert "DistributedDataParallel cannot wrap" in res["refused"]
         assert "prepare only the optimizer" in res["refused"]
     assert results[0]["ddp"] != results[1]["ddp"]  # each rank trained on its own batches
