@@ -103,6 +103,7 @@ def test_engine_trainer_clips_and_logs_the_gradient_norm_as_the_trainer_does(tmp
         trainer.train()
         assert losses_of(trainer) == losses_of(plain) and len(losses_of(trainer)) == 4
         assert grad_norms_of(trainer) == grad_norms_of(plain) and min(grad_norms_of(plain)) > CLIP
+        assert trainer.evaluate(Tokens())["eval_loss"] == plain.evaluate(Tokens())["eval_loss"]  # the eval loop
         got, want = eng.state_dict(), ref.state_dict()
         assert all(torch.equal(got[k], v) for k, v in want.items())
     finally:
@@ -355,10 +356,12 @@ def _two_ranks(rank: int, root: str, bf16: bool) -> None:
                                                save_steps=2, bf16=bf16))
         trainer.train()
         trainer.save_model(str(root_path / "final"))  # every rank, as the Trainer calls it
+        evaluated = {"plain_eval": plain.evaluate(Tokens())["eval_loss"],  # each rank its share of the batches
+                     "engine_eval": trainer.evaluate(Tokens())["eval_loss"]}
         result |= {"plain": losses_of(plain), "engine": losses_of(trainer), "world": eng.world_size,
                   "plain_norms": grad_norms_of(plain), "engine_norms": grad_norms_of(trainer),
                   "plain_wrapped": type(plain.model_wrapped).__name__,
-                  "engine_wrapped": type(trainer.model_wrapped).__name__}
+                  "engine_wrapped": type(trainer.model_wrapped).__name__, **evaluated}
         trained = eng.state_dict()
     torch.manual_seed(1)  # other initial values: a resume takes everything from checkpoint-2
     model = GPT2LMHeadModel(CONFIG)
@@ -409,6 +412,7 @@ def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_pat
         assert res["engine_norms"] == pytest.approx(res["plain_norms"], rel=norm_tolerance)
         assert min(res["plain_norms"]) > CLIP
         assert res["resumed"] == res["engine"]  # steps 1-2 from checkpoint-2's log, 3-4 trained again
+        assert res["engine_eval"] == pytest.approx(res["plain_eval"], rel=1e-5)  # the weights agree to rounding
     assert results[0]["saved_as_trained"] and "transformer.wte.weight" in results[0]["saved"]
     # AdamW moves a weight by up to lr (1e-3) a step whatever the gradient's size, so a gradient near 0
     # that rounds differently moves differently: measured 4e-6 in fp32, 1.1e-4 under bf16 autocast.
