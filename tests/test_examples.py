@@ -107,6 +107,17 @@ def test_hugging_face_example_trains_exports_and_reloads(tmp_path):
     assert sorted(os.listdir(tmp_path / "tuned")) == ["config.json", "model.safetensors"]
 
 
+def test_lora_example_trains_saves_the_adapter_and_peft_reloads_it(tmp_path):
+    out = run_example("lora_finetune.py", "--dir", str(tmp_path / "run"), "--steps", "2", "--out",
+                      str(tmp_path / "adapter"), cwd=str(tmp_path))
+    assert "step 2: loss" in out and "training 32,768 of" in out  # the adapters only
+    reloaded = out.rsplit("PeftModel.from_pretrained computes loss ", 1)[1]
+    plain, engine_loss = reloaded.split(" (engine: ")
+    assert plain == engine_loss.split(")")[0]  # the saved adapter over the plain base is the tuned model
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
+    assert "model.safetensors" not in os.listdir(tmp_path / "adapter")  # not the whole base
+
+
 def test_torchrun_example_trains_on_two_ranks(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
