@@ -335,6 +335,57 @@ def test_engine_trainer_trains_fp16_with_the_engines_loss_scaling(tmp_path):
         ref.close()
 
 
+def _fp16_two_ranks(rank: int, root: str) -> None:
+    """EngineTrainer over an fp16 engine at two ranks, then the engine's own loop over the
+    micro-batches this rank trained on (the Trainer scales each rank's loss by the world size, as
+    its loss is normalized by the tokens of every rank); what each saw, to the parent."""
+    import json
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    root_path = Path(root)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**{**CONFIG.to_dict(), **NO_DROPOUT}))
+    ref_model = copy.deepcopy(model)
+    steps = 4
+    with fp16_wrapped(model, root_path / f"a{rank}") as eng:
+        trainer = RecordingTrainer(eng, model=model, train_dataset=Tokens(),
+                                   args=arguments(root_path / "out", max_grad_norm=CLIP, max_steps=steps))
+        trainer.train()
+        result = {"losses": trainer.losses, "lrs": trainer.lrs, "skipped": eng.skipped_steps,
+                  "world": eng.world_size}
+    with fp16_wrapped(ref_model, root_path / f"b{rank}") as ref:
+        schedule = get_scheduler("linear", ref.optimizer, num_warmup_steps=0, num_training_steps=steps)
+        losses, lrs = [], []
+        for i, (batch, num_items) in enumerate(trainer.seen):
+            loss = ref_model(**batch, num_items_in_batch=num_items).loss * ref.world_size
+            ref.backward(loss)
+            losses.append(loss.item())
+            if i % 2 == 1:
+                if ref.step():
+                    schedule.step()
+                ref.zero_grad()
+                lrs.append(schedule.get_last_lr()[0])
+        result |= {"ref_losses": losses, "ref_lrs": lrs, "ref_skipped": ref.skipped_steps}
+    (root_path / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_engine_trainer_trains_fp16_at_two_ranks(tmp_path):
+    """The fp16 Trainer run at two ranks: every rank skips the same steps (the overflow test is
+    on the all-reduced norm) and holds its LR schedule on them, matching the engine's own loop
+    over the same micro-batches bit for bit."""
+    import json
+
+    from test_engine_distributed import run_ranks
+
+    run_ranks(_fp16_two_ranks, str(tmp_path))
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in results:
+        assert res["world"] == 2 and len(res["losses"]) == 8 and len(res["lrs"]) == 4
+        assert res["losses"] == res["ref_losses"] and res["lrs"] == res["ref_lrs"]
+        assert res["skipped"] == res["ref_skipped"] > 0
+    assert results[0]["lrs"] == results[1]["lrs"] and results[0]["losses"] != results[1]["losses"]
+
+
 def _two_ranks(rank: int, root: str, bf16: bool) -> None:
     """The Trainer over a plain copy (in DistributedDataParallel, as the Trainer puts it) and
     EngineTrainer over the wrapped model, clipping; losses, norms and saved weights to the parent."""
