@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 import torch
 
 from tiered.backends import Copy, DeviceBackend, HostBackend, NvmeBackend, NvmeCopy, TierBackend
+from tiered.backends.device import allocation_event
 from tiered.codecs import Codecs, CompressionPolicy
 from tiered.commits import CommitLog
 from tiered.config import StoreConfig
@@ -295,10 +296,11 @@ class TieredStore(BatchCalls, TierBookkeeping):
     ) -> torch.Tensor:
         """A new tensor with the entry's exact bytes, dtype and shape, on ``device``.
 
-        With ``out`` (contiguous, same dtype and shape), the bytes land there instead. Waits for a
-        prefetch of the key that is in flight instead of reading the slower copy again.
+        With ``out`` (contiguous, same dtype and shape), the bytes land there instead; a CUDA ``out``
+        is written once the work queued so far on the caller's current stream has finished. Waits for
+        a prefetch of the key that is in flight instead of reading the slower copy again.
         """
-        return await self._call(self._get, key, device, out)
+        return await self._call(self._get, key, device, out, ready_event(out))
 
     def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
         """Start bringing ``key`` into ``tier`` and return at once; the handle is awaitable.
@@ -549,8 +551,11 @@ class TieredStore(BatchCalls, TierBookkeeping):
             else:
                 self._retire(old)
 
-    async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor]) -> torch.Tensor:
+    async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor], ready: Any = None
+                   ) -> torch.Tensor:
         check_key(key)
+        if ready is not None:  # kernels the caller queued that read or write `out` must finish first
+            await self._in_cpu_pool(ready.synchronize)
         device = parse_device(device)
         entry = self._entry(key)
         if entry.moving:
@@ -559,8 +564,10 @@ class TieredStore(BatchCalls, TierBookkeeping):
             if faster:
                 await asyncio.wait(faster)  # a failed prefetch only means we read the slower copy
                 entry = self._entry(key)
+        allocated = None
         if out is None:
             result, dst = new_result(entry.shape, entry.dtype, device, self._results)
+            allocated = allocation_event(result)
         else:
             check_out(out, entry)
             result, dst = out, spans_of_tensor(out)
@@ -569,7 +576,7 @@ class TieredStore(BatchCalls, TierBookkeeping):
         copy = self._begin_read(entry, tier)
         started = time.perf_counter()
         try:
-            await self._read_copy(entry, tier, copy, dst)
+            await self._read_copy(entry, tier, copy, dst, allocated)
         finally:
             self._end_read(tier, copy)
         if tier is Tier.NVME:
@@ -700,7 +707,8 @@ class TieredStore(BatchCalls, TierBookkeeping):
                 return
             src_copy = self._begin_read(entry, source)
             try:
-                await self._read_copy(entry, source, src_copy, self._backends[tier].spans(new))  # type: ignore[arg-type]
+                await self._read_copy(entry, source, src_copy, self._backends[tier].spans(new),  # type: ignore[arg-type]
+                                      new.allocated)
             finally:
                 self._end_read(source, src_copy)
         except BaseException:
@@ -764,10 +772,12 @@ class TieredStore(BatchCalls, TierBookkeeping):
         self._stats.bytes_after_codec += payload.nbytes
         self._stats.tiers[Tier.NVME].bytes_in += entry.nbytes
 
-    async def _read_copy(self, entry: Entry, tier: Tier, copy: Copy, dst: Sequence[Span]) -> None:
-        """Fill ``dst`` with the entry's bytes from its copy in ``tier``."""
+    async def _read_copy(self, entry: Entry, tier: Tier, copy: Copy, dst: Sequence[Span], allocated: Any = None
+                         ) -> None:
+        """Fill ``dst`` with the entry's bytes from its copy in ``tier``; ``allocated`` is the
+        :func:`allocation_event` of ``dst`` when the store just allocated it on CUDA."""
         if tier is not Tier.NVME:
-            await self._device.copy(dst, self._memory_spans(tier, copy))
+            await self._device.copy(dst, self._memory_spans(tier, copy), after=(allocated,))
             return
         try:
             started = time.perf_counter()
@@ -788,7 +798,8 @@ class TieredStore(BatchCalls, TierBookkeeping):
             raise read_error(exc, entry.key) from exc
 
     async def _store_memory(self, tier: Tier, copy: Copy, src: Sequence[Span]) -> None:
-        await self._device.copy(self._backends[tier].spans(copy), src)  # type: ignore[arg-type]
+        await self._device.copy(self._backends[tier].spans(copy), src,  # type: ignore[arg-type]
+                                after=(copy.allocated,))
 
     def _memory_spans(self, tier: Tier, copy: Copy) -> list[Span]:
         spans = self._backends[tier].spans(copy)

@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from tiered.backends import NvmeCopy
+from tiered.backends.device import allocation_event
 from tiered.entry import RAW, Entry
 from tiered.errors import KeyNotFoundError, TieredError
 from tiered.spans import Span, new_result, spans_of_tensor
@@ -68,7 +69,7 @@ class BatchCalls:
         returns nothing (the ``out`` tensors of failed keys hold unspecified bytes).
         """
         keys, outs = batch_keys(keys, out)
-        return await self._call(self._get_many, keys, device, outs)
+        return await self._call(self._get_many, keys, device, outs, [ready_event(o) for o in outs or ()])
 
     async def _put_many(
         self, pairs: list[tuple[str, torch.Tensor]], tier: "Tier | str", compress: Optional[bool], ready: list[Any]
@@ -118,9 +119,13 @@ class BatchCalls:
                 await self._finish_put(entry, Tier.NVME, copy)  # never waits: the new version is on nvme
 
     async def _get_many(
-        self, keys: list[str], device: "torch.device | str", outs: Optional[list[Optional[torch.Tensor]]]
+        self, keys: list[str], device: "torch.device | str", outs: Optional[list[Optional[torch.Tensor]]],
+        ready: Sequence[Any] = (),
     ) -> list[torch.Tensor]:
         device = parse_device(device)
+        for event in ready:  # kernels the caller queued that read or write an `out` must finish first
+            if event is not None:
+                await self._in_cpu_pool(event.synchronize)
         entries = self._entries_of(keys)
         faster = {task for e in entries if e.moving
                   for t, task in e.moving.items() if (top := e.top()) is None or t.rank < top.rank}
@@ -138,6 +143,7 @@ class BatchCalls:
                 result, dst = out, spans_of_tensor(out)
             results.append(result)
             dsts.append(dst)
+        allocated = allocation_event(results[-1]) if results else None  # covers every result allocated above
         tiers = [e.top() for e in entries]
         copies = [self._begin_read(e, t) for e, t in zip(entries, tiers)]  # type: ignore[arg-type]
         batch = [i for i, (e, t) in enumerate(zip(entries, tiers)) if t is Tier.NVME and e.codec == RAW]
@@ -146,7 +152,8 @@ class BatchCalls:
         errors: list[Optional[BaseException]] = [None] * len(entries)
         started = time.perf_counter()
         try:
-            coros: list[Awaitable[Any]] = [self._read_copy(entries[i], tiers[i], copies[i], dsts[i]) for i in alone]
+            coros: list[Awaitable[Any]] = [self._read_copy(entries[i], tiers[i], copies[i], dsts[i], allocated)
+                                           for i in alone]
             if batch:
                 coros.append(self._nvme.load_many([copies[i] for i in batch], [dsts[i] for i in batch]))  # type: ignore[misc]
             outcomes = await asyncio.gather(*coros, return_exceptions=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ class SyncStore:
         self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         """Blocking :meth:`TieredStore.get`."""
-        return self._store._call_sync(self._store._get, key, device, out)
+        return self._store._call_sync(self._store._get, key, device, out, ready_event(out))
 
     def put_many(
         self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,
@@ -50,7 +50,7 @@ class SyncStore:
     ) -> list[torch.Tensor]:
         """Blocking :meth:`TieredStore.get_many`."""
         keys, outs = batch_keys(keys, out)
-        return self._store._call_sync(self._store._get_many, keys, device, outs)
+        return self._store._call_sync(self._store._get_many, keys, device, outs, [ready_event(o) for o in outs or ()])
 
     def get_future(
         self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None
@@ -61,20 +61,13 @@ class SyncStore:
         the work queued so far on the caller's current stream has finished (memory the caching allocator
         handed back may still be read by queued kernels).
         """
-        return self._store._submit(self._get_when_ready, key, device, out, ready_event(out))
+        return self._store._submit(self._store._get, key, device, out, ready_event(out))
 
     def put_future(
         self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None
     ) -> "concurrent.futures.Future[None]":
         """Start :meth:`TieredStore.put` and return at once; ``tensor`` must stay unchanged until the future is done."""
         return self._store._submit(self._store._put, key, tensor, tier, compress, ready_event(tensor))
-
-    async def _get_when_ready(
-        self, key: str, device: "torch.device | str", out: Optional[torch.Tensor], ready: Any
-    ) -> torch.Tensor:
-        if ready is not None:
-            await self._store._in_cpu_pool(ready.synchronize)
-        return await self._store._get(key, device, out)
 
     def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
         """Same as :meth:`TieredStore.prefetch` (it never blocks)."""

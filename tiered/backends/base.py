@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from tiered.errors import CapacityError
 from tiered.spans import Span
@@ -24,6 +24,9 @@ class Copy:
     footprint: int
     readers: int = 0
     released: bool = False
+    #: A copy in CUDA memory: the :func:`~tiered.backends.device.allocation_event` of its memory,
+    #: which copies into it wait for. None for every other copy.
+    allocated: Any = None
 
 
 class TierBackend(abc.ABC):

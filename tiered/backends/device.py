@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-from typing import Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -20,6 +20,19 @@ class DeviceCopy(Copy):
     """A copy held in one uint8 tensor on the device."""
 
     tensor: Optional[torch.Tensor] = None
+
+
+def allocation_event(tensor: torch.Tensor) -> Any:
+    """For memory the caller just allocated on CUDA, an event on the allocating thread's current stream.
+
+    The caching allocator hands back a freed block at once, while kernels queued on that stream may
+    still read it: a side-stream copy into the new tensor must wait for this event. None off CUDA.
+    """
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
 
 
 class DeviceBackend(TierBackend):
@@ -52,7 +65,7 @@ class DeviceBackend(TierBackend):
                 f"lower device_bytes ({self.budget})"
             ) from exc
         self.used += nbytes
-        return DeviceCopy(nbytes=nbytes, footprint=nbytes, tensor=tensor)
+        return DeviceCopy(nbytes=nbytes, footprint=nbytes, tensor=tensor, allocated=allocation_event(tensor))
 
     def _free(self, copy: Copy) -> None:
         assert isinstance(copy, DeviceCopy)
@@ -64,23 +77,31 @@ class DeviceBackend(TierBackend):
         return [Span(copy.tensor)] if copy.nbytes else []
 
     async def store(self, copy: Copy, src: Sequence[Span]) -> None:
-        await self.copy(self.spans(copy), src)
+        await self.copy(self.spans(copy), src, after=(copy.allocated,))
 
     async def load(self, copy: Copy, dst: Sequence[Span]) -> None:
         await self.copy(dst, self.spans(copy))
 
-    async def copy(self, dst: Sequence[Span], src: Sequence[Span]) -> None:
-        """Copy between any two span lists (host or device memory) on a worker thread."""
+    async def copy(self, dst: Sequence[Span], src: Sequence[Span], after: Iterable[Any] = ()) -> None:
+        """Copy between any two span lists (host or device memory) on a worker thread.
+
+        On CUDA the copy starts once the CUDA events in ``after`` (None entries are skipped) have
+        fired: those of memory just allocated in ``dst`` (:func:`allocation_event`).
+        """
         if not dst:
             return
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._copy_blocking, dst, src)
+        events = [e for e in after if e is not None]
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._copy_blocking, dst, src, events)
 
-    def _copy_blocking(self, dst: Sequence[Span], src: Sequence[Span]) -> None:
+    def _copy_blocking(self, dst: Sequence[Span], src: Sequence[Span], after: Sequence[Any]) -> None:
         if self._stream is None or not any(s.tensor.is_cuda for s in (*dst, *src)):
             copy_spans(dst, src)
             return
-        # The store has already waited for the caller's stream (put records an event there).
+        # The store has already waited for the caller's stream (put and a get into `out` record an
+        # event there); what remains is memory the store itself allocated, named by `after`.
         with torch.cuda.stream(self._stream):
+            for event in after:
+                self._stream.wait_event(event)
             copy_spans(dst, src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
