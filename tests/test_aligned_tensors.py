@@ -36,7 +36,8 @@ def test_shape_dtype_alignment_and_zeros(shape, dtype):
     assert t.is_contiguous() and t.data_ptr() % 4096 == 0
     raw = t.reshape(-1).view(torch.uint8)
     assert raw.numel() == t.numel() * dtype.itemsize and not raw.any()  # a fresh mapping reads as zeros
-    assert not t.is_pinned()
+    assert t.is_pinned() == torch.cuda.is_available()  # pinned by default where CUDA is
+    assert not tiered.empty_aligned(shape, dtype, pin=False).is_pinned()
 
 
 def test_memory_is_unmapped_when_the_last_view_dies():
