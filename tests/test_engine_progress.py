@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_long_operations_draw_a_bar_on_a_terminal_and_short_ones_none(tmp_path):
     primary, secondary = pty.openpty()
-    env = {**os.environ, "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path)], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=secondary, env=env, cwd=str(tmp_path))
     os.close(secondary)
