@@ -1,5 +1,6 @@
 """The store and the engine on a CUDA device: tensors on the GPU through every tier, stream ordering
-against kernels still queued, pinned host memory, and training parity on the GPU.
+against kernels still queued, eviction from the GPU, and training parity on the GPU (pinned host
+memory: tests/test_aligned_tensors.py).
 
 Skipped without CUDA (CI has none); run on a GPU machine with ``pytest tests/test_cuda.py``.
 """
