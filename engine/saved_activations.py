@@ -275,21 +275,23 @@ class SavedActivations:
     def collect(self, *, wait_deletes: bool) -> None:
         """Collect finished puts and released tokens; with ``wait_deletes``, wait until the store has
         deleted every entry autograd let go of (its put finished first; a failed delete raises)."""
-        if wait_deletes:
+        while True:
             with self._lock:
                 self._collect_locked()
-                pending = [s.put for s in self._writing if s.dead and s.put is not None]
+                # Tokens die whenever autograd or the garbage collector lets go of them, on any thread,
+                # so entries can die while this waits for others: wait for their puts too, until none is left.
+                pending = [s.put for s in self._writing if s.dead and s.put is not None] if wait_deletes else []
+                if not pending:
+                    self._order = [s for s in self._order if not s.dead]
+                    self._cursor = None
+                    deletes = self._deletes
+                    if wait_deletes:
+                        self._deletes = []
+                    else:
+                        self._deletes = [f for f in deletes if not f.done()]
+                        deletes = [f for f in deletes if f.done()]
+                    break
             concurrent.futures.wait(pending)
-        with self._lock:
-            self._collect_locked()
-            self._order = [s for s in self._order if not s.dead]
-            self._cursor = None
-            deletes = self._deletes
-            if wait_deletes:
-                self._deletes = []
-            else:
-                self._deletes = [f for f in deletes if not f.done()]
-                deletes = [f for f in deletes if f.done()]
         for future in deletes:
             future.result()
 
