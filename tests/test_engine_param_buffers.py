@@ -163,9 +163,7 @@ def test_cold_forward_reads_a_tied_weight_once(tmp_path):
 
 def test_a_torch_without_storage_swap_fetches_into_its_own_allocation(tmp_path, monkeypatch):
     """torch 2.11 has no ``UntypedStorage._swap_data_ptr_``: the engine then pools nothing and trains the same."""
-    import engine.param_buffers
-
-    monkeypatch.setattr(engine.param_buffers, "swap_supported", lambda: False)
+    monkeypatch.setattr("engine.param_buffers.swap_supported", lambda: False)
     model = _model()
     config = engine_config(tmp_path, prefetch_bytes=2 * MiB, host_bytes=256 * KiB)
     eng = train_parity(model, config, [gpt_tokens(t=12, vocab=512, seed=s) for s in range(2)])
