@@ -496,8 +496,7 @@ class TieredStore(BatchCalls, TierBookkeeping):
     ) -> None:
         check_key(key)
         check_tensor(tensor)
-        if ready is not None:  # kernels the caller queued that write `tensor` must finish first
-            await self._in_cpu_pool(ready.synchronize)
+        await self._wait_for_callers((ready,))
         tier = Tier.parse(tier)
         check_compress(compress)
         data = plain(tensor)
@@ -554,8 +553,7 @@ class TieredStore(BatchCalls, TierBookkeeping):
     async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor], ready: Any = None
                    ) -> torch.Tensor:
         check_key(key)
-        if ready is not None:  # kernels the caller queued that read or write `out` must finish first
-            await self._in_cpu_pool(ready.synchronize)
+        await self._wait_for_callers((ready,))
         device = parse_device(device)
         entry = self._entry(key)
         if entry.moving:
@@ -822,6 +820,14 @@ class TieredStore(BatchCalls, TierBookkeeping):
 
     async def _in_cpu_pool(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu_pool, fn, *args)
+
+    async def _wait_for_callers(self, events: Sequence[Any]) -> None:
+        """Wait, in one trip to the cpu pool, for the caller-stream events a put or a get into ``out``
+        captured (:func:`ready_event`; None entries are skipped): the kernels the caller queued on
+        those tensors have finished."""
+        pending = [e for e in events if e is not None]
+        if pending:
+            await self._in_cpu_pool(lambda: [e.synchronize() for e in pending])
 
 
 def _consume_exception(task: "asyncio.Task[Any]") -> None:

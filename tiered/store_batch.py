@@ -76,9 +76,7 @@ class BatchCalls:
     ) -> None:
         tier = Tier.parse(tier)
         check_compress(compress)
-        events = [e for e in ready if e is not None]
-        if events:
-            await self._in_cpu_pool(lambda: [e.synchronize() for e in events])
+        await self._wait_for_callers(ready)
         datas = [plain(t) for _, t in pairs]
         odd = [i for i, d in enumerate(datas) if d is None]
         if odd:  # one trip to the cpu pool for every tensor that needs a dense copy
@@ -123,9 +121,7 @@ class BatchCalls:
         ready: Sequence[Any] = (),
     ) -> list[torch.Tensor]:
         device = parse_device(device)
-        for event in ready:  # kernels the caller queued that read or write an `out` must finish first
-            if event is not None:
-                await self._in_cpu_pool(event.synchronize)
+        await self._wait_for_callers(ready)
         entries = self._entries_of(keys)
         faster = {task for e in entries if e.moving
                   for t, task in e.moving.items() if (top := e.top()) is None or t.rank < top.rank}
@@ -134,16 +130,18 @@ class BatchCalls:
             entries = self._entries_of(keys)
         results: list[torch.Tensor] = []
         dsts: list[list[Span]] = []
+        last_new: Optional[torch.Tensor] = None
         for i, entry in enumerate(entries):
             out = outs[i] if outs is not None else None
             if out is None:
                 result, dst = new_result(entry.shape, entry.dtype, device, self._results)
+                last_new = result
             else:
                 check_out(out, entry)
                 result, dst = out, spans_of_tensor(out)
             results.append(result)
             dsts.append(dst)
-        allocated = allocation_event(results[-1]) if results else None  # covers every result allocated above
+        allocated = allocation_event(last_new) if last_new is not None else None  # covers every new result
         tiers = [e.top() for e in entries]
         copies = [self._begin_read(e, t) for e, t in zip(entries, tiers)]  # type: ignore[arg-type]
         batch = [i for i, (e, t) in enumerate(zip(entries, tiers)) if t is Tier.NVME and e.codec == RAW]
