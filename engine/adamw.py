@@ -204,11 +204,16 @@ class AdamW(torch.optim.Optimizer):
         on_event: Optional[optimizer_step.EventHook] = None,
         grad_scale: float = 1.0,
         grad_norm: Optional[torch.Tensor] = None,
+        clip_to: Optional[float] = None,
     ) -> OptimStepStats:
         """One offloaded AdamW step over ``shards`` with this optimizer's hyperparameters and step
         counts and ``config``'s tiers, compression, group size and clipping (the engine's
         ``step_fn`` calls this); ``grad_scale``/``grad_norm`` as for ``optimizer_step.step_async``.
-        Blocks; counts are updated only when the step succeeds."""
+        ``clip_to``: clip to at most this norm for this step (``eng.clip_grad_norm_``), the smaller
+        of it and ``config.max_grad_norm``. Blocks; counts are updated only when the step succeeds."""
+        max_grad_norm = config.max_grad_norm
+        if clip_to is not None:
+            max_grad_norm = clip_to if max_grad_norm is None else min(clip_to, max_grad_norm)
         stats = optimizer_step.step(
             store,
             shards,
@@ -218,7 +223,7 @@ class AdamW(torch.optim.Optimizer):
             param_tier=config.param_tier,
             compress=config.compress_optimizer,
             group_bytes=config.optimizer_group_bytes,
-            max_grad_norm=config.max_grad_norm,
+            max_grad_norm=max_grad_norm,
             grad_norms=grad_norms,
             all_reduce=all_reduce,
             on_event=on_event,

@@ -372,6 +372,29 @@ class Engine:
         self._check_open()
         return self._training.pending_grad_norm() if self._training is not None else None
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the wrapped model (FSDP's ``model.clip_grad_norm_``):
+        call it where a plain loop clips, after the last backward before a step (under accelerate,
+        in place of ``accelerator.clip_grad_norm_(model.parameters(), max_norm)``, which finds no
+        gradients on the model). Returns the total norm of the whole gradient (every parameter,
+        every rank, unscaled) as a 0-dim fp32 tensor; ``math.inf`` only measures it.
+
+        With ``engine.AdamW`` the gradients are in the store: the next step clips them (to the
+        smaller of ``max_norm`` and ``EngineConfig.max_grad_norm``) as it reads them, and a backward
+        before that step is refused. Only the 2-norm. Every rank calls it at world size > 1.
+        With a torch optimizer the gradients are the parameters' ``.grad``, and this is torch's."""
+        self._check_open()
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be a number > 0 (or math.inf), got {max_norm!r}")
+        if self._training is None:
+            return torch.nn.utils.clip_grad_norm_(self._model.parameters(), max_norm, norm_type=norm_type)
+        if norm_type != 2:
+            raise ValueError(
+                f"clip_grad_norm_: engine.AdamW clips by the 2-norm only (EngineConfig.max_grad_norm's), got "
+                f"norm_type={norm_type!r}"
+            )
+        return torch.tensor(self._training.clip_next_step(float(max_norm)), dtype=torch.float32)
+
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and the store's (see :class:`EngineStats`)."""
         store_stats = self._last_store_stats if self._closed else self._store.stats()

@@ -1,8 +1,8 @@
 """Hugging Face ``Trainer`` over a wrapped model: :class:`EngineTrainer`, at any world size.
 
 The Trainer runs a wrapped model as it is (its accumulation, LR schedule, logging, evaluation);
-what it cannot see is the engine's: the gradients (in the store, so its ``clip_grad_norm_`` finds
-none; the engine clips at ``EngineConfig.max_grad_norm``), the fp32 master weights and moments
+what it cannot see is the engine's: the gradients (in the store, so its ``clip_grad_norm_`` would find
+none: the engine clips them at ``TrainingArguments.max_grad_norm``), the fp32 master weights and moments
 (also in the store: :class:`EngineCheckpointCallback` saves the engine's checkpoint into each of
 the Trainer's), and, with several processes, the parameters (the Trainer would put the model in
 ``DistributedDataParallel``, which cannot read released ones, and save the weights from rank 0
@@ -110,10 +110,19 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
             scheduler = self.lr_scheduler = OverflowAwareScheduler(scheduler, self.engine)
         return scheduler
 
+    def _clip_grad_norm(self, model: Any) -> torch.Tensor:
+        """The Trainer's clipping at ``TrainingArguments.max_grad_norm``, done by the engine on the
+        gradients in its store (``eng.clip_grad_norm_``), where the Trainer's own
+        ``clip_grad_norm_`` would find none on the model and clip nothing."""
+        return self.engine.clip_grad_norm_(self.args.max_grad_norm)
+
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Optional[float]:
         """The ``grad_norm`` the Trainer logs: the engine's, where the Trainer's own
-        ``clip_grad_norm_`` would find no gradients (they are in the store) and log 0. (A Trainer
-        method since transformers 5; where it is not, the log shows that 0.)"""
+        ``clip_grad_norm_`` would find no gradients (they are in the store) and log 0. (Both are
+        Trainer methods since transformers 5; before, the engine clips only at
+        ``EngineConfig.max_grad_norm`` and the log shows that 0.)"""
+        if grad_norm is not None:
+            return float(grad_norm)
         return self.engine.pending_grad_norm()
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
@@ -188,14 +197,25 @@ def _check_mixed_precision(fp16: bool) -> None:
 
 
 def _check_clipping(max_grad_norm: Optional[float], eng: Any) -> None:
-    """ValueError when ``TrainingArguments.max_grad_norm`` asks for clipping the engine does not do:
-    the Trainer clips the model's ``.grad``, which stays empty, so it would silently clip nothing."""
+    """ValueError when ``TrainingArguments.max_grad_norm`` asks for clipping that would not happen as
+    asked: two different norms (the arguments' and ``EngineConfig.max_grad_norm``), or, on a
+    transformers without ``Trainer._clip_grad_norm`` (before 5), any norm the engine's config does
+    not have (that Trainer clips the model's ``.grad``, which stays empty)."""
     wanted = max_grad_norm or 0.0
-    if wanted > 0 and eng.config.max_grad_norm != wanted:
+    configured = eng.config.max_grad_norm
+    if not wanted > 0 or configured == wanted:
+        return
+    if not hasattr(Trainer, "_clip_grad_norm"):
         raise ValueError(
             f"TrainingArguments(max_grad_norm={wanted}) clips the model's .grad, which the engine keeps in its store "
-            f"(so the Trainer would clip nothing), and the engine clips at {eng.config.max_grad_norm}: wrap with "
+            f"(so this transformers' Trainer would clip nothing), and the engine clips at {configured}: wrap with "
             f"EngineConfig(max_grad_norm={wanted}) to clip, or pass max_grad_norm=0.0 for no clipping"
+        )
+    if configured is not None:
+        raise ValueError(
+            f"TrainingArguments(max_grad_norm={wanted}) and the engine's EngineConfig(max_grad_norm={configured}) ask "
+            f"for two different clippings: keep one (max_grad_norm=0.0 in the arguments leaves it to the engine's "
+            f"config; EngineConfig(max_grad_norm=None) to the arguments)"
         )
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from typing import Mapping, Optional, Sequence
 
@@ -141,6 +142,8 @@ class Training:
         )
         #: The global gradient 2-norm of the last step (unscaled, before clipping); None before the first.
         self.last_grad_norm: Optional[float] = None
+        #: The norm ``clip_next_step`` asked the next step to clip to (None: only the config's clipping).
+        self._clip_to: Optional[float] = None
         self.record = StepRecord.empty([p.name for p in self._params]).replace(loss_scale=self._scaler_state())
         self.counters = TrainCounters()
         #: Tracing hook passed to every step's ``run_step`` (tests use it to stop a step half way).
@@ -282,6 +285,15 @@ class Training:
         scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
         return float(self._stored_grad_norm()) * scale
 
+    def clip_next_step(self, max_norm: float) -> float:
+        """Have the next step clip the gradients it will use to the 2-norm ``max_norm`` (math.inf:
+        no clipping), as ``clip_grad_norm_`` right before a plain model's step; returns
+        :meth:`pending_grad_norm`. A backward adding gradients before that step is refused, since
+        the clipping would then cover gradients that did not exist when it was asked for."""
+        norm = self.pending_grad_norm()
+        self._clip_to = None if math.isinf(max_norm) else float(max_norm)
+        return norm
+
     def _stored_grad_norm(self) -> torch.Tensor:
         """The stored (loss-scaled) gradients' global norm, summed in parameter order over every
         rank, once every gradient shard has reached the store."""
@@ -327,7 +339,7 @@ class Training:
         try:
             stats = self._optimizer.run_step(
                 store, shards, config=cfg, all_reduce=self.all_reduce, on_event=self.on_event, grad_scale=grad_scale,
-                grad_norm=stored_norm,
+                grad_norm=stored_norm, clip_to=self._clip_to,
             )
         except BaseException as exc:
             store.close()
@@ -352,11 +364,13 @@ class Training:
             raise
         self.record = record
         self.grads.mark_consumed()
+        self._clip_to = None
         self.last_grad_norm = float(stored_norm) * grad_scale  # a power of two: exactly the unscaled norm
         delete_keys(self._store, [k for name in updated for k in optim_keys(name, previous.shards[name].slot)])
         self.counters.add(stats, time.perf_counter() - started)
 
     def _zero_grad(self, set_to_none: bool) -> None:
+        self._clip_to = None
         if not self._closed:
             self.grads.zero(set_to_none)
 
@@ -366,6 +380,7 @@ class Training:
         assert self.scaler is not None
         before = self.scaler.state_dict()
         self._prefetch.discard()
+        self._clip_to = None
         self.grads.zero(set_to_none=True)
         self.scaler.update(overflow=True)
         record = self.record.replace(loss_scale=self._scaler_state())
@@ -391,6 +406,12 @@ class Training:
                 "eng.backward(loss) instead of loss.backward(), or, where other code calls backward, pass it "
                 "eng.with_loss_scale(loss) (unscaled fp16 gradients underflow, and the step would divide them "
                 "by the scale)"
+            )
+        if self._clip_to is not None:
+            raise RuntimeError(
+                f"a backward added gradients after eng.clip_grad_norm_({self._clip_to}) and before the step it clips: "
+                "call it once the accumulation window's last backward has returned, right before the optimizer "
+                "step (under accelerate: `if accelerator.sync_gradients: eng.clip_grad_norm_(...)`)"
             )
         self._start_prefetch()
 

@@ -33,15 +33,20 @@ def examples() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": x, "labels": x} for x in ids]
 
 
-def train(path: Path, *, wrapped: bool, prepare_model: bool = True) -> list[float]:
-    """Sixteen examples in micro-batches of 2 (split over the ranks) through accelerate's loop; the losses."""
+def train(path: Path, *, wrapped: bool, prepare_model: bool = True, clip_in_loop: bool = False,
+          norms: list[float] | None = None) -> list[float]:
+    """Sixteen examples in micro-batches of 2 (split over the ranks) through accelerate's loop; the
+    losses. The wrapped model is clipped by ``EngineConfig.max_grad_norm``, or with
+    ``clip_in_loop`` by ``eng.clip_grad_norm_`` where the plain loop calls accelerate's
+    (which would find no gradients on it); ``norms`` gets what the clipping call returned."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
     eng = None
-    if wrapped:  # the engine clips, and accelerate's clip_grad_norm_ would see no gradients
+    if wrapped:
         eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
-            store=store_config(path), param_tier="nvme", optimizer_tier="nvme", max_grad_norm=CLIP))
+            store=store_config(path), param_tier="nvme", optimizer_tier="nvme",
+            max_grad_norm=None if clip_in_loop else CLIP))
         optimizer = eng.optimizer
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -56,8 +61,13 @@ def train(path: Path, *, wrapped: bool, prepare_model: bool = True) -> list[floa
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
-                if not wrapped and accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), CLIP)
+                if accelerator.sync_gradients and (not wrapped or clip_in_loop):
+                    if eng is not None:
+                        norm = eng.clip_grad_norm_(CLIP)
+                    else:
+                        norm = accelerator.clip_grad_norm_(model.parameters(), CLIP)
+                    if norms is not None:
+                        norms.append(norm.item())
                 optimizer.step()
                 optimizer.zero_grad()
             losses.append(loss.item())
@@ -68,14 +78,19 @@ def train(path: Path, *, wrapped: bool, prepare_model: bool = True) -> list[floa
 
 
 def test_accelerator_loop_trains_a_wrapped_model_as_the_plain_one(tmp_path):
-    want = train(tmp_path / "plain", wrapped=False)
+    want_norms: list[float] = []
+    got_norms: list[float] = []
+    want = train(tmp_path / "plain", wrapped=False, norms=want_norms)
     assert train(tmp_path / "engine", wrapped=True) == want and len(want) == 8
+    assert train(tmp_path / "call", wrapped=True, clip_in_loop=True, norms=got_norms) == want
+    assert got_norms == want_norms and min(want_norms) > CLIP  # every step clipped
 
 
 def _two_ranks(rank: int, root: str) -> None:
     root_path = Path(root)
     losses = {"ddp": train(root_path / f"plain{rank}", wrapped=False),
               "engine": train(root_path / f"engine{rank}", wrapped=True, prepare_model=False),
+              "call": train(root_path / f"call{rank}", wrapped=True, prepare_model=False, clip_in_loop=True),
               # save_state / load_state with register_engine_state: the engine's checkpoint is collective
               "saved": checkpointed_run(root_path, seed=0, save_after=2)}
     losses["resumed"] = checkpointed_run(root_path, seed=1, save_after=2, resume_from=str(root_path / "state"))
@@ -100,6 +115,7 @@ def test_two_ranks_train_as_distributed_data_parallel(tmp_path):
         # The clip's global norm is summed in another order (each rank's shard of the averaged
         # gradient, then across ranks; DDP: every rank over the whole), so it agrees to rounding.
         assert res["engine"] == pytest.approx(res["ddp"], rel=1e-6) and len(res["ddp"]) == 4
+        assert res["call"] == res["engine"]  # eng.clip_grad_norm_ in the loop: the config's clipping
         assert res["engine"][:2] == res["ddp"][:2]  # before the first step: bit for bit
         assert res["resumed"] == res["saved"][2:] and len(res["saved"]) == 4
         assert "DistributedDataParallel cannot wrap" in res["refused"]

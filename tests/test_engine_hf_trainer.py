@@ -50,9 +50,9 @@ def losses_of(trainer: Trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def wrapped(model: GPT2LMHeadModel, path) -> engine.Engine:
+def wrapped(model: GPT2LMHeadModel, path, max_grad_norm: float | None = CLIP) -> engine.Engine:
     config = engine.EngineConfig(store=store_config(path), param_tier="nvme", optimizer_tier="nvme",
-                                 max_grad_norm=CLIP)
+                                 max_grad_norm=max_grad_norm)
     return engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.0), config=config)
 
 
@@ -90,14 +90,17 @@ def test_trainer_trains_a_wrapped_model_as_the_plain_one(tmp_path, bf16):
         eng.close()
 
 
-def test_engine_trainer_clips_and_logs_the_gradient_norm_as_the_trainer_does(tmp_path):
-    """EngineTrainer with the same max_grad_norm in the arguments and in the engine: the same losses,
-    weights and logged grad_norm as the Trainer over a plain copy, bit for bit."""
+@pytest.mark.parametrize("engine_clip", [CLIP, None])
+def test_engine_trainer_clips_and_logs_the_gradient_norm_as_the_trainer_does(tmp_path, engine_clip):
+    """EngineTrainer clipping at TrainingArguments.max_grad_norm, the engine's config at the same
+    norm or without one: the same losses, weights and logged grad_norm as the Trainer over a plain
+    copy, bit for bit. Two different norms in the arguments and the config are refused."""
     model, ref, plain = model_and_plain_run(tmp_path / "ref")
-    eng = wrapped(model, tmp_path / "store")
+    eng = wrapped(model, tmp_path / "store", max_grad_norm=engine_clip)
     try:
-        with pytest.raises(ValueError, match=r"wrap with EngineConfig\(max_grad_norm=1.0\) to clip"):
-            EngineTrainer(eng, model=model, args=arguments(tmp_path / "eng", max_grad_norm=1.0))
+        if engine_clip is not None:
+            with pytest.raises(ValueError, match=r"max_grad_norm=1.0\).*max_grad_norm=0.5\) ask for two different"):
+                EngineTrainer(eng, model=model, args=arguments(tmp_path / "eng", max_grad_norm=1.0))
         trainer = EngineTrainer(eng, model=model, args=arguments(tmp_path / "eng", max_grad_norm=CLIP),
                                 train_dataset=Tokens())
         trainer.train()

@@ -5,6 +5,7 @@ the same model unwrapped with torch.optim.AdamW (losses and parameters compared 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Callable, Optional
 
 import pytest
@@ -140,6 +141,98 @@ def test_global_norm_clipping_equals_clip_grad_norm(tmp_path, grad_tier):
     assert losses == ref_losses
     assert all(got == want > 0.5 for got, want in norms), norms  # the norm before clipping
     assert_trained_equal(model, eng, ref)
+
+
+def clip_then_step(model: nn.Module, ref: nn.Module, eng: engine.Engine, ref_opt: torch.optim.Optimizer, step: int,
+                   clip: float, ref_clip: float) -> torch.Tensor:
+    """Two micro-batches' backward on both models, ``eng.clip_grad_norm_(clip)`` and torch's
+    ``clip_grad_norm_(ref_clip)`` (asserted to return the same norm), then both steps."""
+    for m in range(2):
+        (gpt_loss(model, 2 * step + m) / 2).backward()
+        (gpt_loss(ref, 2 * step + m) / 2).backward()
+    got = eng.clip_grad_norm_(clip)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), ref_clip)
+    assert got.dtype == torch.float32 and got.shape == () and torch.equal(got, want), (got, want)
+    eng.step()
+    eng.zero_grad()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert eng.get_global_grad_norm() == want.item()
+    return want
+
+
+@pytest.mark.parametrize("config_clip,call_clip", [(None, 0.5), (0.3, 1.0), (1.0, 0.3)])
+def test_clip_grad_norm_clips_the_next_step_as_torch_does(tmp_path, config_clip, call_clip):
+    """eng.clip_grad_norm_ where a plain loop calls torch's (after the window's last backward): the
+    same norm, and the step clips to the smaller of its max_norm and EngineConfig.max_grad_norm,
+    bit for bit; every other step passes math.inf, which only measures (and the config clips)."""
+    torch.manual_seed(5)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=training_config(tmp_path, max_grad_norm=config_clip))
+    clipped = 0
+    try:
+        for step in range(6):
+            clip = call_clip if step % 2 == 0 else math.inf
+            smaller = min(clip, config_clip or math.inf)
+            norm = clip_then_step(model, ref, eng, ref_opt, step, clip, smaller)
+            clipped += bool(norm > smaller)
+    except BaseException:
+        eng.close()
+        raise
+    assert clipped >= 2  # the clipping acted
+    assert_trained_equal(model, eng, ref)
+
+
+def test_clip_grad_norm_applies_to_one_step_and_refuses_a_backward_after_it(tmp_path):
+    """The clipping asked for covers the next step only, zero_grad drops it, a backward between it
+    and the step is refused (it would clip gradients the norm did not cover), and bad arguments
+    are refused with their value."""
+    torch.manual_seed(6)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=training_config(tmp_path))
+    try:
+        for bad in (0, -1.0, True, "1"):
+            with pytest.raises(ValueError, match=repr(bad)):
+                eng.clip_grad_norm_(bad)
+        with pytest.raises(ValueError, match="norm_type=1"):
+            eng.clip_grad_norm_(1.0, norm_type=1)
+        assert clip_then_step(model, ref, eng, ref_opt, 0, 0.1, 0.1) > 0.1
+        assert clip_then_step(model, ref, eng, ref_opt, 1, math.inf, math.inf) > 0.1  # not clipped again
+        eng.clip_grad_norm_(0.1)
+        eng.zero_grad()  # drops the gradients and the clipping asked for them
+        assert clip_then_step(model, ref, eng, ref_opt, 2, math.inf, math.inf) > 0.1
+        gpt_loss(model, 6).backward()
+        eng.clip_grad_norm_(0.1)
+        with pytest.raises(RuntimeError, match=r"after eng.clip_grad_norm_\(0.1\) and before the step"):
+            gpt_loss(model, 7).backward()
+        eng.zero_grad()  # the refused backward's gradients go with the others: training goes on
+        ref_opt.zero_grad()
+        assert clip_then_step(model, ref, eng, ref_opt, 4, 0.1, 0.1) > 0.1
+    except BaseException:
+        eng.close()
+        raise
+    assert_trained_equal(model, eng, ref)
+
+
+def test_clip_grad_norm_with_a_torch_optimizer_is_torchs(tmp_path):
+    """With a torch optimizer the gradients are the parameters' .grad: eng.clip_grad_norm_ is
+    torch's clip_grad_norm_ over the model, any norm type."""
+    torch.manual_seed(7)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    with engine.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     config=training_config(tmp_path)) as eng:
+        gpt_loss(model, 0).backward()
+        gpt_loss(ref, 0).backward()
+        got = eng.clip_grad_norm_(0.05, norm_type=1.0)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=1.0)
+        assert torch.equal(got, want) and want > 0.05
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
 
 
 def test_a_torch_lr_scheduler_drives_the_learning_rate(tmp_path):
