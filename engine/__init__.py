@@ -22,14 +22,19 @@ from engine.stats import EngineStats
 __all__ = [
     "AdamW", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "LossScaling", "MemoryEstimate",
     "OverflowAwareScheduler", "ReleasedParameterError", "ShardLayout", "checkpoint_state_dict", "estimate_memory",
-    "export_checkpoint", "import_deepspeed_checkpoint", "param_key", "wrap",
+    "export_checkpoint", "import_deepspeed_checkpoint", "initialize", "param_key", "wrap",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # engine.AdamW is imported on first use, so the paging engine does not depend on the optimizer modules.
+    # engine.AdamW (and engine.initialize, which builds one) are imported on first use, so the paging
+    # engine does not depend on the optimizer modules.
     if name == "AdamW":
         from engine.adamw import AdamW
 
         return AdamW
+    if name == "initialize":
+        from engine.deepspeed_initialize import initialize
+
+        return initialize
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

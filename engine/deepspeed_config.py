@@ -280,6 +280,7 @@ TOP: Schema = {
     "train_batch_size": Key(_int(1), MAP, _ACCUMULATION),
     "train_micro_batch_size_per_gpu": Key(_int(1), MAP, _ACCUMULATION),
     "gradient_accumulation_steps": Key(_int(1), MAP, _ACCUMULATION),
+    "dataloader_drop_last": Key(_bool, ACCEPT, "engine.initialize(training_data=)'s loader drops a last short batch"),
     "steps_per_print": Key(_int(), ACCEPT, _LOGGING),
     "wall_clock_breakdown": Key(_bool, ACCEPT, _LOGGING),
     "memory_breakdown": Key(_bool, ACCEPT, _LOGGING),

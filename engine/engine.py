@@ -111,6 +111,7 @@ class Engine:
             self._remove_hooks()
             raise
         self._step_applied = False
+        self._lr_scheduler: Optional[Any] = None
         self._baseline = bytes_out_by_tier(store.stats())
         self._last_store_stats: Optional[StoreStats] = None
         self._closed = False
@@ -121,6 +122,49 @@ class Engine:
     def model(self) -> nn.Module:
         """The wrapped model (the same object that was passed to :func:`wrap`)."""
         return self._model
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model (DeepSpeed's ``model_engine.module``); the same as :attr:`model`."""
+        return self._model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``model(*args, **kwargs)``: DeepSpeed's ``model_engine(batch)``."""
+        self._check_open()
+        return self._model(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "Engine":
+        """``model.train(mode)``; returns the engine, as DeepSpeed's ``model_engine.train()`` does."""
+        self._model.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        """``model.eval()``; returns the engine."""
+        return self.train(False)
+
+    @property
+    def lr_scheduler(self) -> Optional[Any]:
+        """An LR scheduler :meth:`step` steps after each optimizer step it applies (not after one loss
+        scaling skipped), where DeepSpeed's ``model_engine.step()`` steps its own; its state goes into
+        :meth:`save_checkpoint`'s ``client_state["lr_scheduler"]`` and comes back from
+        :meth:`load_checkpoint`. None (the default): step your scheduler yourself
+        (``if eng.step(): scheduler.step()``). ``engine.initialize`` sets it."""
+        return self._lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Optional[Any]) -> None:
+        if scheduler is not None and not all(
+            callable(getattr(scheduler, m, None)) for m in ("step", "state_dict", "load_state_dict")
+        ):
+            raise TypeError(f"lr_scheduler must be an LR scheduler (step, state_dict, load_state_dict) or None, "
+                            f"got {type(scheduler).__name__}")
+        self._lr_scheduler = scheduler
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each of the optimizer's parameter groups (DeepSpeed's ``get_lr()``)."""
+        if self._optimizer is None:
+            raise RuntimeError("eng.get_lr() needs an optimizer: pass optimizer=engine.AdamW(...) to engine.wrap")
+        return [group["lr"] for group in self._optimizer.param_groups]
 
     @property
     def config(self) -> EngineConfig:
@@ -228,6 +272,8 @@ class Engine:
         self._step_applied = self.skipped_steps == skipped
         if accumulation.managed:
             self.zero_grad()
+        if self._step_applied and self._lr_scheduler is not None:
+            self._lr_scheduler.step()
         return self._step_applied
 
     def was_step_applied(self) -> bool:
@@ -334,8 +380,12 @@ class Engine:
         ``state_dict()``) that :meth:`load_checkpoint` returns. ``exclude_frozen_parameters``
         (DeepSpeed's name): leave out the parameters that take no gradient (a LoRA fine-tune's base
         weights); :meth:`load_checkpoint` then keeps the model's own values for them. Every rank
-        calls it, between steps. docs/training.md, "Checkpoints"."""
+        calls it, between steps. With :attr:`lr_scheduler` set, its ``state_dict()`` is saved as
+        ``client_state["lr_scheduler"]`` (unless ``client_state`` has that key). docs/training.md,
+        "Checkpoints"."""
         self._check_open()
+        if self._lr_scheduler is not None and "lr_scheduler" not in (client_state or {}):
+            client_state = {**(client_state or {}), "lr_scheduler": self._lr_scheduler.state_dict()}
         checkpoint.save_checkpoint(self._checkpoint_parts(), path, overwrite=overwrite, tag=tag,
                                    client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -347,9 +397,15 @@ class Engine:
         the ``engine.AdamW`` state, step counts and hyperparameters (a frozen parameter a save with
         ``exclude_frozen_parameters`` left out keeps its value). ``path`` is the checkpoint, or
         ``path/tag``, or the tag ``path/latest`` names. Returns the saved ``client_state`` (``{}``
-        if none). Raises ``engine.checkpoint.CheckpointError`` naming any mismatch."""
+        if none); with ``load_optimizer``, :attr:`lr_scheduler` (when set) takes its
+        ``"lr_scheduler"`` entry, as DeepSpeed's ``load_checkpoint`` restores its scheduler. Raises
+        ``engine.checkpoint.CheckpointError`` naming any mismatch."""
         self._check_open()
-        return checkpoint.load_checkpoint(self._checkpoint_parts(), path, load_optimizer=load_optimizer, tag=tag)
+        client_state = checkpoint.load_checkpoint(self._checkpoint_parts(), path, load_optimizer=load_optimizer,
+                                                  tag=tag)
+        if load_optimizer and self._lr_scheduler is not None and "lr_scheduler" in client_state:
+            self._lr_scheduler.load_state_dict(client_state["lr_scheduler"])
+        return client_state
 
     def _checkpoint_parts(self) -> checkpoint.EngineParts:
         return checkpoint.EngineParts(

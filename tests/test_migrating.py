@@ -16,27 +16,30 @@ def code_blocks() -> list[str]:
         return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
 
 
-def test_the_page_has_its_eight_examples():
-    assert len(code_blocks()) == 8
+def test_the_page_has_its_nine_examples():
+    assert len(code_blocks()) == 9
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's own call
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(9))
 def test_migrating_example_runs(index, tmp_path, capsys):
     source = code_blocks()[index].replace("/nvme/", f"{tmp_path}/")
     exec(compile(source, f"docs/migrating.md block {index}", "exec"), {"__name__": f"migrating_{index}"})
     out = capsys.readouterr().out
-    if index == 1:
+    if index == 1:  # engine.initialize: 64 examples, micro-batches of 4, accumulation 2
+        assert re.search(r"^8 steps, lr \[\d", out), out
+        assert os.path.isfile(tmp_path / "initialize-ckpt" / "metadata.json")
+    if index == 2:
         assert re.search(r"loss \d+\.\d+, scale \d+, skipped \d+", out), out
-    if index == 3:
+    if index == 4:
         assert len(re.findall(r"loss \d+\.\d+", out)) == 4, out  # accelerate's loop: 4 micro-batches
-    if index == 4:  # accelerate's loop with the engine's loss scaling: the first steps overflow
+    if index == 5:  # accelerate's loop with the engine's loss scaling: the first steps overflow
         assert re.search(r"loss \d+\.\d+, scale \d+, skipped [1-9]\d*, lr ", out), out
-    if index == 5:
-        assert "released by the tiered engine" in out and "eng.gathered" in out
     if index == 6:
+        assert "released by the tiered engine" in out and "eng.gathered" in out
+    if index == 7:
         assert re.search(r"tensor\(\[\[ *1, +2, +3,", out), out  # the prompt, then what was generated
-    if index == 7:  # LoRA over a meta base: the adapter of 2 blocks, lora_A and lora_B each
+    if index == 8:  # LoRA over a meta base: the adapter of 2 blocks, lora_A and lora_B each
         assert re.search(r"loss \d+\.\d+, adapter tensors 4", out), out
     if index == 0:
         assert os.path.isfile(tmp_path / "model.pt") and os.path.isfile(tmp_path / "ckpt" / "step4" / "metadata.json")

@@ -1,0 +1,134 @@
+"""``engine.initialize``: DeepSpeed's ``deepspeed.initialize`` over the engine, so a DeepSpeed
+training script runs with one changed line::
+
+    model_engine, optimizer, loader, scheduler = engine.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_config.json",
+        store="/nvme/run1", training_data=dataset)          # was: deepspeed.initialize(...)
+    for batch in loader:
+        loss = model_engine(batch)
+        model_engine.backward(loss)
+        model_engine.step()                                   # steps the scheduler, as DeepSpeed's does
+
+It composes what the engine already has: ``EngineConfig.from_deepspeed`` (every key checked),
+the ``optimizer`` and ``scheduler`` sections (``engine.optim_deepspeed``), ``engine.wrap``, and
+``Engine.lr_scheduler`` (stepped by ``model_engine.step()`` after each applied step, saved and
+restored with the engine's checkpoints). DeepSpeed's ``mpu``, ``dist_init_required``,
+``config_params`` and ``mesh_param`` have no counterpart and are not parameters here (Python's
+``TypeError`` names them) rather than ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+
+from engine.config import EngineConfig
+from engine.deepspeed_config import DeepSpeedConfig, load_deepspeed_config
+from engine.engine import Engine, wrap
+from engine.optim_deepspeed import optimizer_from_deepspeed, scheduler_from_deepspeed
+from engine.placement import InitFn
+from engine.weights import StateDictLike
+from tiered import StoreConfig
+
+OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable[Any]], torch.optim.Optimizer], None]
+SchedulerArg = Union[Any, Callable[[torch.optim.Optimizer], Any], None]
+
+
+def initialize(
+    args: Any = None,
+    model: Optional[nn.Module] = None,
+    optimizer: OptimizerArg = None,
+    model_parameters: Optional[Iterable[Any]] = None,
+    training_data: Optional[Dataset] = None,
+    lr_scheduler: SchedulerArg = None,
+    collate_fn: Optional[Callable[[list[Any]], Any]] = None,
+    config: Optional[DeepSpeedConfig] = None,
+    *,
+    store: "StoreConfig | str | os.PathLike[str]",
+    init_fn: Optional[InitFn] = None,
+    state_dict: Optional[StateDictLike] = None,
+) -> tuple[Engine, Optional[torch.optim.Optimizer], Optional[DataLoader], Optional[Any]]:
+    """``deepspeed.initialize``'s arguments and return value: ``(engine, optimizer, training
+    dataloader or None, lr scheduler or None)``; the engine is called as ``model_engine(batch)``.
+
+    ``config``: the DeepSpeed config (a dict or a JSON path; else ``args.deepspeed_config``).
+    ``optimizer``: an optimizer (``engine.AdamW`` keeps its state in the store) or a callable
+    building one from ``model_parameters``; neither it nor the config's ``optimizer`` section:
+    no optimizer, as DeepSpeed. Both: ``ValueError``, as DeepSpeed refuses. ``lr_scheduler``: a
+    scheduler or a callable taking the optimizer; it takes precedence over the config's
+    ``scheduler`` section, as in DeepSpeed. ``training_data``: a dataset, loaded in micro-batches
+    of ``train_micro_batch_size_per_gpu`` (shuffled; each rank its own share under torchrun).
+    ``store``: where the engine's store lives (a ``tiered.StoreConfig`` or its directory; the
+    config's ``nvme_path`` places the swap files). ``init_fn``/``state_dict``: as for
+    :func:`engine.wrap` (a model built on the meta device, ``zero.Init``'s counterpart)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"engine.initialize needs model=, an nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = getattr(args, "deepspeed_config", None)
+        if config is None:
+            raise ValueError("engine.initialize needs config= (a DeepSpeed config dict or JSON path), or "
+                             "args.deepspeed_config")
+    ds = load_deepspeed_config(config)
+    store_config = store if isinstance(store, StoreConfig) else StoreConfig(path=os.fspath(store))
+    engine_config = EngineConfig.from_deepspeed(ds, store=store_config)
+
+    params = list(model_parameters) if model_parameters is not None else None
+    if optimizer is not None and ds.get("optimizer") is not None:
+        raise ValueError("engine.initialize: an optimizer is given and the config has an \"optimizer\" section; "
+                         "DeepSpeed refuses both too: drop one")
+    if optimizer is None and ds.get("optimizer") is not None:
+        optimizer = optimizer_from_deepspeed(ds, params)
+    elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable building one, "
+                            f"got {type(optimizer).__name__}")
+        optimizer = optimizer(params if params is not None else model.parameters())
+
+    eng = wrap(model, optimizer=optimizer, config=engine_config, init_fn=init_fn, state_dict=state_dict)
+    try:
+        scheduler = _scheduler(lr_scheduler, ds, eng.optimizer)
+        eng.lr_scheduler = scheduler
+        loader = _loader(training_data, ds, collate_fn, eng.world_size) if training_data is not None else None
+    except BaseException:
+        eng.close()
+        raise
+    return eng, eng.optimizer, loader, scheduler
+
+
+def _scheduler(client: SchedulerArg, ds: dict[str, Any], optimizer: Optional[torch.optim.Optimizer]) -> Any:
+    if client is None and ds.get("scheduler") is None:
+        return None
+    if optimizer is None:
+        raise ValueError("engine.initialize: an LR scheduler needs an optimizer (an optimizer= or the config's "
+                         "\"optimizer\" section)")
+    if client is None:
+        return scheduler_from_deepspeed(ds, optimizer)
+    if callable(client) and not callable(getattr(client, "step", None)):
+        return client(optimizer)
+    return client
+
+
+def _loader(data: Dataset, ds: dict[str, Any], collate_fn: Optional[Callable[[list[Any]], Any]],
+            world: int) -> DataLoader:
+    """DeepSpeed's training loader: micro-batches, shuffled, each rank its own share."""
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    if micro is None:
+        batch = ds.get("train_batch_size")
+        steps = ds.get("gradient_accumulation_steps", 1)
+        if batch is None:
+            raise ValueError("engine.initialize(training_data=...) needs train_micro_batch_size_per_gpu or "
+                             "train_batch_size in the config for the loader's batch size")
+        micro = batch // (steps * world)
+    if world > 1:
+        sampler: Any = DistributedSampler(data, num_replicas=world, rank=torch.distributed.get_rank())
+    else:
+        sampler = RandomSampler(data)
+    return DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
+                      drop_last=bool(ds.get("dataloader_drop_last", False)))
+
+
+__all__ = ["initialize"]
