@@ -288,10 +288,12 @@ class Training:
     def clip_next_step(self, max_norm: float) -> float:
         """Have the next step clip the gradients it will use to the 2-norm ``max_norm`` (math.inf:
         no clipping), as ``clip_grad_norm_`` right before a plain model's step; returns
-        :meth:`pending_grad_norm`. A backward adding gradients before that step is refused, since
-        the clipping would then cover gradients that did not exist when it was asked for."""
+        :meth:`pending_grad_norm`. Asked twice, the step clips to the smaller norm, as two clips in
+        a row would. A backward adding gradients before that step is refused, since the clipping
+        would then cover gradients that did not exist when it was asked for."""
         norm = self.pending_grad_norm()
-        self._clip_to = None if math.isinf(max_norm) else float(max_norm)
+        if not math.isinf(max_norm):
+            self._clip_to = float(max_norm) if self._clip_to is None else min(self._clip_to, float(max_norm))
         return norm
 
     def _stored_grad_norm(self) -> torch.Tensor:

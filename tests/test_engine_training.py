@@ -212,6 +212,15 @@ def test_clip_grad_norm_applies_to_one_step_and_refuses_a_backward_after_it(tmp_
         eng.zero_grad()  # the refused backward's gradients go with the others: training goes on
         ref_opt.zero_grad()
         assert clip_then_step(model, ref, eng, ref_opt, 4, 0.1, 0.1) > 0.1
+        gpt_loss(model, 10).backward()
+        gpt_loss(ref, 10).backward()
+        eng.clip_grad_norm_(0.1)
+        assert eng.clip_grad_norm_(math.inf) > 0.1  # asked twice: the smaller norm, as two clips in a row
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        eng.step()
+        ref_opt.step()
+        eng.zero_grad()
+        ref_opt.zero_grad()
     except BaseException:
         eng.close()
         raise
