@@ -6,12 +6,14 @@ is left out of ``prepare``; there the clipped steps agree to rounding)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -34,14 +36,16 @@ def examples() -> list[dict[str, torch.Tensor]]:
 
 
 def train(path: Path, *, wrapped: bool, prepare_model: bool = True, clip_in_loop: bool = False,
-          norms: list[float] | None = None) -> list[float]:
+          norms: list[float] | None = None, mixed_precision: str = "no", autocast: bool = False) -> list[float]:
     """Sixteen examples in micro-batches of 2 (split over the ranks) through accelerate's loop; the
     losses. The wrapped model is clipped by ``EngineConfig.max_grad_norm``, or with
     ``clip_in_loop`` by ``eng.clip_grad_norm_`` where the plain loop calls accelerate's
-    (which would find no gradients on it); ``norms`` gets what the clipping call returned."""
+    (which would find no gradients on it); ``norms`` gets what the clipping call returned.
+    ``autocast``: the forward in ``accelerator.autocast()`` (for a model left out of prepare)."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    AcceleratorState._reset_state()  # accelerate sets it once per process (its own tests reset it so too)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION, mixed_precision=mixed_precision)
     eng = None
     if wrapped:
         eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
@@ -59,7 +63,8 @@ def train(path: Path, *, wrapped: bool, prepare_model: bool = True, clip_in_loop
     try:
         for batch in loader:
             with accelerator.accumulate(model):
-                loss = model(**batch).loss
+                with accelerator.autocast() if autocast else contextlib.nullcontext():
+                    loss = model(**batch).loss
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and (not wrapped or clip_in_loop):
                     if eng is not None:
@@ -74,6 +79,7 @@ def train(path: Path, *, wrapped: bool, prepare_model: bool = True, clip_in_loop
     finally:
         if eng is not None:
             eng.close()
+        AcceleratorState._reset_state()  # the next test's Accelerator may take another mixed precision
     return losses
 
 
@@ -84,6 +90,18 @@ def test_accelerator_loop_trains_a_wrapped_model_as_the_plain_one(tmp_path):
     assert train(tmp_path / "engine", wrapped=True) == want and len(want) == 8
     assert train(tmp_path / "call", wrapped=True, clip_in_loop=True, norms=got_norms) == want
     assert got_norms == want_norms and min(want_norms) > CLIP  # every step clipped
+
+
+def test_accelerates_mixed_precision_reaches_a_wrapped_model(tmp_path):
+    """Accelerator(mixed_precision="bf16") autocasts the forward of a model it prepares (one
+    process), or, for a model left out of prepare (as at world size > 1), a forward run in
+    accelerator.autocast(): either way the plain model's bf16 losses, bit for bit; a forward in
+    neither runs in fp32."""
+    want = train(tmp_path / "plain", wrapped=False, mixed_precision="bf16")
+    assert train(tmp_path / "prepared", wrapped=True, mixed_precision="bf16") == want
+    assert train(tmp_path / "autocast", wrapped=True, prepare_model=False, mixed_precision="bf16",
+                 autocast=True) == want
+    assert train(tmp_path / "fp32", wrapped=True, prepare_model=False, mixed_precision="bf16") != want
 
 
 def _two_ranks(rank: int, root: str) -> None:
