@@ -370,8 +370,9 @@ class Engine:
                                    master_weights=master_weights, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def save_checkpoint(
-        self, path: "str | os.PathLike[str]", *, overwrite: bool = False, tag: Optional[str] = None,
-        client_state: Optional[Mapping[str, Any]] = None, exclude_frozen_parameters: bool = False,
+        self, path: "str | os.PathLike[str]", tag: Optional[str] = None,
+        client_state: Optional[Mapping[str, Any]] = None, *, overwrite: bool = False,
+        exclude_frozen_parameters: bool = False,
     ) -> None:
         """Save a sharded checkpoint to the directory ``path``, atomically: one safetensors file per
         rank (its parameter shards, ``engine.AdamW`` state and buffers) and ``metadata.json``. With
@@ -381,8 +382,9 @@ class Engine:
         (DeepSpeed's name): leave out the parameters that take no gradient (a LoRA fine-tune's base
         weights); :meth:`load_checkpoint` then keeps the model's own values for them. Every rank
         calls it, between steps. With :attr:`lr_scheduler` set, its ``state_dict()`` is saved as
-        ``client_state["lr_scheduler"]`` (unless ``client_state`` has that key). docs/training.md,
-        "Checkpoints"."""
+        ``client_state["lr_scheduler"]`` (unless ``client_state`` has that key). A checkpoint
+        already at the place is replaced only with ``overwrite`` (``FileExistsError`` otherwise;
+        DeepSpeed replaces it silently). docs/training.md, "Checkpoints"."""
         self._check_open()
         if self._lr_scheduler is not None and "lr_scheduler" not in (client_state or {}):
             client_state = {**(client_state or {}), "lr_scheduler": self._lr_scheduler.state_dict()}
@@ -390,7 +392,7 @@ class Engine:
                                    client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(
-        self, path: "str | os.PathLike[str]", *, load_optimizer: bool = True, tag: Optional[str] = None,
+        self, path: "str | os.PathLike[str]", tag: Optional[str] = None, *, load_optimizer: bool = True,
     ) -> dict[str, Any]:
         """Load a checkpoint saved by :meth:`save_checkpoint` (same model, any world size: each rank
         reads the saved shards overlapping its own): weights, buffers and, with ``load_optimizer``,

@@ -80,13 +80,13 @@ def test_a_deepspeed_checkpoint_resumes_with_its_lr_schedule(tmp_path):
             eng.step()
             losses.append(loss.item())
         assert losses == pytest.approx(meta["losses_after"], rel=1e-6)
-        eng.save_checkpoint(tmp_path / "ours", client_state={"epoch": 1})
+        eng.save_checkpoint(tmp_path / "ours", "step6", {"epoch": 1})  # DeepSpeed's positional (dir, tag, state)
         lrs = eng.get_lr()
     finally:
         eng.close()
     model, eng, scheduler = initialized("b")
     try:
-        assert eng.load_checkpoint(tmp_path / "ours")["epoch"] == 1
+        assert eng.load_checkpoint(tmp_path / "ours", "step6")["epoch"] == 1
         assert scheduler.iteration == STEPS_BEFORE + STEPS_AFTER - 1 and eng.get_lr() == lrs
     finally:
         eng.close()
