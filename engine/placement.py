@@ -3,7 +3,8 @@
 For each module in pre-order: its direct parameters are given exclusive, contiguous storage on the
 compute device (a parameter on the meta device gets empty storage, keeping its identity through
 ``torch.utils.swap_tensors``); a module with tensors on the meta device is initialized
-(``init_fn(module)``, else ``module.reset_parameters()``) unless the weight source sets them all;
+(``init_fn(module)``, else ``module.reset_parameters()``, else a Hugging Face model's
+``_init_weights(module)``) unless the weight source sets them all;
 values from the weight source are copied in; then the shards are written and the storage freed.
 So at most one module's parameters (plus tied ones it shares) are materialized at a time.
 Buffers are moved to the compute device and stay there.
@@ -259,12 +260,34 @@ class Placement:
                 self._init_fn(module)
             elif callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
+            elif callable(getattr(self._model, "_init_weights", None)):
+                self._init_by_model(prefix, module, missing)
             else:
                 raise ValueError(
                     f"module {prefix or '<root>'!r} ({type(module).__name__}) has tensors on the meta device that no "
                     f"state dict sets and that it has no reset_parameters() for: {missing}; pass init_fn=... or a "
                     "state_dict that has them"
                 )
+
+    def _init_by_model(self, prefix: str, module: nn.Module, missing: list[str]) -> None:
+        """A Hugging Face model's own ``_init_weights(module)`` for a module without
+        ``reset_parameters`` (transformers 5 computes a rotary embedding's ``inv_freq`` there, a
+        buffer no weights file holds). It may skip a module it does not know, so the missing
+        tensors are filled with a value no initializer leaves first, and any still holding it is
+        an error rather than garbage."""
+        own = {_join(prefix, n): t for n, t in (*module.named_parameters(recurse=False),
+                                                 *module.named_buffers(recurse=False))}
+        tensors = [own[name] for name in missing if name in own]
+        for tensor in tensors:
+            _fill_unset(tensor)
+        self._model._init_weights(module)  # type: ignore[operator]
+        left = [name for name in missing if name in own and _is_unset(own[name])]
+        if left:
+            raise ValueError(
+                f"module {prefix or '<root>'!r} ({type(module).__name__}) has tensors on the meta device that no "
+                f"state dict sets, no reset_parameters() and the model's _init_weights did not set: {left}; pass "
+                "init_fn=... or a state_dict that has them"
+            )
 
     def _load(self, prefix: str, module: nn.Module, handles: list[ParamHandle]) -> None:
         assert self._source is not None
@@ -278,6 +301,23 @@ class Placement:
                 full = _join(prefix, name)
                 if buf is not None and full in self._source:
                     _copy_checked(buf, self._source.read(full), full)
+
+
+def _fill_unset(tensor: torch.Tensor) -> None:
+    """Fill ``tensor`` with a value initializers do not produce (NaN; an integer type's maximum)."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+    elif tensor.dtype != torch.bool:
+        tensor.fill_(torch.iinfo(tensor.dtype).max)
+
+
+def _is_unset(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` still holds (some of) what :func:`_fill_unset` wrote; a bool tensor cannot tell."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(tensor).any())
+    if tensor.dtype == torch.bool:
+        return False
+    return bool((tensor == torch.iinfo(tensor.dtype).max).all())
 
 
 def _extent_bytes(tensor: torch.Tensor) -> int:

@@ -114,3 +114,56 @@ def test_a_pickled_object_in_a_torch_file_is_refused(tmp_path):
         model = transformers.GPT2LMHeadModel(ref.config)
     with pytest.raises(Exception, match="[Ww]eights only load failed|weights_only"):
         engine.wrap(model, config=engine_config(tmp_path / "store"), state_dict=str(tmp_path / "hf"))
+
+
+def test_a_llama_model_on_the_meta_device_loads_and_generates(tmp_path):
+    """accelerate's init_empty_weights keeps buffers real; torch.device("meta") does not, so a rotary
+    embedding's inv_freq (computed in __init__, in no weights file) is on meta too. A module without
+    reset_parameters gets the model's own _init_weights, which computes it (transformers 5)."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).eval()
+    ref.save_pretrained(tmp_path / "hf")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).eval()
+    assert model.model.rotary_emb.inv_freq.is_meta
+    with engine.wrap(model, config=engine_config(tmp_path / "store"), state_dict=str(tmp_path / "hf")):
+        assert torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+        ids = torch.tensor([[5, 6, 7, 8]])
+        got = model.generate(ids, max_new_tokens=5, do_sample=False)
+        assert torch.equal(got, ref.generate(ids, max_new_tokens=5, do_sample=False))
+
+
+class _Counted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4), persistent=False)
+        self.register_buffer("count", torch.zeros(4, dtype=torch.int64), persistent=False)
+
+
+class _ModelWithInit(torch.nn.Module):
+    """A Hugging Face-like root whose _init_weights sets _Counted's scale, and its count if asked."""
+
+    def __init__(self, sets_count: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)  # has reset_parameters: _init_weights is not asked
+        self.counted = _Counted()
+        self.sets_count = sets_count
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        assert isinstance(module, _Counted), module
+        module.scale.fill_(2.0)
+        if self.sets_count:
+            module.count.copy_(torch.arange(4))
+
+
+def test_tensors_the_models_init_weights_leaves_unset_are_an_error(tmp_path):
+    with torch.device("meta"):
+        model = _ModelWithInit(sets_count=True)
+    with engine.wrap(model, config=engine_config(tmp_path / "a")):
+        assert model.counted.scale.tolist() == [2.0] * 4 and model.counted.count.tolist() == [0, 1, 2, 3]
+    with torch.device("meta"):
+        model = _ModelWithInit(sets_count=False)
+    with pytest.raises(ValueError, match=r"_init_weights did not set: \['counted.count'\]"):
+        engine.wrap(model, config=engine_config(tmp_path / "b"))
