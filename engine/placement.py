@@ -3,8 +3,9 @@
 For each module in pre-order: its direct parameters are given exclusive, contiguous storage on the
 compute device (a parameter on the meta device gets empty storage, keeping its identity through
 ``torch.utils.swap_tensors``); a module with tensors on the meta device is initialized
-(``init_fn(module)``, else ``module.reset_parameters()``, else a Hugging Face model's
-``_init_weights(module)``) unless the weight source sets them all;
+(``init_fn(module)``, else ``module.reset_parameters()`` and, for what that leaves, a Hugging
+Face model's ``_init_weights(module)``; a tensor left unset is an error) unless the weight source
+sets them all;
 values from the weight source are copied in; then the shards are written and the storage freed.
 So at most one module's parameters (plus tied ones it shares) are materialized at a time.
 Buffers are moved to the compute device and stay there.
@@ -255,38 +256,41 @@ class Placement:
             handle.state = HandleState.READY
 
     def _init(self, prefix: str, module: nn.Module, missing: list[str]) -> None:
-        with torch.no_grad():
-            if self._init_fn is not None:
-                self._init_fn(module)
-            elif callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
-            elif callable(getattr(self._model, "_init_weights", None)):
-                self._init_by_model(prefix, module, missing)
-            else:
-                raise ValueError(
-                    f"module {prefix or '<root>'!r} ({type(module).__name__}) has tensors on the meta device that no "
-                    f"state dict sets and that it has no reset_parameters() for: {missing}; pass init_fn=... or a "
-                    "state_dict that has them"
-                )
-
-    def _init_by_model(self, prefix: str, module: nn.Module, missing: list[str]) -> None:
-        """A Hugging Face model's own ``_init_weights(module)`` for a module without
-        ``reset_parameters`` (transformers 5 computes a rotary embedding's ``inv_freq`` there, a
-        buffer no weights file holds). It may skip a module it does not know, so the missing
-        tensors are filled with a value no initializer leaves first, and any still holding it is
-        an error rather than garbage."""
+        """Initialize ``module``'s ``missing`` tensors: ``init_fn``; else its ``reset_parameters()``,
+        then, for what that leaves (a buffer it does not know, as Gemma's scaled embedding's
+        ``embed_scale``) or for a module without one (a rotary embedding's ``inv_freq``), a Hugging
+        Face model's own ``_init_weights(module)``. The missing tensors are first filled with a
+        value no initializer leaves, so any still holding it is an error rather than garbage."""
         own = {_join(prefix, n): t for n, t in (*module.named_parameters(recurse=False),
                                                  *module.named_buffers(recurse=False))}
-        tensors = [own[name] for name in missing if name in own]
-        for tensor in tensors:
-            _fill_unset(tensor)
-        self._model._init_weights(module)  # type: ignore[operator]
-        left = [name for name in missing if name in own and _is_unset(own[name])]
+        tensors = {name: own[name] for name in missing if name in own}
+        ran: list[str] = []
+        with torch.no_grad():
+            for tensor in tensors.values():
+                _fill_unset(tensor)
+            if self._init_fn is not None:
+                self._init_fn(module)
+                ran.append("init_fn")
+            else:
+                if callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
+                    ran.append("its reset_parameters()")
+                model_init = getattr(self._model, "_init_weights", None)
+                if callable(model_init) and (not ran or any(_is_unset(t) for t in tensors.values())):
+                    model_init(module)
+                    ran.append("the model's _init_weights")
+        if not ran:
+            raise ValueError(
+                f"module {prefix or '<root>'!r} ({type(module).__name__}) has tensors on the meta device that no "
+                f"state dict sets and that it has no reset_parameters() for: {missing}; pass init_fn=... or a "
+                "state_dict that has them"
+            )
+        left = [name for name, tensor in tensors.items() if _is_unset(tensor)]
         if left:
             raise ValueError(
                 f"module {prefix or '<root>'!r} ({type(module).__name__}) has tensors on the meta device that no "
-                f"state dict sets, no reset_parameters() and the model's _init_weights did not set: {left}; pass "
-                "init_fn=... or a state_dict that has them"
+                f"state dict sets and that {' and '.join(ran)} left unset: {left}; pass an init_fn=... that sets "
+                "them, or a state_dict that has them"
             )
 
     def _load(self, prefix: str, module: nn.Module, handles: list[ParamHandle]) -> None:

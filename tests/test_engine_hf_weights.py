@@ -165,5 +165,49 @@ def test_tensors_the_models_init_weights_leaves_unset_are_an_error(tmp_path):
         assert model.counted.scale.tolist() == [2.0] * 4 and model.counted.count.tolist() == [0, 1, 2, 3]
     with torch.device("meta"):
         model = _ModelWithInit(sets_count=False)
-    with pytest.raises(ValueError, match=r"_init_weights did not set: \['counted.count'\]"):
+    with pytest.raises(ValueError, match=r"the model's _init_weights left unset: \['counted.count'\]"):
         engine.wrap(model, config=engine_config(tmp_path / "b"))
+
+
+class _ScaledEmbedding(torch.nn.Embedding):
+    """As Gemma's: reset_parameters() initializes the weight, not the buffer beside it."""
+
+    def __init__(self) -> None:
+        super().__init__(10, 4)
+        self.register_buffer("scale", torch.tensor(2.0), persistent=False)
+
+
+def test_a_buffer_reset_parameters_leaves_is_an_error_not_garbage(tmp_path):
+    """Before, the buffer kept whatever the fresh memory held and the model computed with it."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(_ScaledEmbedding())
+    with pytest.raises(ValueError, match=r"its reset_parameters\(\) left unset: \['0.scale'\]"):
+        engine.wrap(model, config=engine_config(tmp_path / "a"))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(_ScaledEmbedding())
+    with pytest.raises(ValueError, match=r"init_fn left unset: \['0.weight'\]"):
+        engine.wrap(model, config=engine_config(tmp_path / "b"), init_fn=lambda m: m.scale.fill_(2.0))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(_ScaledEmbedding())
+
+    def init(module: torch.nn.Module) -> None:
+        module.reset_parameters()
+        module.scale.fill_(2.0)
+
+    with engine.wrap(model, config=engine_config(tmp_path / "c"), init_fn=init) as eng:
+        assert eng.state_dict()["0.weight"].isfinite().all() and model[0].scale.item() == 2.0
+
+
+def test_gemmas_scaled_embedding_gets_its_scale_from_the_model(tmp_path):
+    """Gemma's embedding has reset_parameters (nn.Embedding's), which leaves its embed_scale buffer:
+    the model's _init_weights sets it (the forward was silently wrong before)."""
+    config = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, vocab_size=100)
+    torch.manual_seed(0)
+    ref = transformers.GemmaForCausalLM(config).eval()
+    ref.save_pretrained(tmp_path / "hf")
+    with torch.device("meta"):
+        model = transformers.GemmaForCausalLM(config).eval()
+    with engine.wrap(model, config=engine_config(tmp_path / "store"), state_dict=str(tmp_path / "hf")), torch.no_grad():
+        ids = torch.tensor([[1, 2, 3, 4]])
+        assert torch.equal(model(ids).logits, ref(ids).logits)
