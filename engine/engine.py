@@ -642,6 +642,10 @@ def wrap(
     _check_fits(model, config, world, training=_is_engine_optimizer(optimizer))
     device = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
     source = WeightSource.open(state_dict)
+    if source is not None:  # a Hugging Face checkpoint's layout, as transformers 5 converts it for this model
+        from engine.hf_conversion import converted
+
+        source = converted(model, source)
     collectives = Collectives(group) if group is not None else None  # its thread starts on first use
     try:
         store = TieredStore.open(rank_store_config(config.store, rank, world))

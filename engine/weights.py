@@ -75,6 +75,10 @@ class WeightSource:
     def __contains__(self, name: object) -> bool:
         return name in self._names
 
+    def names(self) -> list[str]:
+        """Every tensor name the source has (in no particular order)."""
+        return list(self._names)
+
     def find(self, names: tuple[str, ...]) -> Optional[str]:
         """The first of ``names`` (a tensor's aliases) the source has, or None."""
         for name in names:

@@ -211,3 +211,67 @@ def test_gemmas_scaled_embedding_gets_its_scale_from_the_model(tmp_path):
     with engine.wrap(model, config=engine_config(tmp_path / "store"), state_dict=str(tmp_path / "hf")), torch.no_grad():
         ids = torch.tensor([[1, 2, 3, 4]])
         assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def _converted_models() -> dict[str, tuple[object, str]]:
+    """transformers 5 models whose weights it renames or fuses on load: their config, and a name
+    only the checkpoint's (older) layout has."""
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+    return {
+        "gpt_neox": (transformers.GPTNeoXConfig(**small), "embed_out.weight"),  # the model's lm_head
+        "mixtral": (transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                               **small), "model.layers.1.block_sparse_moe.experts.3.w3.weight"),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "mixtral"])
+def test_checkpoints_in_the_layout_transformers_5_converts_load(tmp_path, name):
+    """save_pretrained writes (and the Hub holds) the older layout; transformers 5's from_pretrained
+    converts it (renames, per-expert matrices stacked into fused tensors), and so does wrap, reading
+    each converted tensor's pieces when it is placed: the same logits, from one file and from shards."""
+    if not hasattr(transformers, "MixtralConfig") or not _has_conversions():
+        pytest.skip("this transformers has no checkpoint conversions (before 5)")
+    config, old_name = _converted_models()[name]
+    cls = transformers.AutoModelForCausalLM
+    torch.manual_seed(0)
+    ref = cls.from_config(config).eval()
+    ref.save_pretrained(tmp_path / "one")
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "one" / "model.safetensors"), "pt") as f:
+        assert old_name in set(f.keys())  # the layout on disk is the old one
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2  # a fused tensor's pieces in several files
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    for source in ("one", "sharded"):
+        with torch.device("meta"):
+            model = cls.from_config(config).eval()
+        with engine.wrap(model, config=engine_config(tmp_path / f"store-{source}"),
+                         state_dict=str(tmp_path / source)), torch.no_grad():
+            assert torch.equal(model(ids).logits, ref(ids).logits), source
+
+
+def test_a_tensor_no_conversion_maps_is_still_reported(tmp_path):
+    if not _has_conversions():
+        pytest.skip("this transformers has no checkpoint conversions (before 5)")
+    config, _ = _converted_models()["mixtral"]
+    ref = transformers.AutoModelForCausalLM.from_config(config)
+    ref.save_pretrained(tmp_path / "hf")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    save_file({**tensors, "model.layers.0.block_sparse_moe.stray.weight": torch.zeros(2)},
+              tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"1 entries that match no parameter.*block_sparse_moe.stray.weight"):
+        engine.wrap(model, config=engine_config(tmp_path / "store"), state_dict=str(tmp_path / "hf"))
+
+
+def _has_conversions() -> bool:
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: F401
+    except ImportError:
+        return False
+    return True
