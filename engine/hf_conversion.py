@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -45,10 +45,12 @@ class _Group:
         return value[0] if isinstance(value, list) else value
 
 
-def converted(model: nn.Module, source: WeightSource) -> WeightSource:
+def converted(model: nn.Module, source: WeightSource,
+              shapes: Optional[Mapping[str, tuple[int, ...]]] = None) -> WeightSource:
     """``source`` under ``model``'s names through transformers' checkpoint conversions for it; the
     source itself when none applies (not a transformers model, no conversion, or a transformers
-    before 5)."""
+    before 5). ``shapes``: the tensor names to convert to, with their shapes (default: the
+    model's own; a PEFT model's base gives its names before PEFT's renaming)."""
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -61,7 +63,9 @@ def converted(model: nn.Module, source: WeightSource) -> WeightSource:
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
-    shapes = {n: tuple(t.shape) for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers())}
+    if shapes is None:
+        shapes = {n: tuple(t.shape) for n, t in (*model.named_parameters(remove_duplicate=False),
+                                                 *model.named_buffers())}
     present = dict.fromkeys(shapes, True)  # rename_source_key asks `.get(name) is not None`
 
     renamed: dict[str, str] = {}  # model name -> checkpoint name

@@ -49,19 +49,25 @@ def peft_base_weights(model: nn.Module, weights: StateDictLike) -> WeightSource:
     """``weights`` (what ``engine.wrap(state_dict=...)`` takes: a ``save_pretrained`` directory, a
     file, a mapping) of ``model``'s base model, under the names ``model`` (a PEFT model) gives
     them, for ``engine.wrap(model, state_dict=...)``. The adapters' tensors are not in it: wrap
-    initializes them (pass ``init_fn=lora_init(model)``)."""
+    initializes them (pass ``init_fn=lora_init(model)``). A checkpoint in the layout transformers 5
+    converts on load (an MoE's per-expert matrices, ...) is converted for the base model first."""
     source = WeightSource.open(weights)
     assert source is not None
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    return source.renamed({name: base_name(name) for name in names})
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else None
+    if base is not None:
+        from engine.hf_conversion import converted
+
+        source = converted(base, source, {base_name(n): tuple(t.shape) for n, t in tensors})
+    return source.renamed({name: base_name(name) for name, _ in tensors})
 
 
 def lora_init(model: nn.Module) -> Callable[[nn.Module], None]:
     """An ``init_fn`` for ``engine.wrap`` that initializes ``model``'s LoRA adapters on the meta
     device as PEFT does by default (``init_lora_weights=True``): ``lora_A`` Kaiming-uniform,
     ``lora_B`` zero, so the wrapped model starts equal to its base. Any other module it is called
-    for is reset with its ``reset_parameters()``. ValueError for adapters it cannot initialize
+    for is reset with its ``reset_parameters()`` and the base model's ``_init_weights`` (a
+    Hugging Face model's: a rotary embedding's buffers come from there). ValueError for adapters it cannot initialize
     (other ``init_lora_weights`` settings, embedding LoRA, DoRA): initialize those with an
     ``init_fn`` of your own."""
     configs = getattr(model, "peft_config", None)
@@ -87,16 +93,26 @@ def lora_init(model: nn.Module) -> Callable[[nn.Module], None]:
             kaiming.update(id(m) for m in lora_a.values())
             zero.update(id(m) for m in lora_b.values())
 
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else None
+    base_init = getattr(base, "_init_weights", None)
+
     def init(module: nn.Module) -> None:
         if id(module) in kaiming:  # PEFT's reset_lora_parameters for init_lora_weights=True
             nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
-        elif id(module) in zero:
+            return
+        if id(module) in zero:
             nn.init.zeros_(module.weight)
-        elif callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
-        else:
+            return
+        # The base model's modules as wrap initializes them without an init_fn (a rotary embedding's
+        # buffers come from the base's own _init_weights); wrap reports anything left unset.
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset) and not callable(base_init):
             raise ValueError(f"lora_init: {type(module).__name__} has tensors no weights file set and no "
                              "reset_parameters(); pass an init_fn of your own")
+        if callable(reset):
+            reset()
+        if callable(base_init):
+            base_init(module)
 
     return init
 

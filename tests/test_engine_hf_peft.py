@@ -100,3 +100,26 @@ def test_tensors_the_peft_model_lacks_are_reported(tmp_path):
     config = engine.EngineConfig(store=store_config(tmp_path))
     with pytest.raises(ValueError, match=r"match no parameter.*transformer\.h\.9\.mlp\.c_fc\.weight"):
         engine.wrap(model, config=config, state_dict=peft_base_weights(model, weights), init_fn=lora_init(model))
+
+
+def test_lora_over_a_moe_base_whose_checkpoint_transformers_5_converts(tmp_path):
+    """A Mixtral base's checkpoint keeps one matrix per expert; the model fuses them (transformers
+    5 converts on load). peft_base_weights converts for the base first: the LoRA model starts as
+    its base, logits equal."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.conversion_mapping")
+    moe = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=100, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    base = transformers.MixtralForCausalLM(moe).eval()
+    base.save_pretrained(tmp_path / "base")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = base(ids).logits
+    with torch.device("meta"):
+        model = get_peft_model(transformers.MixtralForCausalLM(moe), LoraConfig(r=4, target_modules=["q_proj"]))
+    config = engine.EngineConfig(store=store_config(tmp_path))
+    with engine.wrap(model, config=config, state_dict=peft_base_weights(model, tmp_path / "base"),
+                     init_fn=lora_init(model)), torch.no_grad():
+        model.eval()
+        assert torch.equal(model(ids).logits, want)
