@@ -22,7 +22,7 @@ from engine.stats import EngineStats
 __all__ = [
     "AdamW", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "LossScaling", "MemoryEstimate",
     "OverflowAwareScheduler", "ReleasedParameterError", "ShardLayout", "checkpoint_state_dict", "estimate_memory",
-    "export_checkpoint", "import_deepspeed_checkpoint", "initialize", "param_key", "wrap",
+    "export_checkpoint", "from_pretrained", "import_deepspeed_checkpoint", "initialize", "param_key", "wrap",
 ]
 
 
@@ -37,4 +37,8 @@ def __getattr__(name: str) -> Any:
         from engine.deepspeed_initialize import initialize
 
         return initialize
+    if name == "from_pretrained":  # needs transformers
+        from engine.hf_pretrained import from_pretrained
+
+        return from_pretrained
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

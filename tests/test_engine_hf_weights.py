@@ -275,3 +275,53 @@ def _has_conversions() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_from_pretrained_gives_the_model_from_pretrained_gives(tmp_path):
+    """engine.from_pretrained(dir): built on meta, filled from the files, in the checkpoint's dtype,
+    in eval mode, with its generation config; generate() as transformers' own from_pretrained."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    saved.generation_config.max_new_tokens = 4
+    saved.save_pretrained(tmp_path / "hf")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert ref.dtype == torch.bfloat16 and not ref.training
+    with engine.from_pretrained(tmp_path / "hf", config=engine_config(tmp_path / "store")) as eng:
+        model = eng.model
+        assert isinstance(model, transformers.LlamaForCausalLM) and not model.training
+        assert eng.state_dict()["lm_head.weight"].dtype == torch.bfloat16  # the checkpoint's, as from_pretrained
+        assert model.generation_config.max_new_tokens == 4
+        assert model.model.rotary_emb.inv_freq.dtype == ref.model.rotary_emb.inv_freq.dtype == torch.float32
+        ids = torch.tensor([[5, 6, 7]])
+        assert torch.equal(model.generate(ids, do_sample=False), ref.generate(ids, do_sample=False))
+    with engine.from_pretrained(tmp_path / "hf", config=engine_config(tmp_path / "fp32"), dtype=torch.float32,
+                                model_class=transformers.LlamaForCausalLM) as eng:
+        assert eng.state_dict()["lm_head.weight"].dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype must be"):
+        engine.from_pretrained(tmp_path / "hf", config=engine_config(tmp_path / "x"), dtype=torch.int8)
+
+
+def test_from_pretrained_fetches_a_hub_name_with_huggingface_hub(tmp_path, monkeypatch):
+    """A name that is no directory goes to snapshot_download (configs and safetensors first; torch
+    files only when the snapshot has no safetensors weights). The Hub itself is faked here."""
+    ref = tiny_gpt2()
+    save_torch_shards(ref, tmp_path / "snapshot", 1)  # an older model: pytorch_model.bin only
+    (tmp_path / "configs").mkdir()
+    ref.config.save_pretrained(tmp_path / "configs")  # what the first fetch, without *.bin, gets
+    calls = []
+
+    def snapshot_download(name, *, revision, allow_patterns, local_files_only):
+        calls.append((name, revision, tuple(allow_patterns), local_files_only))
+        return str(tmp_path / ("snapshot" if "*.bin" in allow_patterns else "configs"))
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with engine.from_pretrained("someone/tiny-gpt2", config=engine_config(tmp_path / "store"), revision="v1") as eng:
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            assert torch.equal(eng.model(ids).logits, ref(ids).logits)
+    assert [c[0] for c in calls] == ["someone/tiny-gpt2"] * 2 and calls[0][1] == "v1"
+    assert "*.safetensors" in calls[0][2] and "*.bin" not in calls[0][2] and "*.bin" in calls[1][2]

@@ -1,0 +1,102 @@
+"""``engine.from_pretrained``: a Hugging Face model straight into the store, as
+``AutoModelForCausalLM.from_pretrained(name, device_map="auto", offload_folder=...)`` gives it
+with accelerate, but with its weights in the tiered store (on NVMe by default) and paged in by the
+engine's hooks, so the model may be larger than memory::
+
+    eng = engine.from_pretrained("Qwen/Qwen2.5-0.5B", config=engine.EngineConfig(
+        store=tiered.StoreConfig(path="/nvme/qwen")))
+    eng.model.generate(ids, max_new_tokens=20)
+
+The model is built on the meta device from its ``config.json`` and filled one tensor at a time
+from its weights files (safetensors or ``pytorch_model.bin``, sharded or not, converted as
+transformers 5 converts them), in the checkpoint's dtype as ``from_pretrained`` keeps it, in
+eval mode, with its ``generation_config.json``. A name that is not a directory is fetched from the
+Hub with ``huggingface_hub.snapshot_download`` (config, weights, tokenizer files).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine, wrap
+from engine.hf_weights import WEIGHT_FILES
+
+#: What is fetched from the Hub: configs and weights (safetensors first; torch files only without them).
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+
+
+def from_pretrained(
+    name_or_path: "str | os.PathLike[str]",
+    *,
+    config: EngineConfig,
+    model_class: Any = None,
+    dtype: "torch.dtype | str | None" = "auto",
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    revision: Optional[str] = None,
+    trust_remote_code: bool = False,
+    local_files_only: bool = False,
+) -> Engine:
+    """A Hugging Face model wrapped by the engine, its weights read from ``name_or_path`` (a
+    ``save_pretrained`` directory, or a Hub name) into ``config``'s store one tensor at a time.
+
+    ``model_class``: the class whose ``from_config`` builds it (default
+    ``transformers.AutoModelForCausalLM``). ``dtype``: the parameters' dtype, ``"auto"`` for the
+    checkpoint's (its config's ``dtype``, else fp32), as ``from_pretrained`` keeps it
+    (``config.train_dtype``, when set, casts parameters and buffers after). ``optimizer``: as for
+    :func:`engine.wrap` (an ``engine.AdamW`` binds to the model when built without parameters).
+    The model is ``eng.model``, in eval mode."""
+    import transformers
+
+    folder = _resolve(os.fspath(name_or_path), revision, local_files_only)
+    hf_config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
+    # Built as from_pretrained builds it: parameters in the dtype asked for, buffers as the model's
+    # code makes them (a rotary embedding's inv_freq stays fp32), on the meta device.
+    dtype_name = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    dtype_kw = {dtype_name: _dtype(dtype, hf_config)}
+    with torch.device("meta"):
+        if callable(getattr(cls, "from_config", None)):  # the Auto classes
+            model = cls.from_config(hf_config, trust_remote_code=trust_remote_code, **dtype_kw)
+        else:
+            model = cls._from_config(hf_config, **dtype_kw)
+    generation = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    model.eval()
+    return wrap(model, config=config, optimizer=optimizer, state_dict=folder)
+
+
+def _dtype(dtype: "torch.dtype | str | None", hf_config: Any) -> torch.dtype:
+    """The parameters' dtype: the checkpoint's for "auto" (its config's, else fp32), else ``dtype``."""
+    if dtype == "auto":
+        saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        dtype = saved if saved is not None else torch.float32
+    if dtype is None:
+        dtype = torch.get_default_dtype()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"from_pretrained: dtype must be 'auto', None or a floating torch dtype, got {dtype!r}")
+    return dtype
+
+
+def _resolve(name: str, revision: Optional[str], local_files_only: bool) -> str:
+    """A local directory holding the model's config and weights: ``name`` itself, or a Hub snapshot."""
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name):
+        raise ValueError(f"from_pretrained takes a model directory or a Hub name, got the file {name!r}")
+    from huggingface_hub import snapshot_download
+
+    folder = snapshot_download(name, revision=revision, allow_patterns=HUB_FILES, local_files_only=local_files_only)
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in WEIGHT_FILES):  # an older model: torch files
+        folder = snapshot_download(name, revision=revision, allow_patterns=[*HUB_FILES, "*.bin"],
+                                   local_files_only=local_files_only)
+    return folder
+
+
+__all__ = ["from_pretrained"]
