@@ -66,10 +66,10 @@ def lora_init(model: nn.Module) -> Callable[[nn.Module], None]:
     """An ``init_fn`` for ``engine.wrap`` that initializes ``model``'s LoRA adapters on the meta
     device as PEFT does by default (``init_lora_weights=True``): ``lora_A`` Kaiming-uniform,
     ``lora_B`` zero, so the wrapped model starts equal to its base. Any other module it is called
-    for is reset with its ``reset_parameters()`` and the base model's ``_init_weights`` (a
-    Hugging Face model's: a rotary embedding's buffers come from there). ValueError for adapters it cannot initialize
-    (other ``init_lora_weights`` settings, embedding LoRA, DoRA): initialize those with an
-    ``init_fn`` of your own."""
+    for is reset with its ``reset_parameters()`` and the base model's ``_init_weights`` (a Hugging
+    Face model's: a rotary embedding's buffers come from there). ValueError for adapters it
+    cannot initialize (other ``init_lora_weights`` settings, embedding LoRA, DoRA): initialize
+    those with an ``init_fn`` of your own."""
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, dict) or not configs:
         raise TypeError(f"lora_init takes a PEFT model (peft.PeftModel), got {type(model).__name__}")

@@ -77,11 +77,10 @@ def _dtype(dtype: "torch.dtype | str | None", hf_config: Any) -> torch.dtype:
         dtype = saved if saved is not None else torch.float32
     if dtype is None:
         dtype = torch.get_default_dtype()
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
         raise ValueError(f"from_pretrained: dtype must be 'auto', None or a floating torch dtype, got {dtype!r}")
-    return dtype
+    return found
 
 
 def _resolve(name: str, revision: Optional[str], local_files_only: bool) -> str:
