@@ -10,7 +10,9 @@ the model. The layout is the one ``save_pretrained`` writes and ``from_pretraine
     <dir>/model.safetensors.index.json            {"metadata": {"total_size"}, "weight_map"}
 
 Tensors are named as in ``model.state_dict()``; a tied parameter is written once, under its first
-name (``save_pretrained`` drops the tied names too, and ``from_pretrained`` ties them again).
+name (``save_pretrained`` drops the tied names too, and ``from_pretrained`` ties them again). A
+transformers 5 model whose weights it fuses or renames in memory (MoE experts) is written in the
+layout its ``save_pretrained`` writes, converted back (``engine.hf_export_layout``).
 
 Publishing order, so that a crash never leaves a loadable mix of two saves: every file is
 written to ``<name>.partial`` and fsynced; then the previous save's ``model.safetensors`` and
@@ -55,6 +57,9 @@ def save_weights(
     io = parts.io
     masters = _master_keys(parts) if master_weights else {}
     tensors = _tensors(parts, dtype, masters, exclude_frozen_parameters)  # the same on every rank
+    from engine.hf_export_layout import hub_layout
+
+    tensors = hub_layout(parts.model, tensors)  # what transformers 5 fuses in memory, split as it saves it
     writing = io.rank == 0
     error = attempt(lambda: check_between_steps(parts, "save weights"))
     if writing and error is None:

@@ -325,3 +325,32 @@ def test_from_pretrained_fetches_a_hub_name_with_huggingface_hub(tmp_path, monke
             assert torch.equal(eng.model(ids).logits, ref(ids).logits)
     assert [c[0] for c in calls] == ["someone/tiny-gpt2"] * 2 and calls[0][1] == "v1"
     assert "*.safetensors" in calls[0][2] and "*.bin" not in calls[0][2] and "*.bin" in calls[1][2]
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "mixtral"])
+def test_save_weights_writes_the_layout_save_pretrained_writes(tmp_path, name):
+    """What transformers 5 fuses or renames in memory, eng.save_weights splits and renames back as
+    save_pretrained does (the layout vLLM, transformers 4 and the Hub know): the same names, shapes
+    and values as save_pretrained's file, in one file and across shards; from_pretrained reloads it."""
+    if not _has_conversions():
+        pytest.skip("this transformers has no checkpoint conversions (before 5)")
+    from safetensors.torch import load_file
+
+    config, old_name = _converted_models()[name]
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ref.save_pretrained(tmp_path / "hf")
+    want = load_file(tmp_path / "hf" / "model.safetensors")
+    with engine.from_pretrained(tmp_path / "hf", config=engine_config(tmp_path / "store")) as eng:
+        eng.save_weights(tmp_path / "one")
+        eng.save_weights(tmp_path / "sharded", max_shard_bytes=40_000)
+    got = load_file(tmp_path / "one" / "model.safetensors")
+    assert old_name in got and sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(want) and len(set(index["weight_map"].values())) > 2
+    ref.config.save_pretrained(tmp_path / "sharded")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded").eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, ref(ids).logits)
