@@ -122,6 +122,19 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
+def continue_run(forward: Any, eng: Any) -> list[float]:
+    """The losses of the ``STEPS_AFTER`` steps after a fixture's save, in one process: each step's
+    whole batch through ``forward`` (the model, or a DeepSpeed-style engine), ``eng.backward``
+    and ``eng.step``."""
+    losses = []
+    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        loss = forward(*batch(step))
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses
+
+
 def ds_config(world: int, changes: dict[str, Any]) -> dict[str, Any]:
     """The whole DeepSpeed config of a fixture."""
     config: dict[str, Any] = {

@@ -18,7 +18,7 @@ import engine
 import tiered
 from deepspeed_fixtures import (
     BETAS, EPS, FIXTURES, FIXTURES_ALL, FROZEN_EXCLUDED, LR, STEPS_AFTER, STEPS_BEFORE, WEIGHT_DECAY, ZERO12_FIXTURES,
-    batch, ds_config, make_model, param_groups,
+    batch, continue_run, ds_config, make_model, param_groups,
 )
 from engine.checkpoint_files import STATE_NAMES, CheckpointError, CheckpointFiles, tensor_name
 from engine.cli import main as cli_main
@@ -142,13 +142,7 @@ def test_a_checkpoint_saved_without_frozen_parameters_resumes_with_the_models_ow
     model, eng = wrap_as_deepspeed(tmp_path, FROZEN_EXCLUDED, 2)
     try:
         eng.load_checkpoint(out)
-        losses = []
-        for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
-            loss = model(*batch(step))
-            eng.backward(loss)
-            eng.step()
-            losses.append(loss.item())
-        assert losses == pytest.approx(meta["losses_after"], rel=1e-6)
+        assert continue_run(model, eng) == pytest.approx(meta["losses_after"], rel=1e-6)
     finally:
         eng.close()
     model = make_model()
