@@ -16,7 +16,7 @@ a checkpoint saved without ``engine.AdamW``) come out in the dtype they were tra
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -50,7 +50,7 @@ def checkpoint_state_dict(
 def export_checkpoint(
     path: "str | os.PathLike[str]", out: "str | os.PathLike[str]", *, master_weights: bool = True,
     dtype: Optional[torch.dtype] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True,
-    tag: Optional[str] = None,
+    tag: Optional[str] = None, hf_config: "str | os.PathLike[str] | None" = None,
 ) -> list[str]:
     """Write the weights of the checkpoint at ``path`` (found as :func:`checkpoint_state_dict`
     finds it) to the directory ``out`` (created if missing) as ``save_pretrained`` lays them out:
@@ -58,19 +58,39 @@ def export_checkpoint(
     ``model.safetensors.index.json``; a tied parameter once, under its first name. One tensor in
     memory at a time. Returns the files written, index last. Add the model's ``config.json``
     (``model.config.save_pretrained(out)``) and ``from_pretrained(out)`` loads it. ``progress``
-    draws a byte bar on a terminal for exports of 256 MiB or more."""
+    draws a byte bar on a terminal for exports of 256 MiB or more. ``hf_config``: the model's
+    Hugging Face config (a directory holding ``config.json``): it is written to ``out`` too, and
+    what transformers 5 fuses in memory (an MoE's experts) is written in the layout its
+    ``save_pretrained`` writes, from a model built on the meta device (``AutoModelForCausalLM``)."""
     check_export_arguments(max_shard_bytes, dtype)
     directory = os.path.abspath(os.fspath(out))
+    hf = _meta_model(hf_config) if hf_config is not None else None
     with CheckpointFiles(resolve_checkpoint(path, tag)) as files:
         tensors: list[tuple[TensorSpec, Reader]] = [(spec, read) for spec, read, _ in
                                                     _sources(files, master_weights, dtype)]
+        if hf is not None:
+            from engine.hf_export_layout import hub_layout
+
+            tensors = hub_layout(hf, tensors)
         os.makedirs(directory, exist_ok=True)
         bar = byte_progress("exporting checkpoint", sum(spec.nbytes for spec, _ in tensors), enabled=progress)
         with bar:
             written, error = write_weights(directory, tensors, max_shard_bytes, advance=bar.advance)
     if error is not None:
         raise error
+    if hf is not None:
+        hf.config.save_pretrained(directory)
+        written.insert(0, os.path.join(directory, "config.json"))
     return written
+
+
+def _meta_model(hf_config: "str | os.PathLike[str]") -> Any:
+    """The causal LM ``hf_config`` (a directory with ``config.json``) describes, on the meta device."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(os.fspath(hf_config))
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def open_checkpoint_weights(path: "str | os.PathLike[str]") -> WeightSource:

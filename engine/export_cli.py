@@ -23,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tiered export",
         description="Write the weights of a checkpoint saved by eng.save_checkpoint (any world size) to OUT in "
         "Hugging Face's layout: model.safetensors, or shards and model.safetensors.index.json. Parameters the "
-        "optimizer stepped come out as their fp32 master weights. Add the model's config.json to OUT and "
-        "from_pretrained(OUT) loads it.",
+        "optimizer stepped come out as their fp32 master weights. Add the model's config.json to OUT (or pass "
+        "--hf-config) and from_pretrained(OUT) loads it.",
     )
     p.add_argument("checkpoint", help="the checkpoint directory (it holds metadata.json and rank*.safetensors), "
                    "or the directory of tagged checkpoints whose 'latest' file names the one to export")
@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export the training-dtype parameters instead of the fp32 master weights")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="cast every floating tensor to this dtype (default: as described above)")
+    p.add_argument("--hf-config", default=None, metavar="DIR",
+                   help="the model's Hugging Face config (a directory with config.json): written to OUT as well, "
+                   "and the weights transformers 5 fuses in memory (an MoE's experts) are written as its "
+                   "save_pretrained writes them")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="largest file before the weights are split into shards, e.g. 2GiB (default: 5 GB, as "
                    "save_pretrained)")
@@ -48,7 +52,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         source = resolve_checkpoint(args.checkpoint, args.tag)
         summary = summarize(source)
         written = export_checkpoint(source, args.out, master_weights=not args.training_weights,
-                                    dtype=_DTYPES.get(args.dtype), max_shard_bytes=max_shard)
+                                    dtype=_DTYPES.get(args.dtype), max_shard_bytes=max_shard,
+                                    hf_config=args.hf_config)
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"tiered export: {exc}", file=sys.stderr)
         return 1

@@ -354,3 +354,29 @@ def test_save_weights_writes_the_layout_save_pretrained_writes(tmp_path, name):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, ref(ids).logits)
+
+
+def test_tiered_export_with_the_config_writes_save_pretrained_s_layout(tmp_path, capsys):
+    """`tiered export CKPT OUT --hf-config DIR`: without the model's code at hand, the model its
+    config describes (built on meta) gives the layout; OUT gets config.json and from_pretrained
+    loads it, a Mixtral's experts written one by one as save_pretrained writes them."""
+    if not _has_conversions():
+        pytest.skip("this transformers has no checkpoint conversions (before 5)")
+    from safetensors.torch import load_file
+
+    from engine.cli import main as cli_main
+
+    config, old_name = _converted_models()["mixtral"]
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ref.save_pretrained(tmp_path / "hf")
+    with engine.from_pretrained(tmp_path / "hf", config=engine_config(tmp_path / "store")) as eng:
+        eng.save_checkpoint(tmp_path / "ckpt")
+    assert cli_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf-config", str(tmp_path / "hf")]) == 0
+    assert "config.json" in capsys.readouterr().out
+    got, want = load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert old_name in got and sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, ref(ids).logits)
