@@ -88,13 +88,17 @@ def initialize(
                             f"got {type(optimizer).__name__}")
         optimizer = optimizer(params if params is not None else model.parameters())
 
+    if optimizer is None and (lr_scheduler is not None or ds.get("scheduler") is not None):
+        raise ValueError("engine.initialize: an LR scheduler needs an optimizer (an optimizer= or the config's "
+                         "\"optimizer\" section)")
+    # Everything that can be refused is checked before wrap, which moves the model's values into the store.
+    loader = _loader(training_data, ds, collate_fn) if training_data is not None else None
     eng = wrap(model, optimizer=optimizer, config=engine_config, init_fn=init_fn, state_dict=state_dict)
     try:
         scheduler = _scheduler(lr_scheduler, ds, eng.optimizer)
         eng.lr_scheduler = scheduler
-        loader = _loader(training_data, ds, collate_fn, eng.world_size) if training_data is not None else None
     except BaseException:
-        eng.close()
+        eng.unwrap()  # the model as it was, values in memory again
         raise
     return eng, eng.optimizer, loader, scheduler
 
@@ -102,9 +106,7 @@ def initialize(
 def _scheduler(client: SchedulerArg, ds: dict[str, Any], optimizer: Optional[torch.optim.Optimizer]) -> Any:
     if client is None and ds.get("scheduler") is None:
         return None
-    if optimizer is None:
-        raise ValueError("engine.initialize: an LR scheduler needs an optimizer (an optimizer= or the config's "
-                         "\"optimizer\" section)")
+    assert optimizer is not None, "checked before wrap"
     if client is None:
         return scheduler_from_deepspeed(ds, optimizer)
     if callable(client) and not callable(getattr(client, "step", None)):
@@ -112,9 +114,11 @@ def _scheduler(client: SchedulerArg, ds: dict[str, Any], optimizer: Optional[tor
     return client
 
 
-def _loader(data: Dataset, ds: dict[str, Any], collate_fn: Optional[Callable[[list[Any]], Any]],
-            world: int) -> DataLoader:
-    """DeepSpeed's training loader: micro-batches, shuffled, each rank its own share."""
+def _loader(data: Dataset, ds: dict[str, Any], collate_fn: Optional[Callable[[list[Any]], Any]]) -> DataLoader:
+    """DeepSpeed's training loader: micro-batches, shuffled, each rank (of the default process
+    group, which the engine shards over) its own share."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if distributed else 1
     micro = ds.get("train_micro_batch_size_per_gpu")
     if micro is None:
         batch = ds.get("train_batch_size")

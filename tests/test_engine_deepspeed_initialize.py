@@ -118,8 +118,14 @@ def test_the_optimizer_and_scheduler_may_come_from_the_caller(tmp_path):
     with pytest.raises(ValueError, match="DeepSpeed refuses both"):
         engine.initialize(model=make_model(), config=TRAINING_CONFIG, store=tmp_path / "c",
                           optimizer=engine.AdamW(lr=0.1))
+    model = make_model()
     with pytest.raises(ValueError, match="an LR scheduler needs an optimizer"):
-        engine.initialize(model=make_model(), config=ds, store=tmp_path / "d")
+        engine.initialize(model=model, config=ds, store=tmp_path / "d")
+    with pytest.raises(ValueError, match="needs train_micro_batch_size_per_gpu or train_batch_size"):
+        engine.initialize(model=model, config={"zero_optimization": {"stage": 3}}, store=tmp_path / "d",
+                          training_data=TensorDataset(torch.arange(4)))
+    fresh = make_model()  # refused before wrap: the model keeps its own values
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
     with pytest.raises(ValueError, match="needs config="):
         engine.initialize(model=make_model(), store=tmp_path / "e")
     with pytest.raises(TypeError, match="needs model="):
