@@ -107,7 +107,7 @@ def test_lora_over_a_moe_base_whose_checkpoint_transformers_5_converts(tmp_path)
     5 converts on load). peft_base_weights converts for the base first: the LoRA model starts as
     its base, logits equal."""
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("transformers.conversion_mapping")
+    pytest.importorskip("transformers.conversion_mapping", reason="transformers < 5 converts no checkpoints")
     moe = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, vocab_size=100, num_local_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)

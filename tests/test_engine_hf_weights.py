@@ -13,6 +13,13 @@ from engine_models import engine_config
 import engine
 
 transformers = pytest.importorskip("transformers")
+try:
+    from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: F401
+    HAS_CONVERSIONS = True
+except ImportError:
+    HAS_CONVERSIONS = False
+#: transformers 5 renames and fuses some models' weights on load; before 5 there is nothing to convert.
+needs_conversions = pytest.mark.skipif(not HAS_CONVERSIONS, reason="transformers < 5 converts no checkpoints")
 
 
 def tiny_gpt2() -> "transformers.GPT2LMHeadModel":
@@ -224,13 +231,12 @@ def _converted_models() -> dict[str, tuple[object, str]]:
     }
 
 
+@needs_conversions
 @pytest.mark.parametrize("name", ["gpt_neox", "mixtral"])
 def test_checkpoints_in_the_layout_transformers_5_converts_load(tmp_path, name):
     """save_pretrained writes (and the Hub holds) the older layout; transformers 5's from_pretrained
     converts it (renames, per-expert matrices stacked into fused tensors), and so does wrap, reading
     each converted tensor's pieces when it is placed: the same logits, from one file and from shards."""
-    if not hasattr(transformers, "MixtralConfig") or not _has_conversions():
-        pytest.skip("this transformers has no checkpoint conversions (before 5)")
     config, old_name = _converted_models()[name]
     cls = transformers.AutoModelForCausalLM
     torch.manual_seed(0)
@@ -252,9 +258,8 @@ def test_checkpoints_in_the_layout_transformers_5_converts_load(tmp_path, name):
             assert torch.equal(model(ids).logits, ref(ids).logits), source
 
 
+@needs_conversions
 def test_a_tensor_no_conversion_maps_is_still_reported(tmp_path):
-    if not _has_conversions():
-        pytest.skip("this transformers has no checkpoint conversions (before 5)")
     config, _ = _converted_models()["mixtral"]
     ref = transformers.AutoModelForCausalLM.from_config(config)
     ref.save_pretrained(tmp_path / "hf")
@@ -267,14 +272,6 @@ def test_a_tensor_no_conversion_maps_is_still_reported(tmp_path):
         model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"1 entries that match no parameter.*block_sparse_moe.stray.weight"):
         engine.wrap(model, config=engine_config(tmp_path / "store"), state_dict=str(tmp_path / "hf"))
-
-
-def _has_conversions() -> bool:
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def test_from_pretrained_gives_the_model_from_pretrained_gives(tmp_path):
@@ -327,13 +324,12 @@ def test_from_pretrained_fetches_a_hub_name_with_huggingface_hub(tmp_path, monke
     assert "*.safetensors" in calls[0][2] and "*.bin" not in calls[0][2] and "*.bin" in calls[1][2]
 
 
+@needs_conversions
 @pytest.mark.parametrize("name", ["gpt_neox", "mixtral"])
 def test_save_weights_writes_the_layout_save_pretrained_writes(tmp_path, name):
     """What transformers 5 fuses or renames in memory, eng.save_weights splits and renames back as
     save_pretrained does (the layout vLLM, transformers 4 and the Hub know): the same names, shapes
     and values as save_pretrained's file, in one file and across shards; from_pretrained reloads it."""
-    if not _has_conversions():
-        pytest.skip("this transformers has no checkpoint conversions (before 5)")
     from safetensors.torch import load_file
 
     config, old_name = _converted_models()[name]
@@ -356,12 +352,11 @@ def test_save_weights_writes_the_layout_save_pretrained_writes(tmp_path, name):
         assert torch.equal(reloaded(ids).logits, ref(ids).logits)
 
 
+@needs_conversions
 def test_tiered_export_with_the_config_writes_save_pretrained_s_layout(tmp_path, capsys):
     """`tiered export CKPT OUT --hf-config DIR`: without the model's code at hand, the model its
     config describes (built on meta) gives the layout; OUT gets config.json and from_pretrained
     loads it, a Mixtral's experts written one by one as save_pretrained writes them."""
-    if not _has_conversions():
-        pytest.skip("this transformers has no checkpoint conversions (before 5)")
     from safetensors.torch import load_file
 
     from engine.cli import main as cli_main
