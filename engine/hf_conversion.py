@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Mapping, Optional
+import threading
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -24,25 +25,48 @@ from torch import nn
 from engine.weights import WeightSource
 
 
-class _Group:
-    """One conversion (a transformers ``WeightConverter``) with the checkpoint tensors it takes and
-    the model tensors it makes, built once and handed out one name at a time."""
+class ConversionGroup:
+    """One transformers conversion (a ``WeightConverter``, loading or its reverse for saving) over a
+    group of tensors: run once, when the first of the tensors it makes is asked for, reading its
+    inputs then, and handed out one name at a time (the group is forgotten when all are taken)."""
 
-    def __init__(self, first: str, converter: Any) -> None:
-        self.first = first
-        self.converter = converter
-        self.made: Optional[dict[str, Any]] = None
+    def __init__(self, first: str, template: Any, model: nn.Module,
+                 rename: Callable[[str], str] = lambda name: name) -> None:
+        self.first = first  # the first made name, which transformers' convert expands from
+        self._template = template
+        self._model = model
+        self._rename = rename
+        #: Name, the converter's source pattern it matched, and a reader of the tensor.
+        self.inputs: list[tuple[str, str, Callable[[], torch.Tensor]]] = []
+        self._made: Optional[dict[str, torch.Tensor]] = None
+        self._lock = threading.Lock()  # exports read on read_ahead's worker thread
 
     def targets(self) -> list[str]:
-        """Every model name the conversion makes (a one-to-many split makes several)."""
-        patterns = self.converter.target_patterns
+        """The names it makes, from its target patterns (a one-to-many split makes several)."""
+        patterns = self._template.target_patterns
         return [self.first.replace(patterns[0], p, 1) for p in patterns]
 
-    def take(self, name: str, model: nn.Module) -> torch.Tensor:
-        if self.made is None:
-            self.made = dict(self.converter.convert(self.first, model=model, config=model.config))
-        value = self.made.pop(name)
-        return value[0] if isinstance(value, list) else value
+    def add(self, name: str, pattern: str, read: Callable[[], torch.Tensor]) -> None:
+        """One more input of the conversion."""
+        self.inputs.append((name, pattern, read))
+
+    def run(self, values: list[Any]) -> dict[str, torch.Tensor]:
+        """The conversion of ``values`` (one per input, in order: tensors, or callables that read them)."""
+        converter = copy.deepcopy(self._template)
+        for (name, pattern, _), value in zip(self.inputs, values):
+            converter.add_tensor(self.first, name, pattern, value)
+        made = converter.convert(self.first, model=self._model, config=self._model.config)
+        return {self._rename(name): v[0] if isinstance(v, list) else v for name, v in made.items()}
+
+    def take(self, name: str) -> torch.Tensor:
+        """The made tensor ``name``, converting (and reading the inputs) on the first call."""
+        with self._lock:
+            if self._made is None:
+                self._made = self.run([read for _, _, read in self.inputs])  # transformers calls each
+            value = self._made.pop(name)
+            if not self._made:
+                self._made = None
+            return value.contiguous()  # a split's pieces may be views; files take them whole
 
 
 def converted(model: nn.Module, source: WeightSource,
@@ -69,7 +93,7 @@ def converted(model: nn.Module, source: WeightSource,
     present = dict.fromkeys(shapes, True)  # rename_source_key asks `.get(name) is not None`
 
     renamed: dict[str, str] = {}  # model name -> checkpoint name
-    groups: dict[str, _Group] = {}  # first model name of a conversion -> it
+    groups: dict[str, ConversionGroup] = {}  # first model name of a conversion -> it
     consumed: set[str] = set()
     for key in sorted(source.names(), key=dot_natural_key):  # experts in numeric order, as transformers stacks them
         target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, present)
@@ -82,8 +106,8 @@ def converted(model: nn.Module, source: WeightSource,
         else:
             group = groups.get(target)
             if group is None:
-                group = groups[target] = _Group(target, copy.deepcopy(by_pattern[pattern]))
-            group.converter.add_tensor(target, key, pattern, functools.partial(source.read, key))
+                group = groups[target] = ConversionGroup(target, by_pattern[pattern], model)
+            group.add(key, pattern, functools.partial(source.read, key))
         consumed.add(key)
     if not groups and all(model_name == key for model_name, key in renamed.items()):
         return source
@@ -94,7 +118,7 @@ def converted(model: nn.Module, source: WeightSource,
     def get(name: str) -> torch.Tensor:
         group = made_by.get(name)
         if group is not None:
-            return group.take(name, model)
+            return group.take(name)
         return source.read(renamed.get(name, name))
 
     def shape(name: str) -> tuple[int, ...]:
@@ -106,4 +130,4 @@ def converted(model: nn.Module, source: WeightSource,
                         shape, lambda *_exc: source.close(), origin=source.origin)
 
 
-__all__ = ["converted"]
+__all__ = ["ConversionGroup", "converted"]

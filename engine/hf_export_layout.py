@@ -12,58 +12,16 @@ written, keeping them until the last is.
 
 from __future__ import annotations
 
-import copy
-import threading
-from typing import Any, Callable, Optional
+import functools
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from engine.hf_conversion import ConversionGroup
 from engine.safetensors_stream import TensorSpec
 
 Reader = Callable[[], torch.Tensor]
-
-
-class _Reverted:
-    """One reverse conversion: the model tensors it takes (with their readers), the file tensors it
-    makes, made once and handed out one name at a time."""
-
-    def __init__(self, first: str, converter: Any, renamings: list[Any], model: nn.Module) -> None:
-        self.first = first
-        self._template = converter
-        self._renamings = renamings
-        self._model = model
-        self.inputs: list[tuple[TensorSpec, Reader, str]] = []
-        self._made: Optional[dict[str, torch.Tensor]] = None
-        self._lock = threading.Lock()  # read_ahead may call a reader on its worker thread
-
-    def _convert(self, value: Callable[[TensorSpec, Reader], Any]) -> dict[str, torch.Tensor]:
-        from transformers.core_model_loading import apply_renamings
-
-        converter = copy.deepcopy(self._template)
-        for spec, reader, pattern in self.inputs:
-            converter.add_tensor(self.first, spec.name, pattern, value(spec, reader))
-        made = converter.convert(self.first, model=self._model, config=self._model.config)
-        return {apply_renamings(name, self._renamings): v[0] if isinstance(v, list) else v
-                for name, v in made.items()}
-
-    def specs(self) -> list[TensorSpec]:
-        """The file tensors this conversion makes, from a run on meta tensors (no data read)."""
-        made = self._convert(lambda spec, _: torch.empty(spec.shape, dtype=spec.dtype, device="meta"))
-        return [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in made.items()]
-
-    def reader(self, name: str) -> Reader:
-        def read() -> torch.Tensor:
-            with self._lock:
-                if self._made is None:
-                    # Callables: transformers calls each to materialize it (its "sync loading").
-                    self._made = self._convert(lambda _, reader: reader)
-                value = self._made.pop(name)
-                if not self._made:
-                    self._made = None
-                return value.contiguous()
-
-        return read
 
 
 def hub_layout(model: nn.Module, tensors: list[tuple[TensorSpec, Reader]]) -> list[tuple[TensorSpec, Reader]]:
@@ -93,7 +51,7 @@ def hub_layout(model: nn.Module, tensors: list[tuple[TensorSpec, Reader]]) -> li
     by_pattern = {p: c for c in converters for p in c.source_patterns}
 
     layout: list[Any] = []  # (spec, reader) pairs, and each conversion where its first input was
-    groups: dict[str, _Reverted] = {}
+    groups: dict[str, ConversionGroup] = {}
     changed = False
     for spec, reader in tensors:
         first, pattern = apply_converters(spec.name, converters)
@@ -104,18 +62,24 @@ def hub_layout(model: nn.Module, tensors: list[tuple[TensorSpec, Reader]]) -> li
             continue
         group = groups.get(first)
         if group is None:
-            group = groups[first] = _Reverted(first, by_pattern[pattern], renamings, model)
+            group = groups[first] = ConversionGroup(first, by_pattern[pattern], model,
+                                                    functools.partial(apply_renamings, weight_renamings=renamings))
             layout.append(group)
-        group.inputs.append((spec, reader, pattern))
+        group.add(spec.name, pattern, reader)
     if not groups and not changed:
         return tensors
+    spec_of = {spec.name: spec for spec, _ in tensors}
     out: list[tuple[TensorSpec, Reader]] = []
     for entry in layout:
-        if isinstance(entry, _Reverted):
-            entry.inputs.sort(key=lambda item: dot_natural_key(item[0].name))  # as transformers orders them
-            out.extend((spec, entry.reader(spec.name)) for spec in entry.specs())
-        else:
+        if not isinstance(entry, ConversionGroup):
             out.append(entry)
+            continue
+        entry.inputs.sort(key=lambda item: dot_natural_key(item[0]))  # as transformers orders them
+        # The names and shapes it makes, from a run on meta tensors (no data read).
+        made = entry.run([torch.empty(spec_of[n].shape, dtype=spec_of[n].dtype, device="meta")
+                          for n, _, _ in entry.inputs])
+        out.extend((TensorSpec(name, t.dtype, tuple(t.shape)), functools.partial(entry.take, name))
+                   for name, t in made.items())
     return out
 
 
