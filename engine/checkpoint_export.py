@@ -16,7 +16,7 @@ a checkpoint saved without ``engine.AdamW``) come out in the dtype they were tra
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -64,7 +64,11 @@ def export_checkpoint(
     ``save_pretrained`` writes, from a model built on the meta device (``AutoModelForCausalLM``)."""
     check_export_arguments(max_shard_bytes, dtype)
     directory = os.path.abspath(os.fspath(out))
-    hf = _meta_model(hf_config) if hf_config is not None else None
+    hf = None
+    if hf_config is not None:
+        from engine.hf_pretrained import meta_model
+
+        hf = meta_model(hf_config)
     with CheckpointFiles(resolve_checkpoint(path, tag)) as files:
         tensors: list[tuple[TensorSpec, Reader]] = [(spec, read) for spec, read, _ in
                                                     _sources(files, master_weights, dtype)]
@@ -82,15 +86,6 @@ def export_checkpoint(
         hf.config.save_pretrained(directory)
         written.insert(0, os.path.join(directory, "config.json"))
     return written
-
-
-def _meta_model(hf_config: "str | os.PathLike[str]") -> Any:
-    """The causal LM ``hf_config`` (a directory with ``config.json``) describes, on the meta device."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(os.fspath(hf_config))
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def open_checkpoint_weights(path: "str | os.PathLike[str]") -> WeightSource:

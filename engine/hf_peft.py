@@ -17,7 +17,7 @@ initialization, not ``nn.Linear``'s (``lora_B`` starts at zero, so the model sta
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -54,12 +54,18 @@ def peft_base_weights(model: nn.Module, weights: StateDictLike) -> WeightSource:
     source = WeightSource.open(weights)
     assert source is not None
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else None
+    base = _base_model(model)
     if base is not None:
         from engine.hf_conversion import converted
 
         source = converted(base, source, {base_name(n): tuple(t.shape) for n, t in tensors})
     return source.renamed({name: base_name(name) for name, _ in tensors})
+
+
+def _base_model(model: nn.Module) -> Optional[nn.Module]:
+    """A PEFT model's base (the transformers model, its LoRA layers inside); None for another module."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else None
 
 
 def lora_init(model: nn.Module) -> Callable[[nn.Module], None]:
@@ -93,8 +99,7 @@ def lora_init(model: nn.Module) -> Callable[[nn.Module], None]:
             kaiming.update(id(m) for m in lora_a.values())
             zero.update(id(m) for m in lora_b.values())
 
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else None
-    base_init = getattr(base, "_init_weights", None)
+    base_init = getattr(_base_model(model), "_init_weights", None)
 
     def init(module: nn.Module) -> None:
         if id(module) in kaiming:  # PEFT's reset_lora_parameters for init_lora_weights=True

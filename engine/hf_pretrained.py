@@ -52,22 +52,29 @@ def from_pretrained(
     import transformers
 
     folder = _resolve(os.fspath(name_or_path), revision, local_files_only)
-    hf_config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
-    # Built as from_pretrained builds it: parameters in the dtype asked for, buffers as the model's
-    # code makes them (a rotary embedding's inv_freq stays fp32), on the meta device.
-    dtype_name = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    dtype_kw = {dtype_name: _dtype(dtype, hf_config)}
-    with torch.device("meta"):
-        if callable(getattr(cls, "from_config", None)):  # the Auto classes
-            model = cls.from_config(hf_config, trust_remote_code=trust_remote_code, **dtype_kw)
-        else:
-            model = cls._from_config(hf_config, **dtype_kw)
+    model = meta_model(folder, model_class=model_class, dtype=dtype, trust_remote_code=trust_remote_code)
     generation = os.path.join(folder, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
     model.eval()
     return wrap(model, config=config, optimizer=optimizer, state_dict=folder)
+
+
+def meta_model(folder: "str | os.PathLike[str]", *, model_class: Any = None, dtype: "torch.dtype | str | None" = "auto",
+               trust_remote_code: bool = False) -> Any:
+    """The model ``folder``'s ``config.json`` describes, on the meta device, built as
+    ``from_pretrained`` builds it: parameters in ``dtype`` (see :func:`from_pretrained`), buffers
+    as the model's code makes them (a rotary embedding's ``inv_freq`` stays fp32)."""
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(os.fspath(folder), trust_remote_code=trust_remote_code)
+    cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
+    dtype_name = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    dtype_kw = {dtype_name: _dtype(dtype, hf_config)}
+    with torch.device("meta"):
+        if callable(getattr(cls, "from_config", None)):  # the Auto classes
+            return cls.from_config(hf_config, trust_remote_code=trust_remote_code, **dtype_kw)
+        return cls._from_config(hf_config, **dtype_kw)
 
 
 def _dtype(dtype: "torch.dtype | str | None", hf_config: Any) -> torch.dtype:
@@ -98,4 +105,4 @@ def _resolve(name: str, revision: Optional[str], local_files_only: bool) -> str:
     return folder
 
 
-__all__ = ["from_pretrained"]
+__all__ = ["from_pretrained", "meta_model"]
