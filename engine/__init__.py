@@ -11,6 +11,8 @@ from typing import Any
 from engine.checkpoint_export import checkpoint_state_dict, export_checkpoint
 from engine.config import EngineConfig
 from engine.deepspeed_checkpoint import import_deepspeed_checkpoint
+from engine.deepspeed_engine import DeepSpeedEngine
+from engine.distributed_init import init_distributed
 from engine.engine import Engine, EngineClosedError, wrap
 from engine.layout import ShardLayout, param_key
 from engine.loss_scaling import LossScaling
@@ -20,9 +22,10 @@ from engine.released import ReleasedParameterError
 from engine.stats import EngineStats
 
 __all__ = [
-    "AdamW", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "LossScaling", "MemoryEstimate",
-    "OverflowAwareScheduler", "ReleasedParameterError", "ShardLayout", "checkpoint_state_dict", "estimate_memory",
-    "export_checkpoint", "from_pretrained", "import_deepspeed_checkpoint", "initialize", "param_key", "wrap",
+    "AdamW", "DeepSpeedEngine", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "LossScaling",
+    "MemoryEstimate", "OverflowAwareScheduler", "ReleasedParameterError", "ShardLayout", "add_config_arguments",
+    "checkpoint_state_dict", "estimate_memory", "export_checkpoint", "from_pretrained", "import_deepspeed_checkpoint",
+    "init_distributed", "initialize", "param_key", "wrap",
 ]
 
 
@@ -33,10 +36,10 @@ def __getattr__(name: str) -> Any:
         from engine.adamw import AdamW
 
         return AdamW
-    if name == "initialize":
-        from engine.deepspeed_initialize import initialize
+    if name in ("initialize", "add_config_arguments"):
+        from engine import deepspeed_initialize
 
-        return initialize
+        return getattr(deepspeed_initialize, name)
     if name == "from_pretrained":  # needs transformers
         from engine.hf_pretrained import from_pretrained
 

@@ -108,11 +108,11 @@ def consolidated_state_dict(model: nn.Module, handles: Sequence[ParamHandle], io
 
 def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overwrite: bool = False,
                     tag: Optional[str] = None, client_state: Optional[Mapping[str, Any]] = None,
-                    exclude_frozen_parameters: bool = False) -> None:
+                    exclude_frozen_parameters: bool = False, save_latest: bool = True) -> None:
     """Write a sharded checkpoint of ``parts`` to the directory ``path``, or to ``path/tag`` and
-    then point ``path/latest`` at it (``engine.checkpoint_paths``). ``client_state`` (JSON;
-    rank 0's is kept) goes into the metadata; ``exclude_frozen_parameters`` leaves out the
-    parameters that take no gradient. See the module docstring."""
+    then, with ``save_latest``, point ``path/latest`` at it (``engine.checkpoint_paths``).
+    ``client_state`` (JSON; rank 0's is kept) goes into the metadata; ``exclude_frozen_parameters``
+    leaves out the parameters that take no gradient. See the module docstring."""
     io = parts.io
     rank = io.rank
     checked: dict[str, Any] = {}
@@ -139,7 +139,7 @@ def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overw
     if rank == 0 and error is None and complete:
         error = attempt(lambda: _finish_save(parts, directory, partial, files, overwrite, client,
                                              exclude_frozen_parameters))
-        if error is None and tag is not None:
+        if error is None and tag is not None and save_latest:
             error = attempt(lambda: write_latest(os.path.dirname(directory), tag))
     if rank == 0 and (error is not None or not complete):
         shutil.rmtree(partial, ignore_errors=True)  # what a failed save wrote (the published checkpoint stays)

@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from engine.distributed_init import launched_world_size
+
 T = TypeVar("T")
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -102,6 +104,18 @@ class Collectives:
             self._worker.shutdown(wait=True)
 
 
+def _check_not_launched() -> None:
+    """Refuse to run unsharded in a process a launcher started as one of several: each rank would
+    train its own copy of the model (or all would open one store and collide)."""
+    world = launched_world_size()
+    if world is not None and world > 1:
+        raise ValueError(
+            f"this process was launched as one of WORLD_SIZE={world} ranks, but torch.distributed is not "
+            f"initialized: call torch.distributed.init_process_group(...) or engine.init_distributed() before "
+            f"engine.wrap (engine.initialize does it itself)"
+        )
+
+
 def group_rank_and_world(process_group: Optional[Any]) -> tuple[Any, int, int]:
     """The group the engine shards over, this process's rank in it and its size.
 
@@ -110,6 +124,7 @@ def group_rank_and_world(process_group: Optional[Any]) -> tuple[Any, int, int]:
     """
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
+            _check_not_launched()
             return None, 0, 1
         process_group = dist.group.WORLD
     try:

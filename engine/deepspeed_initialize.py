@@ -12,25 +12,31 @@ training script runs with one changed line::
 It composes what the engine already has: ``EngineConfig.from_deepspeed`` (every key checked),
 the ``optimizer`` and ``scheduler`` sections (``engine.optim_deepspeed``), ``engine.wrap``, and
 ``Engine.lr_scheduler`` (stepped by ``model_engine.step()`` after each applied step, saved and
-restored with the engine's checkpoints). DeepSpeed's ``mpu``, ``dist_init_required``,
-``config_params`` and ``mesh_param`` have no counterpart and are not parameters here (Python's
-``TypeError`` names them) rather than ignored.
+restored with the engine's checkpoints), :func:`engine.init_distributed` (DeepSpeed scripts leave
+joining the process group to ``initialize``) and :class:`engine.deepspeed_engine.DeepSpeedEngine`
+(DeepSpeed's checkpoint calls and counters). DeepSpeed's ``mpu`` and ``mesh_param`` have no
+counterpart and are not parameters here (Python's ``TypeError`` names them) rather than ignored.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import os
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from engine.config import EngineConfig
 from engine.deepspeed_config import DeepSpeedConfig, load_deepspeed_config
-from engine.engine import Engine, wrap
+from engine.deepspeed_engine import DeepSpeedEngine
+from engine.distributed_init import init_distributed, local_rank
+from engine.engine import wrap_as
 from engine.optim_deepspeed import optimizer_from_deepspeed, scheduler_from_deepspeed
-from engine.placement import InitFn
+from engine.placement import InitFn, model_device
 from engine.weights import StateDictLike
 from tiered import StoreConfig
 
@@ -49,9 +55,11 @@ def initialize(
     config: Optional[DeepSpeedConfig] = None,
     *,
     store: "StoreConfig | str | os.PathLike[str]",
+    dist_init_required: Optional[bool] = None,
+    config_params: Optional[DeepSpeedConfig] = None,
     init_fn: Optional[InitFn] = None,
     state_dict: Optional[StateDictLike] = None,
-) -> tuple[Engine, Optional[torch.optim.Optimizer], Optional[DataLoader], Optional[Any]]:
+) -> tuple[DeepSpeedEngine, Optional[torch.optim.Optimizer], Optional[DataLoader], Optional[Any]]:
     """``deepspeed.initialize``'s arguments and return value: ``(engine, optimizer, training
     dataloader or None, lr scheduler or None)``; the engine is called as ``model_engine(batch)``.
 
@@ -64,17 +72,32 @@ def initialize(
     of ``train_micro_batch_size_per_gpu`` (shuffled; each rank its own share under torchrun).
     ``store``: where the engine's store lives (a ``tiered.StoreConfig`` or its directory; the
     config's ``nvme_path`` places the swap files). ``init_fn``/``state_dict``: as for
-    :func:`engine.wrap` (a model built on the meta device, ``zero.Init``'s counterpart)."""
+    :func:`engine.wrap` (a model built on the meta device, ``zero.Init``'s counterpart).
+
+    As DeepSpeed's, it joins the process group a launcher (``torchrun``) describes when the script
+    has not (:func:`engine.init_distributed`); ``dist_init_required=True`` requires a launcher,
+    ``False`` leaves torch.distributed alone. With CUDA, a model on the CPU computes on
+    ``cuda:<local rank>``, where DeepSpeed moves it. ``config_params``: DeepSpeed's older name
+    for ``config``. The engine is a :class:`engine.deepspeed_engine.DeepSpeedEngine`: its
+    ``load_checkpoint`` returns ``(path, client_state)`` and its ``save_checkpoint`` tags
+    ``global_step<N>``, as DeepSpeed's."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"engine.initialize needs model=, an nn.Module, got {type(model).__name__}")
+    if config is not None and config_params is not None:
+        raise ValueError("engine.initialize: pass the DeepSpeed config as config= or config_params=, not both")
+    config = config if config is not None else config_params
     if config is None:
         config = getattr(args, "deepspeed_config", None)
         if config is None:
             raise ValueError("engine.initialize needs config= (a DeepSpeed config dict or JSON path), or "
                              "args.deepspeed_config")
     ds = load_deepspeed_config(config)
+    _join_process_group(dist_init_required)  # before the config: the batch sizes involve the world size
     store_config = store if isinstance(store, StoreConfig) else StoreConfig(path=os.fspath(store))
     engine_config = EngineConfig.from_deepspeed(ds, store=store_config)
+    if engine_config.compute_device is None:
+        device = _compute_device(model, torch.cuda.is_available())
+        engine_config = engine_config.replace(compute_device=device) if device is not None else engine_config
 
     params = list(model_parameters) if model_parameters is not None else None
     if optimizer is not None and ds.get("optimizer") is not None:
@@ -93,7 +116,8 @@ def initialize(
                          "\"optimizer\" section)")
     # Everything that can be refused is checked before wrap, which moves the model's values into the store.
     loader = _loader(training_data, ds, collate_fn) if training_data is not None else None
-    eng = wrap(model, optimizer=optimizer, config=engine_config, init_fn=init_fn, state_dict=state_dict)
+    eng = wrap_as(functools.partial(DeepSpeedEngine, deepspeed_config=ds), model, optimizer=optimizer,
+                  config=engine_config, init_fn=init_fn, state_dict=state_dict)
     try:
         scheduler = _scheduler(lr_scheduler, ds, eng.optimizer)
         eng.lr_scheduler = scheduler
@@ -101,6 +125,33 @@ def initialize(
         eng.unwrap()  # the model as it was, values in memory again
         raise
     return eng, eng.optimizer, loader, scheduler
+
+
+def _join_process_group(required: Optional[bool]) -> None:
+    """DeepSpeed's ``dist_init_required``: None joins the launcher's group when there is one."""
+    if required is False:
+        return
+    if not init_distributed() and required and not dist.is_initialized():
+        raise ValueError("engine.initialize(dist_init_required=True): no launcher started this process (RANK, "
+                         "WORLD_SIZE, MASTER_ADDR and MASTER_PORT are not set); run it under torchrun")
+
+
+def _compute_device(model: nn.Module, cuda_available: bool) -> Optional[str]:
+    """Where DeepSpeed would compute: ``cuda:<local rank>`` for a model on the CPU (or meta) when
+    CUDA is available; None (the model's own device) otherwise."""
+    if not cuda_available or model_device(model).type != "cpu":
+        return None
+    return f"cuda:{local_rank()}"
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's ``deepspeed.add_config_arguments``: adds ``--deepspeed`` and
+    ``--deepspeed_config PATH`` (which :func:`initialize` reads from ``args``) and returns ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="accepted for DeepSpeed scripts; the engine is always used")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="the DeepSpeed JSON config file")
+    return parser
 
 
 def _scheduler(client: SchedulerArg, ds: dict[str, Any], optimizer: Optional[torch.optim.Optimizer]) -> Any:
@@ -135,4 +186,4 @@ def _loader(data: Dataset, ds: dict[str, Any], collate_fn: Optional[Callable[[li
                       drop_last=bool(ds.get("dataloader_drop_last", False)))
 
 
-__all__ = ["initialize"]
+__all__ = ["add_config_arguments", "initialize"]

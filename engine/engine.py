@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engine import checkpoint, export
@@ -20,6 +21,7 @@ from engine.accumulation import GradientAccumulation
 from engine.backward import BackwardTracker, SavedTensorHooks, register_grad_final_hooks
 from engine.collectives import Collectives, group_rank_and_world
 from engine.config import EngineConfig
+from engine.distributed_init import local_rank as launcher_local_rank
 from engine.gathered import ParamsArg, check_modifier_rank, select_handles
 from engine.gathered import gathered as gathered_block
 from engine.handle import HandleState, ParamHandle
@@ -66,6 +68,7 @@ class Engine:
         # Built by wrap() once every parameter is in the store.
         self._model = model
         self._config = config
+        self._device = placement.device
         self._store = store
         self._meter = meter
         self._wrap_peak = meter.reset_peak()
@@ -190,6 +193,23 @@ class Engine:
     def world_size(self) -> int:
         """Processes the parameters are sharded over (1 in one process). DeepSpeed's name."""
         return self._io.world
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (parameters are materialized there): ``EngineConfig.compute_device``,
+        or the device the model was on. DeepSpeed's ``model_engine.device``: move inputs here."""
+        return self._device
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index on its machine (``LOCAL_RANK``, as torchrun sets it; 0 without a
+        launcher). DeepSpeed's ``model_engine.local_rank``."""
+        return launcher_local_rank()
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default process group (0 without one). DeepSpeed's name."""
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     @property
     def completed_steps(self) -> int:
@@ -385,11 +405,19 @@ class Engine:
         ``client_state["lr_scheduler"]`` (unless ``client_state`` has that key). A checkpoint
         already at the place is replaced only with ``overwrite`` (``FileExistsError`` otherwise;
         DeepSpeed replaces it silently). docs/training.md, "Checkpoints"."""
+        self._save_checkpoint(path, tag, client_state, overwrite=overwrite,
+                              exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def _save_checkpoint(
+        self, path: "str | os.PathLike[str]", tag: Optional[str], client_state: Optional[Mapping[str, Any]], *,
+        overwrite: bool, exclude_frozen_parameters: bool, save_latest: bool = True,
+    ) -> None:
         self._check_open()
         if self._lr_scheduler is not None and "lr_scheduler" not in (client_state or {}):
             client_state = {**(client_state or {}), "lr_scheduler": self._lr_scheduler.state_dict()}
         checkpoint.save_checkpoint(self._checkpoint_parts(), path, overwrite=overwrite, tag=tag,
-                                   client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
+                                   client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters,
+                                   save_latest=save_latest)
 
     def load_checkpoint(
         self, path: "str | os.PathLike[str]", tag: Optional[str] = None, *, load_optimizer: bool = True,
@@ -402,10 +430,15 @@ class Engine:
         if none); with ``load_optimizer``, :attr:`lr_scheduler` (when set) takes its
         ``"lr_scheduler"`` entry, as DeepSpeed's ``load_checkpoint`` restores its scheduler. Raises
         ``engine.checkpoint.CheckpointError`` naming any mismatch."""
+        return self._load_checkpoint(path, tag, load_optimizer=load_optimizer, load_lr_scheduler=load_optimizer)
+
+    def _load_checkpoint(
+        self, path: "str | os.PathLike[str]", tag: Optional[str], *, load_optimizer: bool, load_lr_scheduler: bool,
+    ) -> dict[str, Any]:
         self._check_open()
         client_state = checkpoint.load_checkpoint(self._checkpoint_parts(), path, load_optimizer=load_optimizer,
                                                   tag=tag)
-        if load_optimizer and self._lr_scheduler is not None and "lr_scheduler" in client_state:
+        if load_lr_scheduler and self._lr_scheduler is not None and "lr_scheduler" in client_state:
             self._lr_scheduler.load_state_dict(client_state["lr_scheduler"])
         return client_state
 
@@ -603,6 +636,9 @@ class Engine:
             )
 
 
+E = TypeVar("E", bound=Engine)
+
+
 def wrap(
     model: nn.Module,
     *,
@@ -624,6 +660,22 @@ def wrap(
     ``rank{N}`` subdirectory of the store's paths), and no sharding otherwise; a group of size 1
     does not shard (docs/training.md, "Multiple processes").
     """
+    return wrap_as(Engine, model, config=config, optimizer=optimizer, process_group=process_group, init_fn=init_fn,
+                   state_dict=state_dict)
+
+
+def wrap_as(
+    engine_class: Callable[..., E],
+    model: nn.Module,
+    *,
+    config: EngineConfig,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    process_group: Optional[Any] = None,
+    init_fn: Optional[InitFn] = None,
+    state_dict: Optional[StateDictLike] = None,
+) -> E:
+    """:func:`wrap`, the engine built by ``engine_class`` (an :class:`Engine` subclass, or a partial
+    of one, taking Engine's constructor arguments): ``engine.initialize``'s DeepSpeed-shaped engine."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap takes an nn.Module, got {type(model).__name__}")
     if not isinstance(config, EngineConfig):
@@ -675,7 +727,7 @@ def wrap(
                                 enabled=config.progress and not config.resume, rank=rank)
             with bar:
                 placement.run(on_placed=bar.advance)
-            engine = Engine(model, config, store, placement, meter, shard_io, optimizer)
+            engine = engine_class(model, config, store, placement, meter, shard_io, optimizer)
             try:
                 engine._start_training(config.resume)
             except BaseException:

@@ -87,6 +87,11 @@ class Placement:
         self.by_module: dict[nn.Module, list[ParamHandle]] = {}
         self.was_materialized: set[int] = set()  # ids of parameters that had data before wrap
 
+    @property
+    def device(self) -> torch.device:
+        """Where parameters are materialized for compute."""
+        return self._device
+
     def total_bytes(self) -> int:
         """Bytes of the parameters to place, each tied parameter once, in the dtype they are stored in."""
         return sum(p.numel() * self._stored_dtype(p).itemsize for p in self._model.parameters())  # tied once

@@ -63,7 +63,7 @@ def test_a_deepspeed_checkpoint_resumes_with_its_lr_schedule(tmp_path):
     out = engine.import_deepspeed_checkpoint(FIXTURE_DIR / SCHEDULED, tmp_path / "imported", progress=False)
     ds = ds_config(meta["world_size"], FIXTURES[SCHEDULED][1])
 
-    def initialized(store: str) -> tuple[torch.nn.Module, engine.Engine, WarmupDecayLR]:
+    def initialized(store: str) -> tuple[torch.nn.Module, engine.DeepSpeedEngine, WarmupDecayLR]:
         model = make_model()
         eng, _, _, scheduler = engine.initialize(model=model, model_parameters=param_groups(model), config=ds,
                                                  store=tmp_path / store)
@@ -80,7 +80,8 @@ def test_a_deepspeed_checkpoint_resumes_with_its_lr_schedule(tmp_path):
         eng.close()
     model, eng, scheduler = initialized("b")
     try:
-        assert eng.load_checkpoint(tmp_path / "ours", "step6")["epoch"] == 1
+        load_path, client_sd = eng.load_checkpoint(tmp_path / "ours", "step6")  # DeepSpeed's two results
+        assert load_path == str(tmp_path / "ours" / "step6") and client_sd["epoch"] == 1
         assert scheduler.iteration == STEPS_BEFORE + STEPS_AFTER - 1 and eng.get_lr() == lrs
     finally:
         eng.close()

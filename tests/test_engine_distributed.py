@@ -44,19 +44,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple, join: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
     torch.set_num_threads(1)  # same kernels and reduction order as the oracle, which runs with one thread too
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    if join:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., None], *args: Any, world: int = WORLD) -> None:
-    """Run ``fn(rank, *args)`` in ``world`` fresh processes joined into one gloo group (env init)."""
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn")
+def run_ranks(fn: Callable[..., None], *args: Any, world: int = WORLD, join: bool = True) -> None:
+    """Run ``fn(rank, *args)`` in ``world`` fresh processes with torchrun's environment variables,
+    joined into one gloo group (env init); with ``join=False`` ``fn`` joins it itself, as a
+    DeepSpeed script leaves it to ``deepspeed.initialize``."""
+    mp.start_processes(_entry, args=(world, free_port(), fn, args, join), nprocs=world, start_method="spawn")
 
 
 class one_thread:

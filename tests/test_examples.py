@@ -95,7 +95,9 @@ def test_store_example(tmp_path):
 def test_deepspeed_example_maps_and_refuses_a_typo(tmp_path):
     out = run_example("deepspeed_config.py", cwd=str(tmp_path))
     assert "param_tier='nvme'" in out and "did you mean 'stage3_prefetch_bucket_size'" in out
-    assert "DeepSpeed's loop: 64 steps" in out and "(WarmupLR)" in out  # 256 examples, micro-batches of 4
+    assert "DeepSpeed's loop, epoch 0: 64 steps" in out and "(WarmupLR)" in out  # 256 examples, micro-batches of 4
+    out = run_example("deepspeed_config.py", cwd=str(tmp_path))  # resumes from the checkpoint it saved
+    assert "DeepSpeed's loop, epoch 1: 128 steps" in out
 
 
 def test_hugging_face_example_trains_exports_and_reloads(tmp_path):

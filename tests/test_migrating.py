@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -24,11 +25,15 @@ def test_the_page_has_its_ten_examples():
 @pytest.mark.parametrize("index", range(10))
 def test_migrating_example_runs(index, tmp_path, capsys):
     source = code_blocks()[index].replace("/nvme/", f"{tmp_path}/")
-    exec(compile(source, f"docs/migrating.md block {index}", "exec"), {"__name__": f"migrating_{index}"})
+    # engine.initialize's block loads before its first save, as DeepSpeed scripts do: (None, None) and a warning
+    nothing_saved = pytest.warns(UserWarning, match="no checkpoint to load") if index == 1 else contextlib.nullcontext()
+    with nothing_saved:
+        exec(compile(source, f"docs/migrating.md block {index}", "exec"), {"__name__": f"migrating_{index}"})
     out = capsys.readouterr().out
     if index == 1:  # engine.initialize: 64 examples, micro-batches of 4, accumulation 2
-        assert re.search(r"^8 steps, lr \[\d", out), out
-        assert os.path.isfile(tmp_path / "initialize-ckpt" / "metadata.json")
+        assert re.search(r"^8 steps, 64 samples, lr \[\d", out), out
+        assert (tmp_path / "initialize-ckpt" / "latest").read_text() == "global_step8"
+        assert os.path.isfile(tmp_path / "initialize-ckpt" / "global_step8" / "metadata.json")
     if index == 2:
         assert re.search(r"loss \d+\.\d+, scale \d+, skipped \d+", out), out
     if index == 4:

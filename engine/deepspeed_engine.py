@@ -1,0 +1,166 @@
+"""``DeepSpeedEngine``: what ``engine.initialize`` returns, an :class:`~engine.Engine` with
+DeepSpeed's ``model_engine`` calls where they differ from the engine's own.
+
+A DeepSpeed script's checkpoint code runs as written::
+
+    _, client_sd = model_engine.load_checkpoint(args.load_dir)    # (None, None): nothing saved yet
+    model_engine.save_checkpoint(args.save_dir, client_state=client_sd)   # tag global_step<N>
+
+and so do its bookkeeping calls (``global_steps``, ``global_samples``, ``train_batch_size()``,
+``gradient_accumulation_steps()``, ``fp16_enabled()``, ...) and ``save_16bit_model``. Everything
+else is the engine's: ``model_engine(batch)``, ``backward``, ``step``, ``device``, ``local_rank``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Mapping, Optional
+
+import torch
+
+from engine import checkpoint
+from engine.checkpoint_files import CheckpointError
+from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint
+from engine.engine import Engine
+
+#: ``save_16bit_model``'s file names written as safetensors by ``save_weights`` rather than torch.save.
+SAFETENSORS_NAME = "model.safetensors"
+#: A shard size no model reaches: DeepSpeed's ``save_16bit_model`` writes one file.
+ONE_FILE = 1 << 62
+
+
+class DeepSpeedEngine(Engine):
+    """An :class:`~engine.Engine` whose checkpoint calls take and return what DeepSpeed's do. Made
+    by ``engine.initialize``; ``deepspeed_config`` is the DeepSpeed config it was made from."""
+
+    def __init__(self, *args: Any, deepspeed_config: Mapping[str, Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deepspeed_config = dict(deepspeed_config)
+
+    # ------------------------------------------------------------------ DeepSpeed's counters
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken, skipped fp16 steps included (a loaded checkpoint's too), as
+        DeepSpeed counts them."""
+        return self.completed_steps + self.skipped_steps
+
+    @property
+    def global_samples(self) -> int:
+        """Samples trained on, all ranks together: ``global_steps x train_batch_size()``."""
+        return self.global_steps * self.train_batch_size()
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (the config's, or derived from ``train_batch_size``)."""
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch on each rank: the config's ``train_micro_batch_size_per_gpu``, or
+        ``train_batch_size / (gradient_accumulation_steps x world size)``."""
+        micro = self._deepspeed_config.get("train_micro_batch_size_per_gpu")
+        if micro is not None:
+            return int(micro)
+        batch = self._deepspeed_config.get("train_batch_size")
+        if batch is None:
+            raise ValueError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu; "
+                             "set one to have batch sizes")
+        return int(batch) // (self.gradient_accumulation_steps() * self.world_size)
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step, all ranks together: micro-batch x accumulation steps x world size."""
+        return self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.world_size
+
+    def fp16_enabled(self) -> bool:
+        """Whether parameters train in float16 (the config's ``fp16.enabled``)."""
+        return self.config.train_dtype == "float16"
+
+    def bfloat16_enabled(self) -> bool:
+        """Whether parameters train in bfloat16 (the config's ``bf16.enabled``)."""
+        return self.config.train_dtype == "bfloat16"
+
+    def zero_optimization_stage(self) -> int:
+        """3: parameters, gradients and optimizer state are all sharded, whatever stage the config
+        names (a stage 1 or 2 config runs as ZeRO-3: the same steps)."""
+        return 3
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for :meth:`close`."""
+        self.close()
+
+    # ------------------------------------------------------------------ DeepSpeed's checkpoint calls
+
+    def save_checkpoint(  # type: ignore[override]
+        self, save_dir: "str | os.PathLike[str]", tag: Any = None, client_state: Optional[Mapping[str, Any]] = None,
+        save_latest: bool = True, exclude_frozen_parameters: bool = False, *, overwrite: bool = False,
+    ) -> bool:
+        """DeepSpeed's ``save_checkpoint``: to ``save_dir/tag`` (default tag ``global_step<N>``),
+        then ``save_dir/latest`` names it unless not ``save_latest``. ``client_state`` is JSON here
+        (not pickled). Every rank calls it. Saving over an existing tag needs ``overwrite=True``
+        (DeepSpeed replaces it silently). Returns True, as DeepSpeed does."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        self._save_checkpoint(save_dir, tag, client_state, overwrite=overwrite,
+                              exclude_frozen_parameters=exclude_frozen_parameters, save_latest=save_latest)
+        return True
+
+    def load_checkpoint(  # type: ignore[override]
+        self, load_dir: "str | os.PathLike[str]", tag: Any = None, load_module_strict: bool = True,
+        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+    ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+        """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or ``(None,
+        None)`` with a warning when ``tag`` is None and ``load_dir`` holds no checkpoint (no
+        ``latest`` file): a script that loads before its first save starts afresh. ``load_dir``
+        may also be one of the engine's untagged checkpoints, or an imported DeepSpeed one
+        (``tiered import-deepspeed``). ``load_module_only``, or not ``load_optimizer_states``:
+        weights and buffers only; not ``load_lr_scheduler_states``: :attr:`lr_scheduler` keeps
+        its state. The engine checks every name, so ``load_module_strict=False`` is refused."""
+        if not load_module_strict:
+            raise ValueError("load_checkpoint(load_module_strict=False) is not supported: the engine loads only "
+                             "checkpoints of this model, every name checked; export the weights and pass them "
+                             "to engine.wrap(state_dict=...) to load a partial set")
+        tag = None if tag is None else str(tag)
+        if tag is None and not self._everyone_finds_checkpoint(load_dir):
+            warnings.warn(f"no checkpoint to load at {os.fspath(load_dir)!r} (no 'latest' file naming a tag): "
+                          f"starting without one, as DeepSpeed does; pass a tag to load a particular one",
+                          stacklevel=2)
+            return None, None
+        load_optimizer = load_optimizer_states and not load_module_only
+        client_state = self._load_checkpoint(load_dir, tag, load_optimizer=load_optimizer,
+                                             load_lr_scheduler=load_optimizer and load_lr_scheduler_states)
+        return resolve_checkpoint(load_dir, tag), client_state
+
+    def _everyone_finds_checkpoint(self, load_dir: "str | os.PathLike[str]") -> bool:
+        """Whether ``load_dir`` holds a checkpoint, the same answer on every rank (a rank that went on
+        to load alone would wait for the others forever)."""
+        self._check_open()
+        found = checkpoint.gather_objects(self._io, holds_checkpoint(load_dir))
+        if len(set(found)) > 1:
+            raise CheckpointError(
+                f"ranks {[r for r, f in enumerate(found) if f]} find a checkpoint at {os.fspath(load_dir)!r} and "
+                f"ranks {[r for r, f in enumerate(found) if not f]} do not: give every rank a path that reaches it")
+        return found[0]
+
+    def save_16bit_model(
+        self, save_dir: "str | os.PathLike[str]", save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's ``save_16bit_model``: the whole model in its training dtype to
+        ``save_dir/save_filename``, a ``torch.save`` file as DeepSpeed writes (gathered in memory:
+        :meth:`save_weights` streams one tensor at a time instead). ``model.safetensors`` is
+        written by :meth:`save_weights`, as one file. Every rank calls it; rank 0 writes. Returns True."""
+        if save_filename == SAFETENSORS_NAME:
+            self.save_weights(save_dir, max_shard_bytes=ONE_FILE, exclude_frozen_parameters=exclude_frozen_parameters)
+            return True
+        if not save_filename or os.sep in save_filename or save_filename.endswith(".safetensors"):
+            raise ValueError(f"save_filename must be a file name: {SAFETENSORS_NAME!r} or a torch file name "
+                             f"such as 'pytorch_model.bin', got {save_filename!r}")
+        state = self.state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        if self._io.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(os.fspath(save_dir), save_filename)
+            torch.save(state, path + ".partial")
+            os.replace(path + ".partial", path)
+        return True
+
+
+__all__ = ["DeepSpeedEngine"]

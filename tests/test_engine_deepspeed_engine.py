@@ -1,0 +1,212 @@
+"""``engine.initialize``'s engine as DeepSpeed scripts use it (``engine.DeepSpeedEngine``): its
+checkpoint calls' arguments and results, its counters, ``save_16bit_model``, and joining the
+process group torchrun describes, as ``deepspeed.initialize`` does. The oracle for training is
+DeepSpeed 0.19.8 itself: a checkpoint it wrote at two ranks and the losses it went on to
+(tests/fixtures/deepspeed, by tests/deepspeed_fixtures.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import engine
+import tiered
+from deepspeed_fixtures import (
+    FIXTURES, STEPS_AFTER, STEPS_BEFORE, batch, ds_config, make_model, param_groups,
+)
+from engine.deepspeed_initialize import _compute_device
+from test_engine_distributed import run_ranks
+
+FIXTURE_DIR = Path(__file__).parent / "fixtures" / "deepspeed"
+#: DeepSpeed at two ranks with a WarmupDecayLR schedule.
+TWO_RANKS = "zero3_offload_world2"
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}
+
+
+def _initialized(store: Path, config: dict = CONFIG) -> engine.DeepSpeedEngine:
+    model = make_model()
+    eng, _, _, _ = engine.initialize(model=model, model_parameters=param_groups(model), config=config, store=store)
+    return eng
+
+
+def _train(eng: engine.DeepSpeedEngine, micro_batches: int) -> None:
+    for micro in range(micro_batches):
+        ids, targets = batch(micro)
+        eng.backward(eng(ids.to(eng.device), targets.to(eng.device)))
+        eng.step()
+
+
+def _tutorial_at_two_ranks(rank: int, root: str) -> None:
+    """DeepSpeed's getting-started loop, engine.initialize for deepspeed.initialize and nothing else
+    changed: no init_process_group (initialize joins torchrun's group), batches moved to
+    ``model_engine.device``, ``_, client_sd = load_checkpoint(dir)``, a save with the default tag."""
+    model = make_model()
+    model_engine, _, _, _ = engine.initialize(model=model, model_parameters=param_groups(model),
+                                              config=ds_config(2, FIXTURES[TWO_RANKS][1]), store=Path(root, "store"))
+    try:
+        load_path, client_sd = model_engine.load_checkpoint(Path(root, "imported"))
+        loaded_steps = model_engine.global_steps
+        losses = []
+        for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+            ids, targets = batch(step)
+            ids, targets = ids[rank::2].to(model_engine.device), targets[rank::2].to(model_engine.device)
+            loss = model_engine(ids, targets)
+            model_engine.backward(loss)
+            model_engine.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / 2)
+        model_engine.save_checkpoint(Path(root, "ours"), client_state={"step": model_engine.global_steps})
+        record = {"load_path": load_path, "client_sd": client_sd, "loaded_steps": loaded_steps, "losses": losses,
+                  "world": model_engine.world_size, "ranks": [model_engine.global_rank, model_engine.local_rank],
+                  "steps": model_engine.global_steps, "samples": model_engine.global_samples}
+    finally:
+        model_engine.close()
+    Path(root, f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def test_deepspeeds_tutorial_loop_at_two_ranks_reaches_deepspeeds_losses(tmp_path):
+    meta = json.loads((FIXTURE_DIR / TWO_RANKS / "expected.json").read_text())
+    imported = engine.import_deepspeed_checkpoint(FIXTURE_DIR / TWO_RANKS, tmp_path / "imported", progress=False)
+    run_ranks(_tutorial_at_two_ranks, str(tmp_path), join=False)
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, record in enumerate(records):
+        assert record["world"] == 2 and record["ranks"] == [rank, rank]  # sharded: the group was joined
+        assert record["load_path"] == imported and isinstance(record["client_sd"], dict)
+        assert record["loaded_steps"] == meta["global_steps"] == STEPS_BEFORE
+        assert record["losses"] == pytest.approx(meta["losses_after"], rel=1e-6)
+        assert record["steps"] == STEPS_BEFORE + STEPS_AFTER and record["samples"] == 4 * record["steps"]
+    assert (tmp_path / "ours" / "latest").read_text() == f"global_step{STEPS_BEFORE + STEPS_AFTER}"
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["rank0", "rank1"]
+
+
+def test_load_before_the_first_save_starts_afresh_and_saves_are_tagged_by_step(tmp_path):
+    """A DeepSpeed script loads at start-up: (None, None) and a warning until something is saved."""
+    eng = _initialized(tmp_path / "store")
+    try:
+        with pytest.warns(UserWarning, match="no checkpoint to load"):
+            assert eng.load_checkpoint(tmp_path / "ckpt") == (None, None)
+        _train(eng, 4)
+        assert eng.global_steps == 2 and eng.global_samples == 8 and eng.train_batch_size() == 4
+        assert eng.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 3}) is True
+        assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+        eng.save_checkpoint(tmp_path / "ckpt", 0.25, save_latest=False)  # a tag of any type, as str(tag)
+        assert (tmp_path / "ckpt" / "0.25" / "metadata.json").is_file()
+        assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+        with pytest.raises(FileExistsError):  # DeepSpeed replaces it silently
+            eng.save_checkpoint(tmp_path / "ckpt")
+        with pytest.raises(ValueError, match=r"load_module_strict=False\) is not supported"):
+            eng.load_checkpoint(tmp_path / "ckpt", load_module_strict=False)
+        weights = {k: v.clone() for k, v in eng.state_dict().items()}
+    finally:
+        eng.close()
+
+    eng = _initialized(tmp_path / "fresh")
+    try:
+        load_path, client_sd = eng.load_checkpoint(tmp_path / "ckpt")
+        assert load_path == str(tmp_path / "ckpt" / "global_step2") and client_sd["epoch"] == 3
+        assert eng.global_steps == 2 and eng.lr_scheduler.iteration == 1  # the schedule with the optimizer
+        assert all(torch.equal(v, weights[k]) for k, v in eng.state_dict().items())
+    finally:
+        eng.close()
+
+    eng = _initialized(tmp_path / "module-only")
+    try:
+        eng.load_checkpoint(tmp_path / "ckpt", load_module_only=True)  # weights only: no optimizer steps
+        assert eng.global_steps == 0 and eng.lr_scheduler.iteration == -1
+        assert all(torch.equal(v, weights[k]) for k, v in eng.state_dict().items())
+    finally:
+        eng.close()
+
+    eng = _initialized(tmp_path / "no-schedule")
+    try:
+        eng.load_checkpoint(tmp_path / "ckpt", load_lr_scheduler_states=False)
+        assert eng.global_steps == 2 and eng.lr_scheduler.iteration == -1  # the schedule as built
+    finally:
+        eng.close()
+
+
+def test_batch_sizes_precision_and_save_16bit_model(tmp_path):
+    config = {"train_batch_size": 12, "gradient_accumulation_steps": 3, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    eng = _initialized(tmp_path / "store", config)
+    try:
+        assert (eng.train_batch_size(), eng.train_micro_batch_size_per_gpu(), eng.gradient_accumulation_steps()) == \
+            (12, 4, 3)
+        assert eng.bfloat16_enabled() and not eng.fp16_enabled() and eng.zero_optimization_stage() == 3
+        assert eng.save_16bit_model(tmp_path / "out") is True
+        saved = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+        expected = eng.state_dict()
+        assert saved.keys() == expected.keys() and all(torch.equal(saved[k], v) for k, v in expected.items())
+        assert saved["proj.weight"].dtype == torch.bfloat16
+        eng.save_16bit_model(tmp_path / "out", "model.safetensors")  # the Trainer's name: save_weights' file
+        assert [p.name for p in (tmp_path / "out").glob("model*")] == ["model.safetensors"]
+        with pytest.raises(ValueError, match="save_filename must be a file name"):
+            eng.save_16bit_model(tmp_path / "out", "weights.safetensors")
+    finally:
+        eng.destroy()
+    assert eng.closed
+
+    eng = _initialized(tmp_path / "no-batch", {"zero_optimization": {"stage": 3}})
+    try:
+        with pytest.raises(ValueError, match="neither train_batch_size nor train_micro_batch_size_per_gpu"):
+            eng.train_batch_size()
+    finally:
+        eng.close()
+
+
+def test_initialize_takes_deepspeeds_other_argument_spellings(tmp_path):
+    parser = engine.add_config_arguments(argparse.ArgumentParser())
+    config_file = tmp_path / "ds.json"
+    config_file.write_text(json.dumps(CONFIG))
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(config_file)])
+    assert args.deepspeed and args.deepspeed_config == str(config_file)
+    eng, optimizer, _, _ = engine.initialize(args=args, model=make_model(), store=tmp_path / "a")
+    try:
+        assert isinstance(eng, engine.DeepSpeedEngine) and isinstance(optimizer, engine.AdamW)
+        assert eng.gradient_accumulation_steps() == 2
+    finally:
+        eng.close()
+    eng, _, _, _ = engine.initialize(model=make_model(), config_params=CONFIG, store=tmp_path / "b")
+    eng.close()
+    with pytest.raises(ValueError, match="config= or config_params=, not both"):
+        engine.initialize(model=make_model(), config=CONFIG, config_params=CONFIG, store=tmp_path / "c")
+    with pytest.raises(ValueError, match=r"dist_init_required=True\): no launcher"):
+        engine.initialize(model=make_model(), config=CONFIG, store=tmp_path / "d", dist_init_required=True)
+
+
+def test_without_a_launcher_there_is_no_group_to_join(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert engine.init_distributed() is False and not dist.is_initialized()
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"not \['WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'\]"):
+        engine.init_distributed()
+
+
+def test_wrap_refuses_a_launched_rank_without_a_process_group(tmp_path, monkeypatch):
+    """Each of torchrun's processes would otherwise train a copy of its own (or collide on one store)."""
+    config = engine.EngineConfig(store=tiered.StoreConfig(path=str(tmp_path)))
+    model = make_model()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="launched as one of WORLD_SIZE=2 ranks"):
+        engine.wrap(model, config=config)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    engine.wrap(model, config=config).close()
+
+
+def test_with_cuda_a_cpu_model_computes_on_its_local_rank(monkeypatch):
+    """Where DeepSpeed moves the model: the device of LOCAL_RANK (checked without a GPU)."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _compute_device(make_model(), cuda_available=True) == "cuda:1"
+    assert _compute_device(make_model(), cuda_available=False) is None
+    with torch.device("meta"):
+        meta = make_model()
+    assert _compute_device(meta, cuda_available=True) == "cuda:1"
