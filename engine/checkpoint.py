@@ -117,7 +117,11 @@ def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overw
     rank = io.rank
     checked: dict[str, Any] = {}
 
+    tags = gather_objects(io, tag)
+
     def prepare() -> None:
+        if len(set(tags)) > 1:  # each rank would write its file under its own tag
+            raise ValueError(f"every rank must save under the same tag; the ranks passed {tags}")
         checked["path"] = tagged_path(path, tag)
         checked["client"] = check_client_state(client_state)
         check_between_steps(parts, "save a checkpoint")

@@ -267,6 +267,13 @@ ACTIVATION_CHECKPOINTING: Schema = {
     "profile": Key(_bool, ACCEPT, _LOGGING),
 }
 
+CHECKPOINT: Schema = {
+    "tag_validation": Key(_choice("ignore", "warn", "fail"), ACCEPT,
+                          "every rank's tag is always checked: different tags are an error"),
+    "load_universal": Key(_bool, ACCEPT, "a checkpoint loads at any world size without conversion"),
+    "use_node_local_storage": Key(_bool, DEFAULT_ONLY, "every rank must reach every rank's checkpoint file", False),
+}
+
 TOP: Schema = {
     "zero_optimization": ZERO,
     "activation_checkpointing": ACTIVATION_CHECKPOINTING,
@@ -290,6 +297,9 @@ TOP: Schema = {
     "csv_monitor": Key(_mapping_or_none, ACCEPT, _LOGGING),
     "comet": Key(_mapping_or_none, ACCEPT, _LOGGING),
     "flops_profiler": Key(_mapping_or_none, ACCEPT, _LOGGING),
+    "comms_logger": Key(_mapping_or_none, ACCEPT, _LOGGING),
+    "timers": Key(_mapping_or_none, ACCEPT, _LOGGING),
+    "checkpoint": CHECKPOINT,
     "zero_allow_untested_optimizer": Key(_bool, ACCEPT, "relaxes DeepSpeed's check of client optimizers"),
     "zero_force_ds_cpu_optimizer": Key(_bool, ACCEPT, "the engine's optimizer is always its own CPU AdamW"),
     "prescale_gradients": Key(_bool, DEFAULT_ONLY, "gradient prescaling is not supported", False),

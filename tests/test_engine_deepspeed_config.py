@@ -111,6 +111,8 @@ def test_accepted_keys_change_nothing(store):
     top = {"steps_per_print": 10, "wall_clock_breakdown": False, "fp16": {"enabled": False, "loss_scale": 0},
            "aio": {"single_submit": False, "overlap_events": True, "use_gds": False},
            "tensorboard": {"enabled": False}, "prescale_gradients": False, "zero_allow_untested_optimizer": True,
+           "comms_logger": {"enabled": True, "verbose": False}, "timers": {"throughput": {"enabled": True}},
+           "checkpoint": {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False},
            "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": False,
                                         "number_checkpoints": None, "synchronize_checkpoint_boundary": False,
                                         "profile": False}}
@@ -223,6 +225,8 @@ def test_every_unknown_key_is_named_with_its_path(store):
     ({"zero": {"cpu_offload": True, "offload_optimizer": {"device": "nvme"}}}, "zero_optimization.cpu_offload",
      "conflicts"),
     ({"bf16": {"enabled": True}, "bfloat16": {"enabled": False}}, "bfloat16.enabled", "conflicts"),
+    ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage", "every rank must reach"),
+    ({"checkpoint": {"tag_validation": "maybe"}}, "checkpoint.tag_validation", "one of"),
 ])
 def test_unsupported_or_invalid_values_are_named(store, fragment, path, expected):
     message = problems_of(ds(**fragment), store)

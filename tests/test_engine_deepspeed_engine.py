@@ -64,8 +64,14 @@ def _tutorial_at_two_ranks(rank: int, root: str) -> None:
             dist.all_reduce(mean)
             losses.append(mean.item() / 2)
         model_engine.save_checkpoint(Path(root, "ours"), client_state={"step": model_engine.global_steps})
-        record = {"load_path": load_path, "client_sd": client_sd, "loaded_steps": loaded_steps, "losses": losses,
-                  "world": model_engine.world_size, "ranks": [model_engine.global_rank, model_engine.local_rank],
+        try:  # DeepSpeed's tag_validation: each rank would otherwise write its file under its own tag
+            model_engine.save_checkpoint(Path(root, "ours"), f"rank{rank}")
+            mismatch = None
+        except ValueError as exc:
+            mismatch = str(exc)
+        record = {"mismatch": mismatch, "load_path": load_path, "client_sd": client_sd, "loaded_steps": loaded_steps,
+                  "losses": losses, "world": model_engine.world_size,
+                  "ranks": [model_engine.global_rank, model_engine.local_rank],
                   "steps": model_engine.global_steps, "samples": model_engine.global_samples}
     finally:
         model_engine.close()
@@ -83,7 +89,9 @@ def test_deepspeeds_tutorial_loop_at_two_ranks_reaches_deepspeeds_losses(tmp_pat
         assert record["loaded_steps"] == meta["global_steps"] == STEPS_BEFORE
         assert record["losses"] == pytest.approx(meta["losses_after"], rel=1e-6)
         assert record["steps"] == STEPS_BEFORE + STEPS_AFTER and record["samples"] == 4 * record["steps"]
+        assert "every rank must save under the same tag; the ranks passed ['rank0', 'rank1']" in record["mismatch"]
     assert (tmp_path / "ours" / "latest").read_text() == f"global_step{STEPS_BEFORE + STEPS_AFTER}"
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["global_step6", "latest"]
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["rank0", "rank1"]
 
 
