@@ -39,6 +39,10 @@ def from_pretrained(
     revision: Optional[str] = None,
     trust_remote_code: bool = False,
     local_files_only: bool = False,
+    torch_dtype: "torch.dtype | str | None" = None,
+    attn_implementation: Optional[str] = None,
+    cache_dir: "str | os.PathLike[str] | None" = None,
+    token: "str | bool | None" = None,
 ) -> Engine:
     """A Hugging Face model wrapped by the engine, its weights read from ``name_or_path`` (a
     ``save_pretrained`` directory, or a Hub name) into ``config``'s store one tensor at a time.
@@ -46,13 +50,22 @@ def from_pretrained(
     ``model_class``: the class whose ``from_config`` builds it (default
     ``transformers.AutoModelForCausalLM``). ``dtype``: the parameters' dtype, ``"auto"`` for the
     checkpoint's (its config's ``dtype``, else fp32), as ``from_pretrained`` keeps it
-    (``config.train_dtype``, when set, casts parameters and buffers after). ``optimizer``: as for
-    :func:`engine.wrap` (an ``engine.AdamW`` binds to the model when built without parameters).
-    The model is ``eng.model``, in eval mode."""
+    (``config.train_dtype``, when set, casts parameters and buffers after); ``torch_dtype`` is its
+    older transformers name. ``attn_implementation`` (``"sdpa"``, ``"eager"``, ...), ``revision``,
+    ``cache_dir``, ``token``, ``trust_remote_code``, ``local_files_only``: as transformers' own.
+    ``optimizer``: as for :func:`engine.wrap` (an ``engine.AdamW`` binds to the model when built
+    without parameters). The model is ``eng.model``, in eval mode."""
     import transformers
 
-    folder = _resolve(os.fspath(name_or_path), revision, local_files_only)
-    model = meta_model(folder, model_class=model_class, dtype=dtype, trust_remote_code=trust_remote_code)
+    if torch_dtype is not None:
+        if dtype != "auto":
+            raise ValueError(f"from_pretrained: pass dtype= or its older name torch_dtype=, not both "
+                             f"(got dtype={dtype!r}, torch_dtype={torch_dtype!r})")
+        dtype = torch_dtype
+    hub = {"revision": revision, "local_files_only": local_files_only, "cache_dir": cache_dir, "token": token}
+    folder = _resolve(os.fspath(name_or_path), hub)
+    model = meta_model(folder, model_class=model_class, dtype=dtype, trust_remote_code=trust_remote_code,
+                       attn_implementation=attn_implementation)
     generation = os.path.join(folder, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
@@ -61,7 +74,7 @@ def from_pretrained(
 
 
 def meta_model(folder: "str | os.PathLike[str]", *, model_class: Any = None, dtype: "torch.dtype | str | None" = "auto",
-               trust_remote_code: bool = False) -> Any:
+               trust_remote_code: bool = False, attn_implementation: Optional[str] = None) -> Any:
     """The model ``folder``'s ``config.json`` describes, on the meta device, built as
     ``from_pretrained`` builds it: parameters in ``dtype`` (see :func:`from_pretrained`), buffers
     as the model's code makes them (a rotary embedding's ``inv_freq`` stays fp32)."""
@@ -70,11 +83,13 @@ def meta_model(folder: "str | os.PathLike[str]", *, model_class: Any = None, dty
     hf_config = transformers.AutoConfig.from_pretrained(os.fspath(folder), trust_remote_code=trust_remote_code)
     cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
     dtype_name = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    dtype_kw = {dtype_name: _dtype(dtype, hf_config)}
+    kwargs: dict[str, Any] = {dtype_name: _dtype(dtype, hf_config)}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     with torch.device("meta"):
         if callable(getattr(cls, "from_config", None)):  # the Auto classes
-            return cls.from_config(hf_config, trust_remote_code=trust_remote_code, **dtype_kw)
-        return cls._from_config(hf_config, **dtype_kw)
+            return cls.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
+        return cls._from_config(hf_config, **kwargs)
 
 
 def _dtype(dtype: "torch.dtype | str | None", hf_config: Any) -> torch.dtype:
@@ -90,18 +105,18 @@ def _dtype(dtype: "torch.dtype | str | None", hf_config: Any) -> torch.dtype:
     return found
 
 
-def _resolve(name: str, revision: Optional[str], local_files_only: bool) -> str:
-    """A local directory holding the model's config and weights: ``name`` itself, or a Hub snapshot."""
+def _resolve(name: str, hub: dict[str, Any]) -> str:
+    """A local directory holding the model's config and weights: ``name`` itself, or a Hub snapshot
+    (``hub``: snapshot_download's revision, local_files_only, cache_dir and token)."""
     if os.path.isdir(name):
         return name
     if os.path.exists(name):
         raise ValueError(f"from_pretrained takes a model directory or a Hub name, got the file {name!r}")
     from huggingface_hub import snapshot_download
 
-    folder = snapshot_download(name, revision=revision, allow_patterns=HUB_FILES, local_files_only=local_files_only)
+    folder = snapshot_download(name, allow_patterns=HUB_FILES, **hub)
     if not any(os.path.isfile(os.path.join(folder, f)) for f in WEIGHT_FILES):  # an older model: torch files
-        folder = snapshot_download(name, revision=revision, allow_patterns=[*HUB_FILES, "*.bin"],
-                                   local_files_only=local_files_only)
+        folder = snapshot_download(name, allow_patterns=[*HUB_FILES, "*.bin"], **hub)
     return folder
 
 

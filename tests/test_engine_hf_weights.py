@@ -296,8 +296,16 @@ def test_from_pretrained_gives_the_model_from_pretrained_gives(tmp_path):
     with engine.from_pretrained(tmp_path / "hf", config=engine_config(tmp_path / "fp32"), dtype=torch.float32,
                                 model_class=transformers.LlamaForCausalLM) as eng:
         assert eng.state_dict()["lm_head.weight"].dtype == torch.float32
+    # transformers' older torch_dtype= and its attn_implementation=, as a from_pretrained call has them
+    with engine.from_pretrained(tmp_path / "hf", config=engine_config(tmp_path / "eager"), torch_dtype=torch.float32,
+                                attn_implementation="eager") as eng:
+        assert eng.state_dict()["lm_head.weight"].dtype == torch.float32
+        assert eng.model.config._attn_implementation == "eager"
     with pytest.raises(ValueError, match="dtype must be"):
         engine.from_pretrained(tmp_path / "hf", config=engine_config(tmp_path / "x"), dtype=torch.int8)
+    with pytest.raises(ValueError, match="not both"):
+        engine.from_pretrained(tmp_path / "hf", config=engine_config(tmp_path / "x"), dtype=torch.float32,
+                               torch_dtype=torch.float32)
 
 
 def test_from_pretrained_fetches_a_hub_name_with_huggingface_hub(tmp_path, monkeypatch):
@@ -309,18 +317,20 @@ def test_from_pretrained_fetches_a_hub_name_with_huggingface_hub(tmp_path, monke
     ref.config.save_pretrained(tmp_path / "configs")  # what the first fetch, without *.bin, gets
     calls = []
 
-    def snapshot_download(name, *, revision, allow_patterns, local_files_only):
-        calls.append((name, revision, tuple(allow_patterns), local_files_only))
+    def snapshot_download(name, *, revision, allow_patterns, local_files_only, cache_dir, token):
+        calls.append((name, revision, tuple(allow_patterns), local_files_only, cache_dir, token))
         return str(tmp_path / ("snapshot" if "*.bin" in allow_patterns else "configs"))
 
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    with engine.from_pretrained("someone/tiny-gpt2", config=engine_config(tmp_path / "store"), revision="v1") as eng:
+    with engine.from_pretrained("someone/tiny-gpt2", config=engine_config(tmp_path / "store"), revision="v1",
+                                cache_dir=str(tmp_path / "cache"), token="hf_x") as eng:
         ids = torch.tensor([[1, 2, 3]])
         with torch.no_grad():
             assert torch.equal(eng.model(ids).logits, ref(ids).logits)
     assert [c[0] for c in calls] == ["someone/tiny-gpt2"] * 2 and calls[0][1] == "v1"
+    assert all(c[4:] == (str(tmp_path / "cache"), "hf_x") for c in calls)
     assert "*.safetensors" in calls[0][2] and "*.bin" not in calls[0][2] and "*.bin" in calls[1][2]
 
 
