@@ -126,8 +126,9 @@ def _two_ranks(rank: int, root: str) -> None:
 def test_two_ranks_train_as_distributed_data_parallel(tmp_path):
     """accelerate's data loader gives each rank its own batches; the engine averages the gradients
     across the ranks as DDP does; save_state / load_state resume every rank bit for bit. DDP itself
-    cannot wrap the engine's model, and says why."""
-    run_ranks(_two_ranks, str(tmp_path))
+    cannot wrap the engine's model, and says why. The processes start as torchrun starts them and
+    the first Accelerator joins their group, as under accelerate launch; wrap comes after it."""
+    run_ranks(_two_ranks, str(tmp_path), join=False)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for res in results:
         # The clip's global norm is summed in another order (each rank's shard of the averaged
