@@ -112,7 +112,8 @@ def _check_not_launched() -> None:
         raise ValueError(
             f"this process was launched as one of WORLD_SIZE={world} ranks, but torch.distributed is not "
             f"initialized: call torch.distributed.init_process_group(...) or engine.init_distributed() before "
-            f"engine.wrap (engine.initialize does it itself)"
+            f"engine.wrap (engine.initialize does it itself; accelerate's Accelerator and the Trainer's "
+            f"TrainingArguments join it when they are made, so make them first)"
         )
 
 

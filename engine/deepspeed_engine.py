@@ -95,7 +95,7 @@ class DeepSpeedEngine(Engine):
         save_latest: bool = True, exclude_frozen_parameters: bool = False, *, overwrite: bool = False,
     ) -> bool:
         """DeepSpeed's ``save_checkpoint``: to ``save_dir/tag`` (default tag ``global_step<N>``),
-        then ``save_dir/latest`` names it unless not ``save_latest``. ``client_state`` is JSON here
+        then, with ``save_latest``, ``save_dir/latest`` names it. ``client_state`` is JSON here
         (not pickled). Every rank calls it. Saving over an existing tag needs ``overwrite=True``
         (DeepSpeed replaces it silently). Returns True, as DeepSpeed does."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
