@@ -173,6 +173,31 @@ def test_flipped_byte_is_named_then_deleted_and_reclaimed(tmp_path, capsys):
         assert same_bytes(store.sync.get("bystander"), bystander)
 
 
+def test_a_directory_of_stores_is_inspected_and_checked_store_by_store(tmp_path, capsys):
+    """An engine run under torchrun keeps one store per rank (rank0, rank1, ... under its path):
+    pointed at that path, inspect and fsck go through each, in rank order, and fsck's status is the
+    worst of theirs."""
+    run = tmp_path / "run"
+    for rank in (10, 0, 1):
+        write_store(run / f"rank{rank}", {f"w{rank}": random_tensor((40_000,), torch.float32, seed=rank)})
+    flip_byte(*file_position(run / "rank1", "w1", 1000))
+
+    code, out, _ = cli(capsys, "inspect", run, "--summary")
+    assert code == 0
+    headers = [line.split(" (")[0] for line in out.splitlines() if line.startswith("store ")]
+    assert headers == [f"store {run / f'rank{r}'}" for r in (0, 1, 10)]
+    code, out, _ = cli(capsys, "inspect", run, "--json")
+    assert [s["path"] for s in json.loads(out)["stores"]] == [str(run / f"rank{r}") for r in (0, 1, 10)]
+
+    code, out, _ = cli(capsys, "fsck", run)
+    assert code == 1  # rank1's damage
+    checked = [line.split(":")[0] for line in out.splitlines() if line.startswith("fsck ")]
+    assert checked == [f"fsck {run / f'rank{r}'}" for r in (0, 1, 10)]
+    assert out.count("DAMAGED 'w1'") == 1 and "DAMAGED 'w0'" not in out
+    code, out, _ = cli(capsys, "fsck", run / "rank0", "--json")  # one store: its report, as before
+    assert code == 0 and json.loads(out)["path"] == str(run / "rank0")
+
+
 CRASHING_WRITER = """
     import sys, time, torch, tiered
     from tiered import manifest

@@ -8,11 +8,11 @@ import sys
 from typing import Optional, Sequence, TextIO
 
 from tiered.errors import ManifestError, StoreLockedError
-from tiered.offline.fsck import check_store, repair_store
-from tiered.offline.inspection import inspect_store
+from tiered.offline.fsck import FsckReport, check_store, repair_store
+from tiered.offline.inspection import InspectReport, inspect_store
 from tiered.offline.progress import ByteProgress
 from tiered.offline.reports import fsck_lines, inspect_lines
-from tiered.offline.storedir import StoreDirectory
+from tiered.offline.storedir import StoreDirectory, stores_in
 
 #: Exit statuses of ``tiered fsck`` (``tiered inspect`` uses OK, PROBLEMS for an unreadable store, USAGE).
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
@@ -28,8 +28,10 @@ def build_inspect_parser(prog: str = "tiered inspect") -> argparse.ArgumentParse
         "bytes and codec ratio, tiers at rest, generation), then totals and how the swap files' space divides into "
         "allocated, free and orphaned bytes. Changes nothing; a store running on the directory keeps running.",
     )
-    p.add_argument("dir", help="the store directory (StoreConfig.path)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("dir", help="the store directory (StoreConfig.path), or a directory of stores (an engine "
+                   "run's rank0, rank1, ...)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table "
+                   "({\"stores\": [...]} for several)")
     p.add_argument("--summary", action="store_true", help="leave out the per-entry table")
     return p
 
@@ -45,7 +47,8 @@ def build_fsck_parser(prog: str = "tiered fsck") -> argparse.ArgumentParser:
         "entries found (deleted or not) or the manifest unreadable; "
         "2 usage error, not a store directory, or the store is open in another process.",
     )
-    p.add_argument("dir", help="the store directory (StoreConfig.path)")
+    p.add_argument("dir", help="the store directory (StoreConfig.path), or a directory of stores (an engine "
+                   "run's rank0, rank1, ...)")
     p.add_argument("--reclaim", action="store_true", help="give orphaned space back to the filesystem (punch "
                    "holes; cut unused file tails)")
     p.add_argument("--delete-damaged", action="store_true", help="remove damaged entries' records from the "
@@ -57,32 +60,44 @@ def build_fsck_parser(prog: str = "tiered fsck") -> argparse.ArgumentParser:
 
 
 def inspect_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None) -> int:
-    """Run ``tiered inspect``; return its exit status."""
+    """Run ``tiered inspect``; return its exit status. A directory holding several stores (an engine
+    run's ``rank0``, ``rank1``, ...) shows each."""
     out, err = stdout or sys.stdout, stderr or sys.stderr
     args = _parse(build_inspect_parser(), argv)
     if isinstance(args, int):
         return args
+    paths = stores_in(args.dir)
+    results = [_inspect_one(path, err, quiet=args.json) for path in paths]
+    reports = [report for _, report in results if report is not None]
+    if args.json and reports:
+        dicts = [report.as_dict() for report in reports]
+        print(json.dumps(dicts[0] if len(paths) == 1 else {"stores": dicts}, indent=2), file=out)
+    elif reports:
+        print("\n\n".join("\n".join(inspect_lines(report, encoding=_encoding(out), summary_only=args.summary))
+                           for report in reports), file=out)
+    return max(code for code, _ in results)
+
+
+def _inspect_one(path: str, err: TextIO, *, quiet: bool) -> "tuple[int, Optional[InspectReport]]":
     try:
-        with StoreDirectory.open(args.dir, allow_in_use=True) as directory:
+        with StoreDirectory.open(path, allow_in_use=True) as directory:
             report = inspect_store(directory)
     except ValueError as exc:
         print(f"tiered inspect: {exc}", file=err)
-        return EXIT_USAGE
+        return EXIT_USAGE, None
     except (ManifestError, OSError) as exc:
         print(f"tiered inspect: {exc}", file=err)
-        return EXIT_PROBLEMS
-    if report.in_use_by is not None and not args.json:
-        print(f"tiered inspect: the store is open in process {report.in_use_by}; showing what it has committed",
-              file=err)
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2), file=out)
-    else:
-        print("\n".join(inspect_lines(report, encoding=_encoding(out), summary_only=args.summary)), file=out)
-    return EXIT_OK
+        return EXIT_PROBLEMS, None
+    if report.in_use_by is not None and not quiet:
+        print(f"tiered inspect: the store {path} is open in process {report.in_use_by}; showing what it has "
+              f"committed", file=err)
+    return EXIT_OK, report
 
 
 def fsck_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None) -> int:
-    """Run ``tiered fsck``; return its exit status (0 no damage, 1 damage found, 2 usage error)."""
+    """Run ``tiered fsck``; return its exit status (0 no damage, 1 damage found, 2 usage error). A
+    directory holding several stores (an engine run's ``rank0``, ``rank1``, ...) checks each; the
+    status is the worst of theirs."""
     out, err = stdout or sys.stdout, stderr or sys.stderr
     args = _parse(build_fsck_parser(), argv)
     if isinstance(args, int):
@@ -90,6 +105,18 @@ def fsck_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr: O
     if args.threads < 1:
         print(f"tiered fsck: --threads must be at least 1, got {args.threads}", file=err)
         return EXIT_USAGE
+    paths = stores_in(args.dir)
+    results = [_fsck_one(path, args, err) for path in paths]
+    reports = [report for _, report in results if report is not None]
+    if args.json and reports:
+        dicts = [report.as_dict() for report in reports]
+        print(json.dumps(dicts[0] if len(paths) == 1 else {"stores": dicts}, indent=2), file=out)
+    elif reports:
+        print("\n\n".join("\n".join(fsck_lines(report, encoding=_encoding(out))) for report in reports), file=out)
+    return max(code for code, _ in results)
+
+
+def _fsck_one(path: str, args: argparse.Namespace, err: TextIO) -> "tuple[int, Optional[FsckReport]]":
     repair = args.reclaim or args.delete_damaged
 
     def progress(total: int) -> ByteProgress:
@@ -97,7 +124,7 @@ def fsck_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr: O
                             stream=err)
 
     try:
-        with StoreDirectory.open(args.dir, exclusive=repair) as directory:
+        with StoreDirectory.open(path, exclusive=repair) as directory:
             report = check_store(directory, threads=args.threads, progress=progress)
             if repair:
                 report = repair_store(
@@ -105,15 +132,11 @@ def fsck_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr: O
                 )
     except (ValueError, StoreLockedError) as exc:
         print(f"tiered fsck: {exc}", file=err)
-        return EXIT_USAGE
+        return EXIT_USAGE, None
     except (ManifestError, OSError) as exc:
         print(f"tiered fsck: {exc}", file=err)
-        return EXIT_PROBLEMS
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2), file=out)
-    else:
-        print("\n".join(fsck_lines(report, encoding=_encoding(out))), file=out)
-    return EXIT_OK if report.healthy else EXIT_PROBLEMS
+        return EXIT_PROBLEMS, None
+    return (EXIT_OK if report.healthy else EXIT_PROBLEMS), report
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> "argparse.Namespace | int":

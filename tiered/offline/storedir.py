@@ -14,6 +14,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import sqlite3
 import urllib.parse
 from typing import Optional, Sequence
@@ -55,6 +56,22 @@ class SwapFileInfo:
     exists: bool
     size: int
     disk_bytes: int
+
+
+def stores_in(path: str) -> list[str]:
+    """The store directories a command given ``path`` works on: ``path`` itself when it is one (or
+    is none and holds none, for the error to name it), else the store directories directly inside
+    it, in natural order (a sharded engine run keeps one store per rank: ``rank0``, ``rank1``, ...)."""
+    if os.path.isfile(os.path.join(path, MANIFEST_NAME)) or not os.path.isdir(path):
+        return [path]
+    inside = [os.path.join(path, name) for name in os.listdir(path)
+              if os.path.isfile(os.path.join(path, name, MANIFEST_NAME))]
+    return sorted(inside, key=_natural) or [path]
+
+
+def _natural(path: str) -> list:
+    """Sort key putting ``rank2`` before ``rank10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", os.path.basename(path))]
 
 
 class StoreDirectory:
