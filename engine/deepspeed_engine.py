@@ -111,9 +111,10 @@ class DeepSpeedEngine(Engine):
         None)`` with a warning when ``tag`` is None and ``load_dir`` holds no checkpoint (no
         ``latest`` file): a script that loads before its first save starts afresh. ``load_dir``
         may also be one of the engine's untagged checkpoints, or an imported DeepSpeed one
-        (``tiered import-deepspeed``). ``load_module_only``, or not ``load_optimizer_states``:
-        weights and buffers only; not ``load_lr_scheduler_states``: :attr:`lr_scheduler` keeps
-        its state. The engine checks every name, so ``load_module_strict=False`` is refused."""
+        (``tiered import-deepspeed``). Not ``load_optimizer_states``: no master weights, moments
+        or step counts (the LR schedule still loads, as DeepSpeed's, unless not
+        ``load_lr_scheduler_states``); ``load_module_only``: weights and buffers only. The engine
+        checks every name, so ``load_module_strict=False`` is refused."""
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False) is not supported: the engine loads only "
                              "checkpoints of this model, every name checked; export the weights and pass them "
@@ -124,9 +125,9 @@ class DeepSpeedEngine(Engine):
                           f"starting without one, as DeepSpeed does; pass a tag to load a particular one",
                           stacklevel=2)
             return None, None
-        load_optimizer = load_optimizer_states and not load_module_only
-        client_state = self._load_checkpoint(load_dir, tag, load_optimizer=load_optimizer,
-                                             load_lr_scheduler=load_optimizer and load_lr_scheduler_states)
+        client_state = self._load_checkpoint(
+            load_dir, tag, load_optimizer=load_optimizer_states and not load_module_only,
+            load_lr_scheduler=load_lr_scheduler_states and not load_module_only)
         return resolve_checkpoint(load_dir, tag), client_state
 
     def _everyone_finds_checkpoint(self, load_dir: "str | os.PathLike[str]") -> bool:

@@ -140,6 +140,13 @@ def test_load_before_the_first_save_starts_afresh_and_saves_are_tagged_by_step(t
     finally:
         eng.close()
 
+    eng = _initialized(tmp_path / "no-optimizer")
+    try:
+        eng.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False)  # the schedule still loads, as DeepSpeed's
+        assert eng.global_steps == 0 and eng.lr_scheduler.iteration == 1
+    finally:
+        eng.close()
+
 
 def test_batch_sizes_precision_and_save_16bit_model(tmp_path):
     config = {"train_batch_size": 12, "gradient_accumulation_steps": 3, "bf16": {"enabled": True},
