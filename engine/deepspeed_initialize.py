@@ -131,7 +131,7 @@ def _join_process_group(required: Optional[bool]) -> None:
     """DeepSpeed's ``dist_init_required``: None joins the launcher's group when there is one."""
     if required is False:
         return
-    if not init_distributed() and required and not dist.is_initialized():
+    if not init_distributed() and required and not (dist.is_available() and dist.is_initialized()):
         raise ValueError("engine.initialize(dist_init_required=True): no launcher started this process (RANK, "
                          "WORLD_SIZE, MASTER_ADDR and MASTER_PORT are not set); run it under torchrun")
 

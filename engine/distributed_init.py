@@ -55,12 +55,13 @@ def init_distributed(
     True when this call initialized the group; False when it already was, or when no launcher
     started this process (one process: the engine then needs no group).
     """
-    if not dist.is_available():
-        raise RuntimeError("this torch build has no torch.distributed; install one that has it to run several ranks")
-    if dist.is_initialized():
-        return False
     present = [name for name in LAUNCHER_VARIABLES if name in os.environ]
     if not present:
+        return False
+    if not dist.is_available():
+        raise RuntimeError("a launcher started this process, but this torch build has no torch.distributed; "
+                           "install one that has it to run several ranks")
+    if dist.is_initialized():
         return False
     if len(present) < len(LAUNCHER_VARIABLES):
         missing = [name for name in LAUNCHER_VARIABLES if name not in os.environ]
