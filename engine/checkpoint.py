@@ -11,7 +11,8 @@ Each rank writes its own file, streaming one store entry at a time (never the wh
 memory), in the safetensors format (no pickle anywhere). Tensor names in a rank file:
 ``param/<name>`` (the shard in the training dtype, padding included), ``optim/<name>/master``,
 ``optim/<name>/exp_avg``, ``optim/<name>/exp_avg_sq`` (fp32, shards that have taken a step) and
-``buffer/<name>`` (this rank's buffers, whole). A save with ``exclude_frozen_parameters`` (the
+``buffer/<name>`` (this rank's buffers, whole); with a plain torch optimizer, rank 0's file also
+holds its state tensors (``engine.checkpoint_torch_optimizer``). A save with ``exclude_frozen_parameters`` (the
 name DeepSpeed gives it) leaves out the parameters that take no gradient, which a fine-tune
 (LoRA) has most of, and marks the metadata ``frozen_excluded``; a load then keeps the model's own
 values for them (loaded from the base model, as the run that saved it did).
@@ -40,8 +41,9 @@ from torch import nn
 
 from engine.checkpoint_files import (
     CRC_CHUNK_BYTES, FORMAT, METADATA_FILE, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, CheckpointFiles,
-    dtype_str, rank_file, tensor_name,
+    dtype_str, jsonable, rank_file, tensor_name,
 )
+from engine import checkpoint_torch_optimizer as torch_optimizer
 from engine.checkpoint_paths import fsync_dir, resolve_checkpoint, tagged_path, write_latest
 from engine.config import EngineConfig
 from engine.handle import ParamHandle
@@ -182,6 +184,8 @@ def _write_rank_file(parts: EngineParts, file: str, exclude_frozen: bool) -> dic
                             _store_reader(store, key)))
     for name, buf in parts.model.named_buffers():
         sources.append((TensorSpec("buffer/" + name, buf.dtype, tuple(buf.shape)), _value(buf)))
+    if _torch_optimizer(parts) is not None and parts.io.rank == 0:  # every rank holds the same whole state
+        sources.extend(torch_optimizer.state_tensors(parts.optimizer))  # type: ignore[arg-type]
     return write_tensors(file, sources, parts.io.rank, "saving checkpoint",
                          parts.config.progress and parts.io.rank == 0)
 
@@ -290,13 +294,15 @@ def _metadata(parts: EngineParts, files: list[Any], client_state: dict[str, Any]
             "type": "engine.AdamW",
             "step": parts.training.completed_steps,
             "shard_steps": {n: s for n, s in sd.get("shard_steps", {}).items() if n in saved},
-            "param_groups": _jsonable(sd["param_groups"], "optimizer param_groups"),
+            "param_groups": jsonable(sd["param_groups"], "optimizer param_groups"),
             "with_state": sorted(_live_state_keys(parts, exclude_frozen)),
             "loss_scale": parts.training.scaler.state_dict() if parts.training.scaler is not None else None,
         }
+    torch_state = _torch_optimizer(parts)
     return {
         "format": FORMAT, "version": VERSION, "world_size": parts.io.world,
         "params": params, "frozen_excluded": exclude_frozen, "buffers": buffers, "optimizer": optimizer,
+        "torch_optimizer": torch_optimizer.state_record(torch_state) if torch_state is not None else None,
         "files": {rank_file(r): f for r, f in enumerate(files)}, "client_state": client_state,
     }
 
@@ -344,7 +350,7 @@ def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_
         directory = resolve_checkpoint(root, tag)
         _recover_interrupted_overwrite(directory)
         files = CheckpointFiles(directory)
-        _check_metadata(parts, files.metadata, load_optimizer)
+        _check_metadata(parts, files.metadata, load_optimizer, files.path)
         _check_files(parts, files, load_optimizer)
 
     try:
@@ -360,7 +366,7 @@ def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_
     return client_state
 
 
-def _check_metadata(parts: EngineParts, metadata: dict[str, Any], load_optimizer: bool) -> None:
+def _check_metadata(parts: EngineParts, metadata: dict[str, Any], load_optimizer: bool, path: str) -> None:
     saved = {p["name"]: p for p in metadata["params"]}
     mine = {h.name: h for h in _loaded_handles(parts, metadata)}
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
@@ -400,6 +406,9 @@ def _check_metadata(parts: EngineParts, metadata: dict[str, Any], load_optimizer
     optimizer = metadata["optimizer"]
     if not load_optimizer:
         return
+    torch_state = _torch_optimizer(parts)
+    if torch_state is not None:
+        torch_optimizer.check(torch_state, metadata.get("torch_optimizer"), path)
     if optimizer is not None and parts.training is None:
         raise CheckpointError(
             "the checkpoint has engine.AdamW state but this engine has no engine.AdamW: wrap with "
@@ -521,6 +530,10 @@ def _load_files(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool
     with torch.no_grad():
         for name, buf in _buffers_to_load(parts, saved).items():
             buf.copy_(files.buffer(name, rank))
+    torch_state = _torch_optimizer(parts)
+    if load_optimizer and torch_state is not None:
+        torch_optimizer.restore(torch_state, files.metadata.get("torch_optimizer"), lambda name: files.read(0, name),
+                                files.path)
     optimizer = files.optimizer if load_optimizer else None
     if parts.training is not None:
         if optimizer is not None:
@@ -596,6 +609,11 @@ def _store_reader(store: Any, key: str) -> Callable[[], torch.Tensor]:
     return lambda: store.sync.get(key)
 
 
+def _torch_optimizer(parts: EngineParts) -> Optional[torch.optim.Optimizer]:
+    """The engine's optimizer when it is a plain torch one (its state then goes in rank 0's file)."""
+    return parts.optimizer if parts.training is None and parts.optimizer is not None else None
+
+
 def _value(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: tensor.detach()
 
@@ -651,18 +669,6 @@ def agree(io: ShardIO, error: Optional[BaseException], doing: str, failed: Seque
     if bad:
         detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
         raise CheckpointError(f"{doing} failed on another rank: {detail}")
-
-
-def _jsonable(value: Any, what: str) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v, what) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v, what) for v in value]
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise CheckpointError(f"{what}: {value!r} ({type(value).__name__}) cannot be saved in the checkpoint's JSON")
 
 
 __all__ = [

@@ -261,6 +261,20 @@ def deepspeed_zero12_model_file(path: "str | os.PathLike[str]") -> str:
     return os.path.join(path, "mp_rank_00_model_states.pt")
 
 
+def jsonable(value: Any, what: str) -> Any:
+    """``value`` as JSON can hold it (tuples as lists, one-element tensors as numbers), or a
+    CheckpointError naming ``what`` for a value JSON cannot hold."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v, what) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v, what) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise CheckpointError(f"{what}: {value!r} ({type(value).__name__}) cannot be saved in the checkpoint's JSON")
+
+
 def read_metadata(path: str) -> dict[str, Any]:
     """The checkpoint's ``metadata.json``, checked for the fields readers rely on."""
     file = os.path.join(path, METADATA_FILE)
@@ -331,5 +345,5 @@ def dtype_of(name: str) -> torch.dtype:
 __all__ = [
     "CRC_CHUNK_BYTES", "CheckpointError", "CheckpointFiles", "CheckpointSummary", "FORMAT", "METADATA_FILE",
     "PARTIAL_SUFFIX", "STATE_NAMES", "VERSION", "deepspeed_model_file", "deepspeed_zero12_model_file", "dtype_of",
-    "dtype_str", "read_checked", "read_metadata", "rank_file", "summarize", "tensor_name",
+    "dtype_str", "jsonable", "read_checked", "read_metadata", "rank_file", "summarize", "tensor_name",
 ]

@@ -137,6 +137,37 @@ def test_resume_continues_the_loss_curve_exactly(tmp_path, variant):
     eng.close()
 
 
+@pytest.mark.parametrize("make", [
+    lambda params, lr: torch.optim.AdamW(params, lr=lr, betas=(0.8, 0.95)),  # tensors, tuple hyperparameters
+    lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),  # momentum buffers
+], ids=["AdamW", "SGD"])
+def test_a_torch_optimizers_state_resumes_with_the_checkpoint(tmp_path, make):
+    """A plain torch optimizer's state goes into rank 0's file; a resume continues bit for bit
+    (before, its moments started afresh: the checkpoint held engine.AdamW state only)."""
+    model = model_with_seed(0)
+    eng = engine.wrap(model, optimizer=make(model.parameters(), LR), config=train_config(tmp_path / "a"))
+    train(model, eng, range(2))
+    eng.save_checkpoint(tmp_path / "ckpt")
+    want = train(model, eng, range(2, 4))
+    eng.close()
+
+    fresh = model_with_seed(1)
+    fresh_opt = make(fresh.parameters(), 0.5)  # other hyperparameters: restored from the checkpoint
+    with engine.wrap(fresh, optimizer=fresh_opt, config=train_config(tmp_path / "b")) as eng:
+        eng.load_checkpoint(tmp_path / "ckpt")
+        assert fresh_opt.param_groups[0]["lr"] == LR
+        assert train(fresh, eng, range(2, 4)) == want  # bit for bit
+
+    other = model_with_seed(1)
+    with engine.wrap(other, optimizer=torch.optim.Adagrad(other.parameters()), config=train_config(tmp_path / "c")) \
+            as eng:
+        before = eng.state_dict()
+        with pytest.raises(CheckpointError, match="this engine's optimizer is a torch.optim.adagrad.Adagrad"):
+            eng.load_checkpoint(tmp_path / "ckpt")
+        assert all(torch.equal(v, before[k]) for k, v in eng.state_dict().items())  # refused before any change
+        eng.load_checkpoint(tmp_path / "ckpt", load_optimizer=False)  # the weights alone
+
+
 def test_resume_in_a_new_process(tmp_path):
     """Train 2 steps, save, go on 2 steps; a new process wraps a fresh model, loads, trains 2 steps:
     the same losses, bit for bit."""

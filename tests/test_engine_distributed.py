@@ -148,7 +148,17 @@ def _plain_rank(rank: int, root: str) -> dict[str, Any]:
         want_shard_shape=(want.shard_numel,), store_path=eng.store.config.path,
         store_keys=sorted(eng.store.keys()),
     )
+    # The torch optimizer's state goes into the checkpoint (rank 0's file, every rank holding the same
+    # state): both ranks of a fresh engine read it and continue alike, moments and all.
+    eng.save_checkpoint(pathlib.Path(root) / "plain-ckpt")
+    result["continued"] = _plain_steps(model, opt, rank)
     eng.close()
+    fresh = new_model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)  # the saved lr comes back with the state
+    with engine.wrap(fresh, config=engine_config(pathlib.Path(root) / "plain-resumed", tier="nvme"),
+                     optimizer=fresh_opt) as resumed:
+        resumed.load_checkpoint(pathlib.Path(root) / "plain-ckpt")
+        result["resumed"] = _plain_steps(fresh, fresh_opt, rank)
 
     # FSDP2 on the same data and optimizer: a second oracle for the training losses.
     from torch.distributed.fsdp import fully_shard
@@ -195,6 +205,18 @@ def _plain_rank(rank: int, root: str) -> dict[str, Any]:
             loss_of(m(half(batch(0), rank))).backward()
             result[f"{mode}_grads"] = {n: p.grad.clone() for n, p in m.named_parameters()}
     return result
+
+
+def _plain_steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> list[float]:
+    """Two more steps of this rank's half of the data with a plain torch optimizer; the losses."""
+    losses = []
+    for step in range(STEPS, STEPS + 2):
+        loss = loss_of(model(half(batch(step), rank)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def _odd_model() -> nn.Module:
@@ -268,6 +290,7 @@ def test_world2_plain_optimizer_matches_data_parallel_oracle(trained):
         assert torch.equal(results[rank]["outs"][step], out), (step, rank)
     for rank, res in enumerate(results):
         assert res["losses"] == want["losses"][rank]
+        assert res["resumed"] == res["continued"]  # the optimizer's state came back from the checkpoint
         for step in range(STEPS):  # param.grad at world 2 without the engine's optimizer: the mean (DDP's)
             for name, grad in want["grads"][step].items():
                 assert torch.equal(res["grads"][step][name], grad), (rank, step, name)
