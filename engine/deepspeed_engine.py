@@ -24,6 +24,9 @@ from engine.checkpoint_files import CheckpointError
 from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint
 from engine.engine import Engine
 
+#: Where the client state carries :attr:`DeepSpeedEngine.global_steps` for a plain torch optimizer
+#: (taken out again on load).
+GLOBAL_STEPS = "global_steps"
 #: ``save_16bit_model``'s file names written as safetensors by ``save_weights`` rather than torch.save.
 SAFETENSORS_NAME = "model.safetensors"
 #: A shard size no model reaches: DeepSpeed's ``save_16bit_model`` writes one file.
@@ -37,6 +40,8 @@ class DeepSpeedEngine(Engine):
     def __init__(self, *args: Any, deepspeed_config: Mapping[str, Any], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deepspeed_config = dict(deepspeed_config)
+        #: Optimizer steps of a plain torch optimizer (``engine.AdamW`` counts its own in the store).
+        self._torch_steps = 0
 
     # ------------------------------------------------------------------ DeepSpeed's counters
 
@@ -44,7 +49,18 @@ class DeepSpeedEngine(Engine):
     def global_steps(self) -> int:
         """Optimizer steps taken, skipped fp16 steps included (a loaded checkpoint's too), as
         DeepSpeed counts them."""
+        if self._training is None:
+            return self._torch_steps
         return self.completed_steps + self.skipped_steps
+
+    def step(self) -> bool:
+        """:meth:`Engine.step`, counting the optimizer steps of a plain torch optimizer for
+        :attr:`global_steps`."""
+        boundary = self.is_gradient_accumulation_boundary()
+        applied = super().step()
+        if boundary:
+            self._torch_steps += 1
+        return applied
 
     @property
     def global_samples(self) -> int:
@@ -99,6 +115,8 @@ class DeepSpeedEngine(Engine):
         (not pickled). Every rank calls it. Saving over an existing tag needs ``overwrite=True``
         (DeepSpeed replaces it silently). Returns True, as DeepSpeed does."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        if self._training is None:  # engine.AdamW's steps are in the checkpoint's step record
+            client_state = {**(client_state or {}), GLOBAL_STEPS: self._torch_steps}
         self._save_checkpoint(save_dir, tag, client_state, overwrite=overwrite,
                               exclude_frozen_parameters=exclude_frozen_parameters, save_latest=save_latest)
         return True
@@ -128,6 +146,9 @@ class DeepSpeedEngine(Engine):
         client_state = self._load_checkpoint(
             load_dir, tag, load_optimizer=load_optimizer_states and not load_module_only,
             load_lr_scheduler=load_lr_scheduler_states and not load_module_only)
+        steps = client_state.pop(GLOBAL_STEPS, None)
+        if steps is not None and self._training is None and load_optimizer_states and not load_module_only:
+            self._torch_steps = int(steps)
         return resolve_checkpoint(load_dir, tag), client_state
 
     def _everyone_finds_checkpoint(self, load_dir: "str | os.PathLike[str]") -> bool:

@@ -36,11 +36,15 @@ def _initialized(store: Path, config: dict = CONFIG) -> engine.DeepSpeedEngine:
     return eng
 
 
-def _train(eng: engine.DeepSpeedEngine, micro_batches: int) -> None:
-    for micro in range(micro_batches):
+def _train(eng: engine.DeepSpeedEngine, micro_batches: range | int) -> list[float]:
+    losses = []
+    for micro in range(micro_batches) if isinstance(micro_batches, int) else micro_batches:
         ids, targets = batch(micro)
-        eng.backward(eng(ids.to(eng.device), targets.to(eng.device)))
+        loss = eng(ids.to(eng.device), targets.to(eng.device))
+        eng.backward(loss)
         eng.step()
+        losses.append(loss.item())
+    return losses
 
 
 def _tutorial_at_two_ranks(rank: int, root: str) -> None:
@@ -144,6 +148,36 @@ def test_load_before_the_first_save_starts_afresh_and_saves_are_tagged_by_step(t
     try:
         eng.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False)  # the schedule still loads, as DeepSpeed's
         assert eng.global_steps == 0 and eng.lr_scheduler.iteration == 1
+    finally:
+        eng.close()
+
+
+def test_a_torch_optimizer_counts_its_steps_and_resumes_with_them(tmp_path):
+    """engine.initialize(optimizer=torch.optim.AdamW(...)), a client optimizer as DeepSpeed takes
+    one: global_steps counts its steps (the default tag follows them), and a resume continues the
+    run bit for bit, its moments and the step count included."""
+    config = {k: v for k, v in CONFIG.items() if k not in ("optimizer", "scheduler")}
+
+    def initialized(store: Path) -> engine.DeepSpeedEngine:
+        model = make_model()
+        eng, _, _, _ = engine.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model), lr=0.01),
+                                         config=config, store=store)
+        return eng
+
+    eng = initialized(tmp_path / "a")
+    try:
+        _train(eng, 4)  # accumulation 2: two optimizer steps
+        assert eng.global_steps == 2 and eng.global_samples == 8
+        eng.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 1})
+        assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+        want = _train(eng, range(4, 8))
+    finally:
+        eng.close()
+    eng = initialized(tmp_path / "b")
+    try:
+        _, client_sd = eng.load_checkpoint(tmp_path / "ckpt")
+        assert client_sd == {"epoch": 1} and eng.global_steps == 2  # the step count is the engine's, not yours
+        assert _train(eng, range(4, 8)) == want and eng.global_steps == 4
     finally:
         eng.close()
 
