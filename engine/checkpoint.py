@@ -12,10 +12,10 @@ memory), in the safetensors format (no pickle anywhere). Tensor names in a rank 
 ``param/<name>`` (the shard in the training dtype, padding included), ``optim/<name>/master``,
 ``optim/<name>/exp_avg``, ``optim/<name>/exp_avg_sq`` (fp32, shards that have taken a step) and
 ``buffer/<name>`` (this rank's buffers, whole); with a plain torch optimizer, rank 0's file also
-holds its state tensors (``engine.checkpoint_torch_optimizer``). A save with ``exclude_frozen_parameters`` (the
-name DeepSpeed gives it) leaves out the parameters that take no gradient, which a fine-tune
-(LoRA) has most of, and marks the metadata ``frozen_excluded``; a load then keeps the model's own
-values for them (loaded from the base model, as the run that saved it did).
+holds its state tensors (``engine.checkpoint_torch_optimizer``). A save with
+``exclude_frozen_parameters`` (the name DeepSpeed gives it) leaves out the parameters that take no
+gradient, which a fine-tune (LoRA) has most of, and marks the metadata ``frozen_excluded``; a load
+then keeps the model's own values for them (loaded from the base model, as the run that saved it did).
 
 Save is atomic: the files go to ``<dir>.partial``, each is fsynced, rank 0 writes the metadata
 last, fsyncs, renames the directory to ``<dir>`` and fsyncs its parent; so ``<dir>`` either does
