@@ -493,6 +493,17 @@ def _map_accumulation(found: Mapping[str, Any], eng: dict[str, Any], problems: l
         eng["gradient_accumulation_steps"] = steps
 
 
+def micro_batch_size(ds: Mapping[str, Any], accumulation_steps: int, world: int) -> Optional[int]:
+    """Samples per micro-batch on each rank: ``train_micro_batch_size_per_gpu``, or
+    ``train_batch_size / (accumulation_steps x world)`` as DeepSpeed derives it; None when the
+    config sets neither."""
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    if isinstance(micro, int):
+        return micro
+    batch = ds.get("train_batch_size")
+    return batch // (accumulation_steps * world) if isinstance(batch, int) else None
+
+
 def _world_size() -> int:
     """The default process group's size, as DeepSpeed reads it when it checks the batch sizes."""
     import torch.distributed as dist

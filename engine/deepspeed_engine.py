@@ -22,6 +22,7 @@ import torch
 from engine import checkpoint
 from engine.checkpoint_files import CheckpointError
 from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint
+from engine.deepspeed_config import micro_batch_size
 from engine.engine import Engine
 
 #: Where the client state carries :attr:`DeepSpeedEngine.global_steps` for a plain torch optimizer
@@ -56,9 +57,9 @@ class DeepSpeedEngine(Engine):
     def step(self) -> bool:
         """:meth:`Engine.step`, counting the optimizer steps of a plain torch optimizer for
         :attr:`global_steps`."""
-        boundary = self.is_gradient_accumulation_boundary()
+        counts = self._training is None and self.is_gradient_accumulation_boundary()
         applied = super().step()
-        if boundary:
+        if counts:
             self._torch_steps += 1
         return applied
 
@@ -74,14 +75,11 @@ class DeepSpeedEngine(Engine):
     def train_micro_batch_size_per_gpu(self) -> int:
         """Samples per micro-batch on each rank: the config's ``train_micro_batch_size_per_gpu``, or
         ``train_batch_size / (gradient_accumulation_steps x world size)``."""
-        micro = self._deepspeed_config.get("train_micro_batch_size_per_gpu")
-        if micro is not None:
-            return int(micro)
-        batch = self._deepspeed_config.get("train_batch_size")
-        if batch is None:
+        micro = micro_batch_size(self._deepspeed_config, self.gradient_accumulation_steps(), self.world_size)
+        if micro is None:
             raise ValueError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu; "
                              "set one to have batch sizes")
-        return int(batch) // (self.gradient_accumulation_steps() * self.world_size)
+        return micro
 
     def train_batch_size(self) -> int:
         """Samples per optimizer step, all ranks together: micro-batch x accumulation steps x world size."""

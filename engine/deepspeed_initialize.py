@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from engine.config import EngineConfig
-from engine.deepspeed_config import DeepSpeedConfig, load_deepspeed_config
+from engine.deepspeed_config import DeepSpeedConfig, load_deepspeed_config, micro_batch_size
 from engine.deepspeed_engine import DeepSpeedEngine
 from engine.distributed_init import init_distributed, local_rank
 from engine.engine import wrap_as
@@ -115,7 +115,8 @@ def initialize(
         raise ValueError("engine.initialize: an LR scheduler needs an optimizer (an optimizer= or the config's "
                          "\"optimizer\" section)")
     # Everything that can be refused is checked before wrap, which moves the model's values into the store.
-    loader = _loader(training_data, ds, collate_fn) if training_data is not None else None
+    loader = (_loader(training_data, ds, engine_config.gradient_accumulation_steps, collate_fn)
+              if training_data is not None else None)
     eng = wrap_as(functools.partial(DeepSpeedEngine, deepspeed_config=ds), model, optimizer=optimizer,
                   config=engine_config, init_fn=init_fn, state_dict=state_dict)
     try:
@@ -165,19 +166,16 @@ def _scheduler(client: SchedulerArg, ds: dict[str, Any], optimizer: Optional[tor
     return client
 
 
-def _loader(data: Dataset, ds: dict[str, Any], collate_fn: Optional[Callable[[list[Any]], Any]]) -> DataLoader:
+def _loader(data: Dataset, ds: dict[str, Any], accumulation_steps: int,
+            collate_fn: Optional[Callable[[list[Any]], Any]]) -> DataLoader:
     """DeepSpeed's training loader: micro-batches, shuffled, each rank (of the default process
     group, which the engine shards over) its own share."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     world = torch.distributed.get_world_size() if distributed else 1
-    micro = ds.get("train_micro_batch_size_per_gpu")
+    micro = micro_batch_size(ds, accumulation_steps, world)
     if micro is None:
-        batch = ds.get("train_batch_size")
-        steps = ds.get("gradient_accumulation_steps", 1)
-        if batch is None:
-            raise ValueError("engine.initialize(training_data=...) needs train_micro_batch_size_per_gpu or "
-                             "train_batch_size in the config for the loader's batch size")
-        micro = batch // (steps * world)
+        raise ValueError("engine.initialize(training_data=...) needs train_micro_batch_size_per_gpu or "
+                         "train_batch_size in the config for the loader's batch size")
     if world > 1:
         sampler: Any = DistributedSampler(data, num_replicas=world, rank=torch.distributed.get_rank())
     else:

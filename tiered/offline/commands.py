@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional, Sequence, TextIO
+from typing import Any, Callable, Optional, Sequence, TextIO
 
 from tiered.errors import ManifestError, StoreLockedError
 from tiered.offline.fsck import FsckReport, check_store, repair_store
@@ -66,16 +66,9 @@ def inspect_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr
     args = _parse(build_inspect_parser(), argv)
     if isinstance(args, int):
         return args
-    paths = stores_in(args.dir)
-    results = [_inspect_one(path, err, quiet=args.json) for path in paths]
-    reports = [report for _, report in results if report is not None]
-    if args.json and reports:
-        dicts = [report.as_dict() for report in reports]
-        print(json.dumps(dicts[0] if len(paths) == 1 else {"stores": dicts}, indent=2), file=out)
-    elif reports:
-        print("\n\n".join("\n".join(inspect_lines(report, encoding=_encoding(out), summary_only=args.summary))
-                           for report in reports), file=out)
-    return max(code for code, _ in results)
+    results = [_inspect_one(path, err, quiet=args.json) for path in stores_in(args.dir)]
+    return _report(results, args.json, out,
+                   lambda report: inspect_lines(report, encoding=_encoding(out), summary_only=args.summary))
 
 
 def _inspect_one(path: str, err: TextIO, *, quiet: bool) -> "tuple[int, Optional[InspectReport]]":
@@ -105,14 +98,19 @@ def fsck_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr: O
     if args.threads < 1:
         print(f"tiered fsck: --threads must be at least 1, got {args.threads}", file=err)
         return EXIT_USAGE
-    paths = stores_in(args.dir)
-    results = [_fsck_one(path, args, err) for path in paths]
+    results = [_fsck_one(path, args, err) for path in stores_in(args.dir)]
+    return _report(results, args.json, out, lambda report: fsck_lines(report, encoding=_encoding(out)))
+
+
+def _report(results: "list[tuple[int, Any]]", as_json: bool, out: TextIO, lines: Callable[[Any], list[str]]) -> int:
+    """Print the reports of the stores a command went through (one JSON object, ``{"stores": [...]}``
+    for several, or each report's text); return the worst exit status."""
     reports = [report for _, report in results if report is not None]
-    if args.json and reports:
+    if as_json and reports:
         dicts = [report.as_dict() for report in reports]
-        print(json.dumps(dicts[0] if len(paths) == 1 else {"stores": dicts}, indent=2), file=out)
+        print(json.dumps(dicts[0] if len(results) == 1 else {"stores": dicts}, indent=2), file=out)
     elif reports:
-        print("\n\n".join("\n".join(fsck_lines(report, encoding=_encoding(out))) for report in reports), file=out)
+        print("\n\n".join("\n".join(lines(report)) for report in reports), file=out)
     return max(code for code, _ in results)
 
 
