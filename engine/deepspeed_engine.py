@@ -14,6 +14,7 @@ else is the engine's: ``model_engine(batch)``, ``backward``, ``step``, ``device`
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from typing import Any, Mapping, Optional
 
@@ -36,11 +37,14 @@ ONE_FILE = 1 << 62
 
 class DeepSpeedEngine(Engine):
     """An :class:`~engine.Engine` whose checkpoint calls take and return what DeepSpeed's do. Made
-    by ``engine.initialize``; ``deepspeed_config`` is the DeepSpeed config it was made from."""
+    by ``engine.initialize``; ``deepspeed_config`` is the DeepSpeed config it was made from, and
+    ``scratch_dir`` the temporary store directory it removes when it closes (None: it keeps its store)."""
 
-    def __init__(self, *args: Any, deepspeed_config: Mapping[str, Any], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, deepspeed_config: Mapping[str, Any], scratch_dir: Optional[str] = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deepspeed_config = dict(deepspeed_config)
+        self._scratch_dir = scratch_dir
         #: Optimizer steps of a plain torch optimizer (``engine.AdamW`` counts its own in the store).
         self._torch_steps = 0
 
@@ -101,6 +105,11 @@ class DeepSpeedEngine(Engine):
     def destroy(self) -> None:
         """DeepSpeed's name for :meth:`close`."""
         self.close()
+
+    def _shutdown(self) -> None:
+        super()._shutdown()
+        if self._scratch_dir is not None:  # the store is closed: nothing reads its files again
+            shutil.rmtree(self._scratch_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ DeepSpeed's checkpoint calls
 

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 from engine.config import EngineConfig
 from engine.deepspeed_config import DeepSpeedConfig, load_deepspeed_config, micro_batch_size
 from engine.deepspeed_engine import DeepSpeedEngine
+from engine.deepspeed_store import DefaultStore, default_store
 from engine.distributed_init import init_distributed, local_rank
 from engine.engine import wrap_as
 from engine.optim_deepspeed import optimizer_from_deepspeed, scheduler_from_deepspeed
@@ -54,7 +55,7 @@ def initialize(
     collate_fn: Optional[Callable[[list[Any]], Any]] = None,
     config: Optional[DeepSpeedConfig] = None,
     *,
-    store: "StoreConfig | str | os.PathLike[str]",
+    store: "StoreConfig | str | os.PathLike[str] | None" = None,
     dist_init_required: Optional[bool] = None,
     config_params: Optional[DeepSpeedConfig] = None,
     init_fn: Optional[InitFn] = None,
@@ -71,7 +72,9 @@ def initialize(
     ``scheduler`` section, as in DeepSpeed. ``training_data``: a dataset, loaded in micro-batches
     of ``train_micro_batch_size_per_gpu`` (shuffled; each rank its own share under torchrun).
     ``store``: where the engine's store lives (a ``tiered.StoreConfig`` or its directory; the
-    config's ``nvme_path`` places the swap files). ``init_fn``/``state_dict``: as for
+    config's ``nvme_path`` places the swap files); by default, as a DeepSpeed script passes none,
+    ``<nvme_path>/tiered``, or a temporary directory removed when the engine closes when nothing
+    is offloaded to NVMe (:func:`engine.deepspeed_store.default_store`). ``init_fn``/``state_dict``: as for
     :func:`engine.wrap` (a model built on the meta device, ``zero.Init``'s counterpart).
 
     As DeepSpeed's, it joins the process group a launcher (``torchrun``) describes when the script
@@ -93,8 +96,29 @@ def initialize(
                              "args.deepspeed_config")
     ds = load_deepspeed_config(config)
     _join_process_group(dist_init_required)  # before the config: the batch sizes involve the world size
-    store_config = store if isinstance(store, StoreConfig) else StoreConfig(path=os.fspath(store))
-    engine_config = EngineConfig.from_deepspeed(ds, store=store_config)
+    default = default_store(ds) if store is None else None
+    try:
+        eng, loader, scheduler = _initialize(model, optimizer, model_parameters, training_data, lr_scheduler,
+                                             collate_fn, ds, store, default, init_fn, state_dict)
+    except BaseException:
+        if default is not None:
+            default.remove()
+        raise
+    return eng, eng.optimizer, loader, scheduler
+
+
+def _initialize(
+    model: nn.Module, optimizer: OptimizerArg, model_parameters: Optional[Iterable[Any]],
+    training_data: Optional[Dataset], lr_scheduler: SchedulerArg, collate_fn: Optional[Callable[[list[Any]], Any]],
+    ds: dict[str, Any], store: "StoreConfig | str | os.PathLike[str] | None", default: Optional[DefaultStore],
+    init_fn: Optional[InitFn], state_dict: Optional[StateDictLike],
+) -> tuple[DeepSpeedEngine, Optional[DataLoader], Any]:
+    """:func:`initialize` after the config is loaded, the process group joined and the store chosen."""
+    if default is not None:
+        engine_config = default.apply(EngineConfig.from_deepspeed(ds, store=default.config))
+    else:
+        store_config = store if isinstance(store, StoreConfig) else StoreConfig(path=os.fspath(store))
+        engine_config = EngineConfig.from_deepspeed(ds, store=store_config)
     if engine_config.compute_device is None:
         device = _compute_device(model, torch.cuda.is_available())
         engine_config = engine_config.replace(compute_device=device) if device is not None else engine_config
@@ -117,15 +141,16 @@ def initialize(
     # Everything that can be refused is checked before wrap, which moves the model's values into the store.
     loader = (_loader(training_data, ds, engine_config.gradient_accumulation_steps, collate_fn)
               if training_data is not None else None)
-    eng = wrap_as(functools.partial(DeepSpeedEngine, deepspeed_config=ds), model, optimizer=optimizer,
-                  config=engine_config, init_fn=init_fn, state_dict=state_dict)
+    scratch = default.scratch if default is not None else None
+    eng = wrap_as(functools.partial(DeepSpeedEngine, deepspeed_config=ds, scratch_dir=scratch), model,
+                  optimizer=optimizer, config=engine_config, init_fn=init_fn, state_dict=state_dict)
     try:
         scheduler = _scheduler(lr_scheduler, ds, eng.optimizer)
         eng.lr_scheduler = scheduler
     except BaseException:
         eng.unwrap()  # the model as it was, values in memory again
         raise
-    return eng, eng.optimizer, loader, scheduler
+    return eng, loader, scheduler
 
 
 def _join_process_group(required: Optional[bool]) -> None:

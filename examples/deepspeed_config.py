@@ -45,7 +45,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     data = TensorDataset(torch.randn(256, 16), torch.randn(256, 1))
     model_engine, optimizer, trainloader, lr_scheduler = engine.initialize(  # was: deepspeed.initialize(
-        args=args, model=net, model_parameters=net.parameters(), training_data=data, store="ds-run")
+        args=args, model=net, model_parameters=net.parameters(), training_data=data)  # store: ds-nvme/tiered
     _, client_sd = model_engine.load_checkpoint(args.save_dir)  # (None, None) and a warning on the first run
     epoch = client_sd["epoch"] + 1 if client_sd else 0
     for x, y in trainloader:

@@ -96,6 +96,7 @@ def test_deepspeed_example_maps_and_refuses_a_typo(tmp_path):
     out = run_example("deepspeed_config.py", cwd=str(tmp_path))
     assert "param_tier='nvme'" in out and "did you mean 'stage3_prefetch_bucket_size'" in out
     assert "DeepSpeed's loop, epoch 0: 64 steps" in out and "(WarmupLR)" in out  # 256 examples, micro-batches of 4
+    assert (tmp_path / "ds-nvme" / "tiered" / "manifest.sqlite").is_file()  # the store under the config's nvme_path
     out = run_example("deepspeed_config.py", cwd=str(tmp_path))  # resumes from the checkpoint it saved
     assert "DeepSpeed's loop, epoch 1: 128 steps" in out
 

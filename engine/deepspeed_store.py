@@ -1,0 +1,67 @@
+"""Where ``engine.initialize`` keeps its store when the script names none, as DeepSpeed scripts do
+not: under the config's ``nvme_path`` when something is offloaded to NVMe, otherwise in a temporary
+directory that lives as long as the engine (DeepSpeed keeps CPU-offloaded state in memory only, so
+such a run has nothing on disk worth keeping)."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import shutil
+import tempfile
+from typing import Any, Mapping, Optional
+
+from engine.config import EngineConfig
+from engine.deepspeed_config import deepspeed_settings
+from tiered import StoreConfig
+
+#: The store's subdirectory of each ``nvme_path``: DeepSpeed's own swap folders stay apart from it.
+SUBDIR = "tiered"
+
+_ZERO = "zero_optimization"
+_NVME_PATH_KEYS = (f"{_ZERO}.offload_param.nvme_path", f"{_ZERO}.offload_optimizer.nvme_path")
+_DEVICE_KEYS = (f"{_ZERO}.offload_param.device", f"{_ZERO}.offload_optimizer.device")
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultStore:
+    """The store a DeepSpeed config implies: ``config``, and ``scratch``, the temporary directory
+    it lives in (None when it lives under the config's ``nvme_path``)."""
+
+    config: StoreConfig
+    scratch: Optional[str]
+
+    def apply(self, engine_config: EngineConfig) -> EngineConfig:
+        """``engine_config`` (mapped from the DeepSpeed config, which points the swap files at each
+        ``nvme_path``) with the swap files in this store's directories instead."""
+        return engine_config.replace(store=engine_config.store.replace(nvme_paths=self.config.nvme_paths))
+
+    def remove(self) -> None:
+        """Delete the scratch directory, if there is one (the store must be closed)."""
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def default_store(ds: Mapping[str, Any]) -> DefaultStore:
+    """The store for the DeepSpeed config ``ds`` when ``engine.initialize`` gets no ``store=``:
+    ``<nvme_path>/tiered`` (swap files striped over each ``nvme_path``'s ``tiered`` folder), or a
+    new temporary directory, removed when the engine closes or, failing that, when the process
+    exits. ``ValueError`` when the config offloads to NVMe without naming where."""
+    found, _ = deepspeed_settings(ds)  # its problems are reported when the whole config is mapped
+    paths = [os.path.abspath(found[k]) for k in _NVME_PATH_KEYS if isinstance(found.get(k), str) and found[k]]
+    if paths:
+        dirs = [os.path.join(p, SUBDIR) for p in dict.fromkeys(paths)]
+        return DefaultStore(StoreConfig(path=dirs[0], nvme_paths=dirs), scratch=None)
+    offloaded = [k for k in _DEVICE_KEYS if found.get(k) == "nvme"]
+    if offloaded:
+        raise ValueError(f"{offloaded[0]} is \"nvme\" but the config names no nvme_path: set "
+                         f"{offloaded[0].rsplit('.', 1)[0]}.nvme_path (DeepSpeed needs it too), or pass "
+                         f"engine.initialize(store=DIR)")
+    scratch = tempfile.mkdtemp(prefix="tiered-store-")
+    # atexit runs after the store's own close at exit (threading's exit hooks come first).
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return DefaultStore(StoreConfig(path=scratch, flush_on_close=False), scratch=scratch)
+
+
+__all__ = ["SUBDIR", "DefaultStore", "default_store"]

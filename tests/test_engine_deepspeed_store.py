@@ -1,0 +1,191 @@
+"""``engine.initialize`` without ``store=``, as DeepSpeed scripts call ``deepspeed.initialize``: the
+store goes under the config's ``nvme_path``, or, with nothing offloaded to NVMe, into a temporary
+directory that is gone once the engine closes or the process exits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+import torch
+
+import engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def ds_config(offload_param: dict, offload_optimizer: dict) -> dict:
+    return {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 3, "offload_param": offload_param, "offload_optimizer": offload_optimizer}}
+
+
+def train_steps(eng: engine.DeepSpeedEngine, steps: int) -> list[float]:
+    losses = []
+    for i in range(steps):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+        loss = eng(x).square().mean()
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses
+
+
+def plain_losses(steps: int) -> list[float]:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for i in range(steps):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+        loss = model(x).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def scratch_dirs(root: str) -> list[str]:
+    return sorted(d for d in os.listdir(root) if d.startswith("tiered-store-"))
+
+
+def test_the_store_goes_under_the_configs_nvme_paths(tmp_path):
+    params, optim = tmp_path / "nvme-params", tmp_path / "nvme-optim"
+    ds = ds_config({"device": "nvme", "nvme_path": str(params)}, {"device": "nvme", "nvme_path": str(optim)})
+    for run in range(2):  # the second run takes the same directory over, as DeepSpeed's swap folders
+        eng, _, _, _ = engine.initialize(model=make_model(), config=ds)
+        try:
+            assert train_steps(eng, 3) == pytest.approx(plain_losses(3), rel=1e-6)
+            assert eng.config.store.path == str(params / "tiered")
+            assert eng.config.store.nvme_paths == (str(params / "tiered"), str(optim / "tiered"))
+            assert os.path.isfile(params / "tiered" / "manifest.sqlite")
+            assert any(name.startswith("swap-") for name in os.listdir(optim / "tiered"))
+            assert sorted(os.listdir(params)) == ["tiered"], run  # nothing of the store's beside its folder
+        finally:
+            eng.close()
+
+
+def test_with_nothing_on_nvme_the_store_is_a_temporary_directory_removed_at_close(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ds = ds_config({"device": "cpu"}, {"device": "cpu"})
+    eng, _, _, _ = engine.initialize(model=make_model(), config=ds)
+    try:
+        assert train_steps(eng, 3) == pytest.approx(plain_losses(3), rel=1e-6)
+        (scratch,) = scratch_dirs(str(tmp_path))
+        assert eng.config.store.path == str(tmp_path / scratch) and not eng.config.store.flush_on_close
+        assert os.path.isfile(tmp_path / scratch / "manifest.sqlite")
+    finally:
+        eng.destroy()
+    assert scratch_dirs(str(tmp_path)) == []
+    assert all(p.device.type == "meta" for p in eng.module.parameters())  # closed, as close() leaves them
+
+    # unwrap keeps the values in the model, then removes the directory all the same
+    model = make_model()
+    eng, _, _, _ = engine.initialize(model=model, config=ds)
+    eng.unwrap()
+    assert scratch_dirs(str(tmp_path)) == []
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), make_model().parameters()))
+
+
+def test_a_refused_config_leaves_no_directory_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    bad = {**ds_config({"device": "cpu"}, {"device": "cpu"}), "no_such_key": 1}
+    with pytest.raises(ValueError, match="no_such_key"):
+        engine.initialize(model=make_model(), config=bad)
+    with pytest.raises(ValueError, match=r"offload_param.device is \"nvme\" but the config names no nvme_path"):
+        engine.initialize(model=make_model(), config=ds_config({"device": "nvme"}, {"device": "cpu"}))
+    assert scratch_dirs(str(tmp_path)) == []
+
+
+def test_a_script_that_never_closes_leaves_no_directory_behind(tmp_path):
+    """DeepSpeed scripts end without destroy(): the temporary store goes when the process exits."""
+    script = textwrap.dedent("""
+        import torch, engine
+        model = torch.nn.Linear(8, 2)
+        ds = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+        eng, _, _, _ = engine.initialize(model=model, config=ds)
+        eng.backward(eng(torch.ones(2, 8)).sum())
+        eng.step()
+        print(eng.config.store.path)
+    """)
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(str(tmp_path / "tiered-store-")), done.stdout
+    assert scratch_dirs(str(tmp_path)) == []
+
+
+# ---------------------------------------------------------------------------- ZeRO-Inference
+
+
+def inference_config(nvme: str, world: int) -> dict:
+    """The config of DeepSpeed's ZeRO-Inference examples (transformers' "non-Trainer DeepSpeed
+    integration"): stage 3, parameters on NVMe, no optimizer."""
+    return {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 2000,
+            "wall_clock_breakdown": False,
+            "zero_optimization": {
+                "stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True},
+                "overlap_comm": True, "contiguous_gradients": True,
+                "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}}
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).eval()
+
+
+def generate(model: torch.nn.Module, prompt: torch.Tensor, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
+
+
+PROMPTS = torch.tensor([[1, 2, 3], [4, 5, 6]])
+
+
+def test_zero_inference_script_generates_what_the_plain_model_does(tmp_path):
+    pytest.importorskip("transformers")
+    expected = generate(tiny_gpt2(), PROMPTS)
+    ds_engine = engine.initialize(model=tiny_gpt2(), config_params=inference_config(str(tmp_path / "nvme"), 1))[0]
+    try:
+        ds_engine.module.eval()
+        assert ds_engine.optimizer is None
+        assert torch.equal(generate(ds_engine.module, PROMPTS.to(ds_engine.device)), expected)
+        assert os.path.isfile(tmp_path / "nvme" / "tiered" / "manifest.sqlite")
+    finally:
+        ds_engine.destroy()
+
+
+def _zero_inference_rank(rank: int, nvme: str) -> None:
+    """Each rank its own prompt, generating with synced_gpus=True as DeepSpeed's examples do (the
+    ranks keep calling forward together until every one is done)."""
+    world = int(os.environ["WORLD_SIZE"])
+    prompt = PROMPTS[rank:rank + 1]
+    expected = generate(tiny_gpt2(), prompt)
+    ds_engine = engine.initialize(model=tiny_gpt2(), config_params=inference_config(nvme, world))[0]  # joins the group
+    try:
+        assert ds_engine.world_size == world
+        ds_engine.module.eval()
+        assert torch.equal(generate(ds_engine.module, prompt, synced_gpus=True), expected)
+        assert os.path.isdir(os.path.join(nvme, "tiered", f"rank{rank}"))
+    finally:
+        ds_engine.destroy()
+
+
+def test_zero_inference_at_two_ranks_under_a_launcher(tmp_path):
+    pytest.importorskip("transformers")
+    from test_engine_distributed import run_ranks
+
+    run_ranks(_zero_inference_rank, str(tmp_path / "nvme"), join=False)
