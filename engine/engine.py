@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine import checkpoint, export
+from engine import checkpoint, export, full_state
 from engine.accumulation import GradientAccumulation
 from engine.backward import BackwardTracker, SavedTensorHooks, register_grad_final_hooks
 from engine.collectives import Collectives, group_rank_and_world
@@ -343,6 +343,64 @@ class Engine:
                     shard.master_key, master, self._config.optimizer_tier,
                     compress=True if self._config.compress_optimizer else None,
                 )
+
+    # ------------------------------------------------------------------ one parameter's whole state
+
+    def full_fp32_param(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """The fp32 weights of ``param`` the next step starts from (``engine.AdamW``'s master; before
+        the parameter's first step, or with a torch optimizer, its value in fp32), whole, on the
+        compute device; None for a frozen parameter. DeepSpeed's ``safe_get_full_fp32_param``. Like
+        every ``full_*`` call: between steps, and at world size > 1 on every rank (it gathers)."""
+        return full_state.full_fp32_param(self._full_state_parts(), self._handle_of(param))
+
+    def full_grad(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """The fp32 gradient of ``param`` the next step will use: accumulated over the window's
+        micro-batches, averaged over ranks, without the fp16 loss scale; None when it has none (the
+        model's ``.grad`` is None under ``engine.AdamW``: the gradients are in the store).
+        DeepSpeed's ``safe_get_full_grad``."""
+        return full_state.full_grad(self._full_state_parts(), self._handle_of(param))
+
+    def full_optimizer_state(self, param: nn.Parameter, key: str) -> Optional[torch.Tensor]:
+        """The optimizer state ``key`` of ``param``, whole: ``"exp_avg"`` or ``"exp_avg_sq"`` under
+        ``engine.AdamW`` (zeros before the parameter's first step), any key of a torch optimizer's
+        ``state[param]``. DeepSpeed's ``safe_get_full_optimizer_state``."""
+        return full_state.full_optimizer_state(self._full_state_parts(), self._handle_of(param), key)
+
+    def set_full_fp32_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Set ``param`` to ``value`` (its shape): the parameter in the training dtype, so the next
+        forward uses it, and ``engine.AdamW``'s fp32 master exactly (DeepSpeed's
+        ``safe_set_full_fp32_param`` sets the master alone, which its next step copies into the
+        parameter). Every rank passes the same value."""
+        handle = self._handle_of(param)
+        full_state.check_value(handle, value)
+        with self.gathered([param], writeback=True), torch.no_grad():
+            param.copy_(value)
+        full_state.set_full_fp32_param(self._full_state_parts(), handle, value)
+
+    def set_full_grad(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Make ``value`` (``param``'s shape) the gradient the next step uses, as
+        ``param.grad.copy_(value)`` before a plain step (a later backward adds to it). Every rank
+        passes the same value (the averaged gradient). DeepSpeed's ``safe_set_full_grad``."""
+        full_state.set_full_grad(self._full_state_parts(), self._handle_of(param), value)
+
+    def set_full_optimizer_state(self, param: nn.Parameter, value: torch.Tensor, key: str) -> None:
+        """Make ``value`` (``param``'s shape) the optimizer state ``key`` of ``param``; under
+        ``engine.AdamW`` once the parameter has taken a step. Every rank passes the same value.
+        DeepSpeed's ``safe_set_full_optimizer_state``."""
+        full_state.set_full_optimizer_state(self._full_state_parts(), self._handle_of(param), value, key)
+
+    def _full_state_parts(self) -> checkpoint.EngineParts:
+        self._check_open()
+        if self._training is not None:
+            self._training.grads.flush()  # backward's last puts, and any error they had
+        return self._checkpoint_parts()
+
+    def _handle_of(self, param: object) -> ParamHandle:
+        handle = self._by_id.get(id(param)) if isinstance(param, nn.Parameter) else None
+        if handle is None:
+            what = f"shape {tuple(param.shape)}" if isinstance(param, torch.Tensor) else type(param).__name__
+            raise ValueError(f"not a parameter of the wrapped model ({what}); pass one of model.parameters()")
+        return handle
 
     def drop_prefetched(self) -> None:
         """Free every parameter prefetched ahead of its next use, so the next forward starts cold

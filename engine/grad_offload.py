@@ -114,6 +114,26 @@ class GradOffload:
         self.norms.clear()
         delete_keys(self._store, [grad_key(n) for n in names])
 
+    def current(self, name: str) -> bool:
+        """True when ``name`` has a gradient for the next step: stored since the last step or
+        ``zero_grad`` (waits for its put)."""
+        with self._lock:
+            self._wait(grad_key(name))
+            return not self._consumed and name in self.names
+
+    def replace(self, handle: ParamHandle, shard: torch.Tensor) -> None:
+        """Make ``shard`` (this rank's fp32 gradient shard, already scaled as backward's are) the
+        stored gradient of ``handle``, as ``param.grad.copy_(value)`` would; a later backward adds to
+        it. After a step, that step's gradients go first, as the next backward would drop them."""
+        key = grad_key(handle.name)
+        with self._lock:
+            if self._consumed:
+                self._drop_locked()
+            self._wait(key)
+            self._store.sync.put(key, shard, self._tier)
+            self.norms[handle.name] = shard_norms([shard])[0]
+            self.names[handle.name] = None
+
     def has_grad(self, name: str) -> bool:
         """True when a gradient shard of ``name`` is stored (call after :meth:`flush`)."""
         return grad_key(name) in self._store

@@ -79,17 +79,19 @@ class ShardIO:
     def write(self, handle: ParamHandle) -> "concurrent.futures.Future[None]":
         """Start writing ``handle``'s materialized value as its shard (this rank's slice of it); the
         storage must stay as it is until the future is done."""
-        layout = handle.layout
-        if layout.is_whole:
+        if handle.layout.is_whole:
             return self.store.sync.put_future(handle.key, handle.flat, self.tier)
-        start = min(layout.shard_offset, layout.numel)
-        end = min(layout.shard_offset + layout.shard_numel, layout.numel)
-        piece = handle.flat[start:end]
-        if piece.numel() != layout.shard_numel:  # the last ranks' shards end in padding
-            padded = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=piece.device)
-            padded[: piece.numel()] = piece
-            piece = padded
-        return self.store.sync.put_future(handle.key, piece, self.tier)
+        return self.store.sync.put_future(handle.key, _shard_of(handle.layout, handle.flat), self.tier)
+
+    def shard_of(self, handle: ParamHandle, value: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``value``, a whole tensor of the parameter's shape (any dtype): the
+        elements :meth:`write` would put for it, flat, padded with zeros where the shard runs past
+        the end. Local: no collective."""
+        layout = handle.layout
+        assert tuple(value.shape) == tuple(layout.shape), (handle.name, tuple(value.shape))
+        ordered = layout.unflatten(torch.empty(layout.numel, dtype=value.dtype, device=value.device)).copy_(value)
+        flat = layout.flat_view(ordered)
+        return flat if layout.is_whole else _shard_of(layout, flat)
 
     def grad_shard(self, handle: ParamHandle, grad: torch.Tensor) -> torch.Tensor:
         """The fp32 gradient shard this rank keeps, given the parameter's full gradient ``grad``
@@ -203,6 +205,19 @@ class ShardIO:
             if gathered is not flat:
                 flat.copy_(gathered[:numel])
         return flat
+
+
+def _shard_of(layout: ShardLayout, flat: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the whole flat parameter value ``flat``: a view, or a zero-padded copy for
+    the last ranks' shards, which run past its end."""
+    start = min(layout.shard_offset, layout.numel)
+    end = min(layout.shard_offset + layout.shard_numel, layout.numel)
+    piece = flat[start:end]
+    if piece.numel() != layout.shard_numel:
+        padded = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
+        padded[: piece.numel()] = piece
+        piece = padded
+    return piece
 
 
 def _device_of(tensor: torch.Tensor) -> "contextlib.AbstractContextManager[object]":

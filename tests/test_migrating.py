@@ -17,12 +17,12 @@ def code_blocks() -> list[str]:
         return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
 
 
-def test_the_page_has_its_ten_examples():
-    assert len(code_blocks()) == 10
+def test_the_page_has_its_eleven_examples():
+    assert len(code_blocks()) == 11
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's own call
-@pytest.mark.parametrize("index", range(10))
+@pytest.mark.parametrize("index", range(11))
 def test_migrating_example_runs(index, tmp_path, capsys):
     source = code_blocks()[index].replace("/nvme/", f"{tmp_path}/")
     # engine.initialize's block loads before its first save, as DeepSpeed scripts do: (None, None) and a warning
@@ -42,11 +42,14 @@ def test_migrating_example_runs(index, tmp_path, capsys):
         assert re.search(r"loss \d+\.\d+, scale \d+, skipped [1-9]\d*, lr ", out), out
     if index == 6:
         assert "released by the tiered engine" in out and "eng.gathered" in out
-    if index == 7:
+    if index == 7:  # DeepSpeed's safe_get_full_*: a gradient for each of the 4 parameters, then the state
+        assert len(re.findall(r"^\d\.(weight|bias) \d+\.\d+", out, flags=re.M)) == 4, out
+        assert "torch.Size([8, 8])" in out, out
+    if index == 8:
         assert re.search(r"tensor\(\[\[ *1, +2, +3,", out), out  # the prompt, then what was generated
-    if index == 8:  # engine.from_pretrained
+    if index == 9:  # engine.from_pretrained
         assert re.search(r"tensor\(\[\[ *1, +2, +3,", out), out
-    if index == 9:  # LoRA over a meta base: the adapter of 2 blocks, lora_A and lora_B each
+    if index == 10:  # LoRA over a meta base: the adapter of 2 blocks, lora_A and lora_B each
         assert re.search(r"loss \d+\.\d+, adapter tensors 4", out), out
     if index == 0:
         assert os.path.isfile(tmp_path / "model.pt") and os.path.isfile(tmp_path / "ckpt" / "step4" / "metadata.json")
