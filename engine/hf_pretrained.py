@@ -7,6 +7,11 @@ engine's hooks, so the model may be larger than memory::
         store=tiered.StoreConfig(path="/nvme/qwen")))
     eng.model.generate(ids, max_new_tokens=20)
 
+or with accelerate's arguments as a carried-over call has them::
+
+    eng = engine.from_pretrained("Qwen/Qwen2.5-0.5B", device_map="auto", offload_folder="/nvme/qwen",
+                                 max_memory={0: "20GiB", "cpu": "60GiB"})
+
 The model is built on the meta device from its ``config.json`` and filled one tensor at a time
 from its weights files (safetensors or ``pytorch_model.bin``, sharded or not, converted as
 transformers 5 converts them), in the checkpoint's dtype as ``from_pretrained`` keeps it, in
@@ -17,12 +22,13 @@ Hub with ``huggingface_hub.snapshot_download`` (config, weights, tokenizer files
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine, wrap
+from engine.hf_device_map import accelerate_config
 from engine.hf_weights import WEIGHT_FILES
 
 #: What is fetched from the Hub: configs and weights (safetensors first; torch files only without them).
@@ -32,7 +38,7 @@ HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
 def from_pretrained(
     name_or_path: "str | os.PathLike[str]",
     *,
-    config: EngineConfig,
+    config: Optional[EngineConfig] = None,
     model_class: Any = None,
     dtype: "torch.dtype | str | None" = "auto",
     optimizer: Optional[torch.optim.Optimizer] = None,
@@ -43,6 +49,10 @@ def from_pretrained(
     attn_implementation: Optional[str] = None,
     cache_dir: "str | os.PathLike[str] | None" = None,
     token: "str | bool | None" = None,
+    device_map: Any = None,
+    max_memory: Optional[Mapping[Any, Any]] = None,
+    offload_folder: "str | os.PathLike[str] | None" = None,
+    low_cpu_mem_usage: Optional[bool] = None,
 ) -> Engine:
     """A Hugging Face model wrapped by the engine, its weights read from ``name_or_path`` (a
     ``save_pretrained`` directory, or a Hub name) into ``config``'s store one tensor at a time.
@@ -54,8 +64,17 @@ def from_pretrained(
     older transformers name. ``attn_implementation`` (``"sdpa"``, ``"eager"``, ...), ``revision``,
     ``cache_dir``, ``token``, ``trust_remote_code``, ``local_files_only``: as transformers' own.
     ``optimizer``: as for :func:`engine.wrap` (an ``engine.AdamW`` binds to the model when built
-    without parameters). The model is ``eng.model``, in eval mode."""
+    without parameters). The model is ``eng.model``, in eval mode.
+
+    accelerate's big-model arguments carry over (``engine.hf_device_map``): ``offload_folder`` is
+    the store's directory when there is no ``config``; ``max_memory`` ({GPU index, ``"cpu"``,
+    ``"disk"``: size}) sets the store's budget per tier; ``device_map`` (``"auto"``, or a device)
+    picks the compute device, the local GPU under ``"auto"`` when there is one. ``low_cpu_mem_usage``
+    is accepted: the weights are always read one tensor at a time."""
     import transformers
+
+    config = accelerate_config(config, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
+    del low_cpu_mem_usage  # always low: one tensor in memory at a time
 
     if torch_dtype is not None:
         if dtype != "auto":

@@ -3,8 +3,10 @@ directory (model.safetensors.index.json) loaded into a meta-device model, agains
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -385,3 +387,52 @@ def test_tiered_export_with_the_config_writes_save_pretrained_s_layout(tmp_path,
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, ref(ids).logits)
+
+
+def test_from_pretrained_takes_accelerates_big_model_arguments(tmp_path):
+    """A call carried over from from_pretrained(device_map="auto", max_memory=..., offload_folder=...):
+    the folder is the store, max_memory its budgets, "auto" the local compute device."""
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.tensor([[5, 6, 7]])
+    no_gpu = contextlib.nullcontext() if torch.cuda.is_available() else pytest.warns(UserWarning, match=r"for \[0\]")
+    with no_gpu:
+        eng = engine.from_pretrained(tmp_path / "hf", device_map="auto", offload_folder=tmp_path / "offload",
+                                     max_memory={0: "1GiB", "cpu": "64MiB", "disk": "2GB"}, low_cpu_mem_usage=True,
+                                     torch_dtype=torch.float32)
+    with eng:
+        store = eng.config.store
+        assert store.path == str(tmp_path / "offload") and os.path.isfile(tmp_path / "offload" / "manifest.sqlite")
+        assert (store.host_bytes, store.nvme_bytes) == (64 << 20, 2 * 10**9)
+        assert eng.config.compute_device == ("cuda:0" if torch.cuda.is_available() else "cpu")
+        assert store.device_bytes == (1 << 30 if torch.cuda.is_available() else 0)  # no GPU: its entry unused
+        assert torch.equal(eng.model.generate(ids, do_sample=False, max_new_tokens=4),
+                           ref.generate(ids, do_sample=False, max_new_tokens=4))
+    with pytest.raises(ValueError, match="needs config=engine.EngineConfig"):
+        engine.from_pretrained(tmp_path / "hf", device_map="auto")
+    with pytest.raises(ValueError, match="both name the store"):
+        engine.from_pretrained(tmp_path / "hf", config=engine_config(tmp_path / "x"), offload_folder=tmp_path / "y")
+    with pytest.raises(ValueError, match="a device_map dict"):
+        engine.from_pretrained(tmp_path / "hf", offload_folder=tmp_path / "z", device_map={"": 0})
+    with pytest.raises(ValueError, match=r"'20 gigs' is not a size"):
+        engine.from_pretrained(tmp_path / "hf", offload_folder=tmp_path / "z", max_memory={"cpu": "20 gigs"})
+    with pytest.raises(ValueError, match="unknown key 'mps:0'"):
+        engine.from_pretrained(tmp_path / "hf", offload_folder=tmp_path / "z", max_memory={"mps:0": 1})
+
+
+def test_accelerates_sizes_and_device_maps():
+    from engine.hf_device_map import _compute_device, parse_size
+
+    assert parse_size("20GiB") == 20 << 30 and parse_size("20GB") == 20 * 10**9 and parse_size("512mib") == 512 << 20
+    assert parse_size(1000) == parse_size("1000") == 1000 and parse_size("1.5GiB") == 3 << 29
+    for bad in (-1, True, "GiB", "10 XB", None):
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_size(bad)
+    assert _compute_device("auto", cuda_available=True) == "cuda:0"
+    assert _compute_device("sequential", cuda_available=False) == "cpu"
+    assert _compute_device("cpu", cuda_available=True) == "cpu" and _compute_device(1, cuda_available=True) == "cuda:1"
+    assert _compute_device("cuda:1", cuda_available=True) == "cuda:1" and _compute_device(None, True) is None
+    with pytest.raises(ValueError, match="neither one of"):
+        _compute_device("everywhere", cuda_available=True)

@@ -1,0 +1,128 @@
+"""accelerate's big-model arguments of ``from_pretrained`` (``device_map``, ``max_memory``,
+``offload_folder``) as an :class:`EngineConfig`, so a call carried over from
+``AutoModelForCausalLM.from_pretrained(name, device_map="auto", max_memory={0: "20GiB", "cpu":
+"60GiB"}, offload_folder="offload")`` runs as ``engine.from_pretrained(...)`` unchanged.
+
+There is no device map to compute: every weight lives in the store and is fetched to the one
+compute device just before its module runs. So ``device_map`` only names that device, ``max_memory``
+becomes the store's budget per tier (the compute device's entry, ``"cpu"``, ``"disk"``), and
+``offload_folder`` the store's directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Any, Mapping, Optional
+
+import torch
+
+from engine.config import EngineConfig
+from engine.distributed_init import local_rank
+from tiered import StoreConfig
+
+#: ``device_map`` strings accelerate accepts that spread a model over what is available.
+SPREAD_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def accelerate_config(
+    config: Optional[EngineConfig], *, device_map: Any = None, max_memory: Optional[Mapping[Any, Any]] = None,
+    offload_folder: "str | os.PathLike[str] | None" = None,
+) -> EngineConfig:
+    """``config`` with accelerate's arguments applied, or a new EngineConfig whose store is
+    ``offload_folder`` when ``config`` is None. ``ValueError`` for neither (or both) of ``config``
+    and ``offload_folder``, a device map given as a dict, or a size or key ``max_memory`` cannot
+    have."""
+    if config is None:
+        if offload_folder is None:
+            raise ValueError("from_pretrained needs config=engine.EngineConfig(store=...) or offload_folder=DIR "
+                             "(accelerate's name for where offloaded weights go: here the store's directory)")
+        config = EngineConfig(store=StoreConfig(path=os.fspath(offload_folder)))
+    elif offload_folder is not None:
+        raise ValueError(f"from_pretrained: offload_folder={os.fspath(offload_folder)!r} and config= both name the "
+                         f"store (config's is {config.store.path!r}): pass one")
+    if config.compute_device is None:
+        device = _compute_device(device_map, torch.cuda.is_available())
+        if device is not None:
+            config = config.replace(compute_device=device)
+    if max_memory is not None:
+        config = config.replace(store=_budgets(config.store, max_memory, config.compute_device))
+    return config
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string as accelerate writes them: ``"20GiB"`` (powers of 2),
+    ``"20GB"`` (powers of 10), ``"512MiB"``, ``"1000"``."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", value.upper())
+        if match:
+            return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+    raise ValueError(f"max_memory: {value!r} is not a size (bytes, or a string such as '20GiB' or '500MB')")
+
+
+def _compute_device(device_map: Any, cuda_available: bool) -> Optional[str]:
+    """The compute device ``device_map`` names: a GPU (this process's, under a launcher) for the
+    spreading maps when CUDA is there, else the device given; None leaves the model's own."""
+    if device_map is None:
+        return None
+    if isinstance(device_map, Mapping):
+        raise ValueError("from_pretrained: a device_map dict places each module on a device, but the engine keeps "
+                         "every weight in the store and fetches it to one compute device just in time; pass "
+                         "device_map='auto' (or a device) and max_memory= for the store's budgets")
+    if isinstance(device_map, str) and device_map in SPREAD_MAPS:
+        return f"cuda:{local_rank()}" if cuda_available else "cpu"
+    if isinstance(device_map, int) and not isinstance(device_map, bool):
+        return f"cuda:{device_map}"
+    try:
+        return str(torch.device(device_map))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"from_pretrained: device_map={device_map!r} is neither one of {SPREAD_MAPS} nor a "
+                         f"device") from None
+
+
+def _budgets(store: StoreConfig, max_memory: Mapping[Any, Any], compute_device: Optional[str]) -> StoreConfig:
+    """The store with its tier budgets from ``max_memory``: the compute device's GPU entry (an
+    index or ``"cuda:N"``) -> device tier, ``"cpu"`` -> host tier, ``"disk"`` -> nvme tier."""
+    if not isinstance(max_memory, Mapping):
+        raise TypeError(f"max_memory must be a dict such as {{0: '20GiB', 'cpu': '60GiB'}}, got "
+                        f"{type(max_memory).__name__}")
+    device = torch.device(compute_device) if compute_device is not None else None
+    budgets: dict[str, int] = {}
+    unused: list[Any] = []
+    for key, value in max_memory.items():
+        size = parse_size(value)
+        if key == "cpu":
+            budgets["host_bytes"] = size
+        elif key == "disk":
+            budgets["nvme_bytes"] = size
+        elif _gpu_index(key) is not None:
+            if device is not None and device.type == "cuda" and (device.index or 0) == _gpu_index(key):
+                budgets["device_bytes"] = size
+            else:
+                unused.append(key)
+        else:
+            raise ValueError(f"max_memory: unknown key {key!r}; use a GPU index (0, 1, ...), 'cpu' or 'disk'")
+    if unused:
+        warnings.warn(f"max_memory: the engine computes on {compute_device or 'the CPU'} only (one device per "
+                      f"process; torchrun starts one per GPU), so the entries for {unused} are not used",
+                      UserWarning, stacklevel=4)
+    return store.replace(**budgets)
+
+
+def _gpu_index(key: Any) -> Optional[int]:
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    if isinstance(key, str):
+        match = re.fullmatch(r"cuda:(\d+)", key)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+__all__ = ["SPREAD_MAPS", "accelerate_config", "parse_size"]
