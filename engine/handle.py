@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from engine.layout import ShardLayout
-from engine.released import mark_closed, released_class
+from engine.released import mark_closed, mark_grads_in_store, released_class
 from engine.stats import MemoryMeter
 
 
@@ -63,6 +63,11 @@ class ParamHandle:
         self.flat = layout.flat_view(param.detach())
         self._own_class = type(param)
         self._released_class = released_class(self._own_class, names[0])
+
+    def mark_grads_in_store(self) -> None:
+        """The parameter's gradients go to the store (``engine.AdamW``): while it is released, torch's
+        gradient clipping, which would find no ``.grad`` and clip nothing, is refused with what to call."""
+        mark_grads_in_store(self._released_class)
 
     @property
     def name(self) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.parallel.distributed
+import torch.nn.utils.clip_grad
 from torch import nn
 
 from engine.access_mode import reads_data
@@ -34,8 +35,11 @@ _ALSO_METADATA = frozenset({"_has_compatible_shallow_copy_type", "is_leaf", "__s
 #: Attributes of the released class (set per parameter by :func:`released_class`).
 _NAME_ATTR = "_tiered_name"
 _CLOSED_ATTR = "_tiered_closed"
+_GRADS_ATTR = "_tiered_grads_in_store"
 #: DistributedDataParallel's source file: its constructor broadcasts every parameter's values.
 _DDP_FILE = torch.nn.parallel.distributed.__file__
+#: torch's gradient clipping (``clip_grad_norm_``, ``clip_grad_value_``), which reads ``param.grad``.
+_CLIP_FILE = torch.nn.utils.clip_grad.__file__
 
 
 class ReleasedParameterError(RuntimeError):
@@ -57,6 +61,7 @@ def released_class(base: type, name: str) -> type:
             "__module__": __name__,
             _NAME_ATTR: name,
             _CLOSED_ATTR: False,
+            _GRADS_ATTR: False,
         },
     )
 
@@ -72,6 +77,14 @@ def mark_closed(cls: type) -> None:
     setattr(cls, _CLOSED_ATTR, True)
 
 
+def mark_grads_in_store(cls: type) -> None:
+    """Parameters of class ``cls`` have their gradients in the store (``engine.AdamW``), so their
+    ``.grad`` stays None: torch's gradient clipping, which would find nothing and clip nothing,
+    is refused on them."""
+    assert is_released_class(cls), cls
+    setattr(cls, _GRADS_ATTR, True)
+
+
 def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
     kwargs = kwargs or {}
     name = getattr(func, "__name__", None)
@@ -84,6 +97,8 @@ def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: 
         return args[0]
     if name in ("__set__", "__delete__") and descriptor != "data":
         return _run(func, args, kwargs)  # p.grad = None, p.requires_grad = False, ...
+    if name == "__get__" and descriptor == "grad" and getattr(cls, _GRADS_ATTR, False) and _called_from(_CLIP_FILE):
+        raise ReleasedParameterError(_clip_message(cls))
     if name in _ALSO_METADATA or not reads_data(func):
         return _run(func, args, kwargs)
     raise ReleasedParameterError(_message(cls, f"{name if descriptor is None else descriptor}"))
@@ -158,11 +173,25 @@ def _message(cls: type, what: str) -> str:
     )
 
 
+def _clip_message(cls: type) -> str:
+    return (
+        f"torch.nn.utils' gradient clipping finds no gradient on {getattr(cls, _NAME_ATTR, '?')!r}: with "
+        "engine.AdamW the gradients are in the store (param.grad stays None), so it would clip nothing and return "
+        "0. Call eng.clip_grad_norm_(max_norm) instead (with accelerate, in place of "
+        "accelerator.clip_grad_norm_(model.parameters(), max_norm)); eng.full_grad(param) reads a gradient."
+    )
+
+
 def _called_by_ddp() -> bool:
     """True when DistributedDataParallel's own code is on the stack (only asked when raising)."""
+    return _called_from(_DDP_FILE)
+
+
+def _called_from(filename: str) -> bool:
+    """True when code of the source file ``filename`` is on the stack."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_filename == _DDP_FILE:
+        if frame.f_code.co_filename == filename:
             return True
         frame = frame.f_back
     return False

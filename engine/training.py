@@ -129,6 +129,9 @@ class Training:
         self._params = [
             _Param(h.name, h.layout.shard_numel, h.layout.dtype, h.key, groups[h.name]) for h in handles if h.trainable
         ]
+        for handle in handles:
+            if handle.trainable:
+                handle.mark_grads_in_store()
         self._prefetch = StatePrefetch(self._store, config.optimizer_prefetch_groups, config.optimizer_group_bytes)
         #: The running loss scale (None without ``EngineConfig.loss_scaling``).
         self.scaler: Optional[LossScaler] = (

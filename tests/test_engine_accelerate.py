@@ -259,3 +259,37 @@ def test_save_state_and_load_state_carry_the_engine_checkpoint(tmp_path):
             accelerator.load_state(str(tmp_path / "state"))
     finally:
         eng.close()
+
+
+def batch_of_one() -> dict[str, torch.Tensor]:
+    return {k: v[None] for k, v in examples()[0].items()}
+
+
+def test_clipping_through_accelerate_or_torch_is_refused_where_it_would_clip_nothing(tmp_path):
+    """With engine.AdamW the gradients are in the store: accelerate's clip_grad_norm_ (and torch's,
+    which it calls) would see no .grad, return 0 and leave the step unclipped, so it raises and names
+    eng.clip_grad_norm_. With a torch optimizer the gradients are .grad, and torch's clipping runs."""
+    AcceleratorState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    model = GPT2LMHeadModel(CONFIG)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(store=store_config(tmp_path)))
+    try:
+        accelerator.backward(model(**batch_of_one()).loss)
+        with pytest.raises(ReleasedParameterError, match=r"clip nothing and return 0\. Call eng\.clip_grad_norm_"):
+            accelerator.clip_grad_norm_(model.parameters(), CLIP)
+        with pytest.raises(ReleasedParameterError, match="finds no gradient on 'transformer.wte.weight'"):
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
+        assert eng.clip_grad_norm_(CLIP) > 0  # the call that clips
+        eng.step()
+    finally:
+        eng.close()
+        AcceleratorState._reset_state()
+
+    model = GPT2LMHeadModel(CONFIG)
+    eng = engine.wrap(model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                      config=engine.EngineConfig(store=store_config(tmp_path / "torch")))
+    try:
+        model(**batch_of_one()).loss.backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > 0
+    finally:
+        eng.close()
