@@ -13,6 +13,7 @@ scheduler = scheduler_from_deepspeed("ds.json", optimizer)   # None when the JSO
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -118,7 +119,12 @@ def optimizer_from_deepspeed(ds_config: DeepSpeedConfig, model_parameters: Optio
     decay = TORCH_WEIGHT_DECAY if params.pop("torch_adam", False) else DEEPSPEED_WEIGHT_DECAY
     params.setdefault("weight_decay", decay)
     params.pop("adam_w_mode", None)
-    return AdamW(model_parameters, **params)
+    optimizer = AdamW(model_parameters, **params)
+    autos = _auto_params(section, "optimizer")
+    if autos:
+        used = ", ".join(f"{k}={optimizer.defaults[k]!r}" for k in autos if k in optimizer.defaults)
+        _warn_auto("optimizer", autos, f"DeepSpeed's defaults: {used}")
+    return optimizer
 
 
 def scheduler_from_deepspeed(ds_config: DeepSpeedConfig, optimizer: torch.optim.Optimizer) -> Optional[LRScheduler]:
@@ -133,7 +139,25 @@ def scheduler_from_deepspeed(ds_config: DeepSpeedConfig, optimizer: torch.optim.
     cls, params, problems = _scheduler_settings(section, "scheduler")
     _raise(problems)
     assert cls is not None
+    autos = _auto_params(section, "scheduler")
+    if autos:
+        _warn_auto("scheduler", autos, f"the defaults of {cls.__name__}")
     return cls(optimizer, **params)
+
+
+def _auto_params(section: Mapping[str, Any], path: str) -> list[str]:
+    """The section's ``params`` set to ``"auto"``."""
+    params = section.get("params")
+    return [k for k, v in params.items() if v == "auto"] if isinstance(params, Mapping) else []
+
+
+def _warn_auto(path: str, names: list[str], taken: str) -> None:
+    """``"auto"`` is the Hugging Face Trainer's placeholder, which it fills from its TrainingArguments
+    (a learning rate of 5e-5 by default); here there are none to fill it from, so say what is used."""
+    warnings.warn(
+        f"{path}.params {', '.join(names)}: \"auto\" is the Hugging Face Trainer's placeholder, filled from its "
+        f"TrainingArguments; built here without them, so these take {taken}. Set them in the config to choose",
+        UserWarning, stacklevel=3)
 
 
 def _optimizer_settings(section: Mapping[str, Any], path: str) -> tuple[dict[str, Any], list[str]]:

@@ -473,9 +473,12 @@ def test_a_full_hugging_face_style_config(store, tmp_path):
         store.replace(nvme_paths=(nvme,), block_size=262144, queue_depth=32, io_threads=32),
         param_tier="nvme", optimizer_tier="nvme", optimizer_group_bytes=4_000_000_000,
     )
-    opt = optimizer_from_deepspeed(config)
+    # "auto" is the Hugging Face Trainer's to fill: without it DeepSpeed's defaults are used, and said
+    with pytest.warns(UserWarning, match=r"lr, betas, eps, weight_decay: \"auto\".* lr=0\.001, betas=\(0\.9, 0\.999\)"):
+        opt = optimizer_from_deepspeed(config)
     assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["weight_decay"] == 0.0
-    assert isinstance(scheduler_from_deepspeed(config, opt), WarmupLR)
+    with pytest.warns(UserWarning, match="warmup_min_lr, warmup_max_lr, warmup_num_steps: .* defaults of WarmupLR"):
+        assert isinstance(scheduler_from_deepspeed(config, opt), WarmupLR)
     assert os.fspath(nvme) in engine_config.store.nvme_paths
 
 
