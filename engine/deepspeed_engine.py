@@ -7,7 +7,8 @@ A DeepSpeed script's checkpoint code runs as written::
     model_engine.save_checkpoint(args.save_dir, client_state=client_sd)   # tag global_step<N>
 
 and so do its bookkeeping calls (``global_steps``, ``global_samples``, ``train_batch_size()``,
-``gradient_accumulation_steps()``, ``fp16_enabled()``, ...) and ``save_16bit_model``. Everything
+``gradient_accumulation_steps()``, ``fp16_enabled()``, ...) and ``save_16bit_model``; what it does not
+have goes to the model (``model_engine.generate(...)``), as DeepSpeed's engine forwards it. Everything
 else is the engine's: ``model_engine(batch)``, ``backward``, ``step``, ``device``, ``local_rank``.
 """
 
@@ -47,6 +48,19 @@ class DeepSpeedEngine(Engine):
         self._scratch_dir = scratch_dir
         #: Optimizer steps of a plain torch optimizer (``engine.AdamW`` counts its own in the store).
         self._torch_steps = 0
+
+    def __getattr__(self, name: str) -> Any:
+        """What the engine does not have, its model does, as with DeepSpeed's engine
+        (``model_engine.generate(...)``, ``model_engine.parameters()``,
+        ``model_engine.gradient_checkpointing_enable()``). Private names are not forwarded."""
+        model = self.__dict__.get("_model")
+        if model is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(f"neither the engine nor its model ({type(model).__name__}) has an attribute "
+                                 f"{name!r}") from None
 
     # ------------------------------------------------------------------ DeepSpeed's counters
 

@@ -163,6 +163,13 @@ def test_zero_inference_script_generates_what_the_plain_model_does(tmp_path):
         ds_engine.module.eval()
         assert ds_engine.optimizer is None
         assert torch.equal(generate(ds_engine.module, PROMPTS.to(ds_engine.device)), expected)
+        # DeepSpeed's engine hands what it lacks to the model: model_engine.generate(...) and the rest
+        assert torch.equal(generate(ds_engine, PROMPTS), expected)
+        assert sum(p.numel() for p in ds_engine.parameters()) == sum(p.numel() for p in tiny_gpt2().parameters())
+        with pytest.raises(AttributeError, match="neither the engine nor its model .GPT2LMHeadModel. has an attribute"):
+            ds_engine.no_such_method()
+        with pytest.raises(AttributeError, match="has no attribute '_private'"):
+            ds_engine._private
         assert os.path.isfile(tmp_path / "nvme" / "tiered" / "manifest.sqlite")
     finally:
         ds_engine.destroy()
