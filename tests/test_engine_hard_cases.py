@@ -4,6 +4,7 @@ unwrapped model (plain PyTorch) as the oracle."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -85,6 +86,39 @@ def test_activation_checkpointing(tmp_path, mode):
     eng = train_parity(model, engine_config(tmp_path, prefetch_bytes=4096), [gpt_tokens(seed=s) for s in range(3)])
     assert eng.stats().materialized_bytes == 0  # backward released everything it brought back
     eng.unwrap()
+
+
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": False}])
+def test_hugging_faces_gradient_checkpointing_enable(tmp_path, kwargs):
+    """model.gradient_checkpointing_enable(), a Hugging Face user's first memory saver: the same
+    losses, bit for bit, as the plain model with the same checkpointing."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, resid_pdrop=0,
+                                     embd_pdrop=0, attn_pdrop=0, use_cache=False)
+
+    def losses(wrapped: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if wrapped:
+            eng = engine.wrap(model, optimizer=engine.AdamW(lr=1e-3), config=dataclasses.replace(
+                engine_config(tmp_path), max_grad_norm=None))
+            optimizer = eng.optimizer
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out = []
+        for step in range(3):
+            ids = gpt_tokens(batch=2, t=16, vocab=128, seed=step)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        if wrapped:
+            eng.close()
+        return out
+
+    assert losses(wrapped=True) == losses(wrapped=False)
 
 
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode", "eval"])
