@@ -14,6 +14,7 @@ from engine.deepspeed_checkpoint import import_deepspeed_checkpoint
 from engine.deepspeed_engine import DeepSpeedEngine
 from engine.distributed_init import init_distributed
 from engine.engine import Engine, EngineClosedError, wrap
+from engine.hf_device_map import load_checkpoint_and_dispatch
 from engine.layout import ShardLayout, param_key
 from engine.loss_scaling import LossScaling
 from engine.memory_estimate import MemoryEstimate, estimate_memory
@@ -25,7 +26,7 @@ __all__ = [
     "AdamW", "DeepSpeedEngine", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "LossScaling",
     "MemoryEstimate", "OverflowAwareScheduler", "ReleasedParameterError", "ShardLayout", "add_config_arguments",
     "checkpoint_state_dict", "estimate_memory", "export_checkpoint", "from_pretrained", "import_deepspeed_checkpoint",
-    "init_distributed", "initialize", "param_key", "wrap",
+    "init_distributed", "initialize", "load_checkpoint_and_dispatch", "param_key", "wrap",
 ]
 
 

@@ -1,7 +1,8 @@
-"""accelerate's big-model arguments of ``from_pretrained`` (``device_map``, ``max_memory``,
-``offload_folder``) as an :class:`EngineConfig`, so a call carried over from
-``AutoModelForCausalLM.from_pretrained(name, device_map="auto", max_memory={0: "20GiB", "cpu":
-"60GiB"}, offload_folder="offload")`` runs as ``engine.from_pretrained(...)`` unchanged.
+"""accelerate's big-model arguments (``device_map``, ``max_memory``, ``offload_folder``) as an
+:class:`EngineConfig`, so a call carried over from ``AutoModelForCausalLM.from_pretrained(name,
+device_map="auto", max_memory={0: "20GiB", "cpu": "60GiB"}, offload_folder="offload")`` runs as
+``engine.from_pretrained(...)`` unchanged, and accelerate's ``load_checkpoint_and_dispatch`` as
+:func:`load_checkpoint_and_dispatch` here.
 
 There is no device map to compute: every weight lives in the store and is fetched to the one
 compute device just before its module runs. So ``device_map`` only names that device, ``max_memory``
@@ -20,6 +21,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.distributed_init import local_rank
+from engine.engine import Engine, wrap
+from engine.weights import StateDictLike
 from tiered import StoreConfig
 
 #: ``device_map`` strings accelerate accepts that spread a model over what is available.
@@ -52,6 +55,35 @@ def accelerate_config(
     if max_memory is not None:
         config = config.replace(store=_budgets(config.store, max_memory, config.compute_device))
     return config
+
+
+def load_checkpoint_and_dispatch(
+    model: torch.nn.Module,
+    checkpoint: StateDictLike,
+    device_map: Any = None,
+    max_memory: Optional[Mapping[Any, Any]] = None,
+    no_split_module_classes: Optional[list[str]] = None,
+    offload_folder: "str | os.PathLike[str] | None" = None,
+    offload_buffers: bool = False,
+    dtype: "torch.dtype | str | None" = None,
+    offload_state_dict: Optional[bool] = None,
+    *,
+    config: Optional[EngineConfig] = None,
+) -> Engine:
+    """accelerate's ``load_checkpoint_and_dispatch`` for a model built under ``init_empty_weights()``
+    (or ``torch.device("meta")``): ``engine.wrap(model, state_dict=checkpoint, ...)`` with the
+    store in ``offload_folder`` (or ``config``'s), ``max_memory`` its budgets and ``device_map``
+    the compute device (:func:`accelerate_config`). Returns the engine; the model object is the same
+    and is called as before. ``dtype`` casts the weights as they are placed (the engine's
+    ``train_dtype``). ``no_split_module_classes``, ``offload_buffers`` and ``offload_state_dict``
+    are accepted: modules are never split across devices here, buffers stay with the model and the
+    checkpoint is read one tensor at a time."""
+    del no_split_module_classes, offload_buffers, offload_state_dict
+    config = accelerate_config(config, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        config = config.replace(train_dtype=name)
+    return wrap(model, config=config, state_dict=checkpoint)
 
 
 def parse_size(value: Any) -> int:
@@ -125,4 +157,4 @@ def _gpu_index(key: Any) -> Optional[int]:
     return None
 
 
-__all__ = ["SPREAD_MAPS", "accelerate_config", "parse_size"]
+__all__ = ["SPREAD_MAPS", "accelerate_config", "load_checkpoint_and_dispatch", "parse_size"]

@@ -436,3 +436,26 @@ def test_accelerates_sizes_and_device_maps():
     assert _compute_device("cuda:1", cuda_available=True) == "cuda:1" and _compute_device(None, True) is None
     with pytest.raises(ValueError, match="neither one of"):
         _compute_device("everywhere", cuda_available=True)
+
+
+def test_load_checkpoint_and_dispatch_as_accelerates_tutorial_writes_it(tmp_path):
+    """accelerate's big-model inference snippet with engine. in front: an empty model, then
+    load_checkpoint_and_dispatch(model, checkpoint=dir, device_map="auto", no_split_module_classes=...)."""
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf", max_shard_size="20KB")  # sharded
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.device("meta"):  # accelerate's init_empty_weights()
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    eng = engine.load_checkpoint_and_dispatch(model, checkpoint=tmp_path / "hf", device_map="auto",
+                                              no_split_module_classes=["GPT2Block"], offload_folder=tmp_path / "off")
+    ids = torch.tensor([[5, 6, 7]])
+    with eng, torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+        assert eng.config.store.path == str(tmp_path / "off")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with engine.load_checkpoint_and_dispatch(model, tmp_path / "hf", offload_folder=tmp_path / "bf16",
+                                             dtype=torch.bfloat16) as eng:  # cast as the weights are placed
+        assert eng.state_dict()["lm_head.weight"].dtype == torch.bfloat16
+        assert torch.equal(eng.state_dict()["lm_head.weight"], ref.lm_head.weight.to(torch.bfloat16))
