@@ -16,6 +16,7 @@ Inside the wrapped forward the engine's access mode sees a read first and fetche
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Optional
 
@@ -40,6 +41,8 @@ _GRADS_ATTR = "_tiered_grads_in_store"
 _DDP_FILE = torch.nn.parallel.distributed.__file__
 #: torch's gradient clipping (``clip_grad_norm_``, ``clip_grad_value_``), which reads ``param.grad``.
 _CLIP_FILE = torch.nn.utils.clip_grad.__file__
+#: Its functions that read ``param.grad`` to change it, and the argument bounding the change.
+_CLIPPING_FUNCTIONS = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "_clip_grads_with_norm_")
 
 
 class ReleasedParameterError(RuntimeError):
@@ -97,7 +100,7 @@ def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: 
         return args[0]
     if name in ("__set__", "__delete__") and descriptor != "data":
         return _run(func, args, kwargs)  # p.grad = None, p.requires_grad = False, ...
-    if name == "__get__" and descriptor == "grad" and getattr(cls, _GRADS_ATTR, False) and _called_from(_CLIP_FILE):
+    if name == "__get__" and descriptor == "grad" and getattr(cls, _GRADS_ATTR, False) and _clipping():
         raise ReleasedParameterError(_clip_message(cls))
     if name in _ALSO_METADATA or not reads_data(func):
         return _run(func, args, kwargs)
@@ -178,13 +181,31 @@ def _clip_message(cls: type) -> str:
         f"torch.nn.utils' gradient clipping finds no gradient on {getattr(cls, _NAME_ATTR, '?')!r}: with "
         "engine.AdamW the gradients are in the store (param.grad stays None), so it would clip nothing and return "
         "0. Call eng.clip_grad_norm_(max_norm) instead (with accelerate, in place of "
-        "accelerator.clip_grad_norm_(model.parameters(), max_norm)); eng.full_grad(param) reads a gradient."
+        "accelerator.clip_grad_norm_(model.parameters(), max_norm); with the Hugging Face Trainer, use "
+        "engine.hf_trainer.EngineTrainer, which does); eng.full_grad(param) reads a gradient."
     )
 
 
 def _called_by_ddp() -> bool:
     """True when DistributedDataParallel's own code is on the stack (only asked when raising)."""
     return _called_from(_DDP_FILE)
+
+
+def _clipping() -> bool:
+    """True when torch's gradient clipping is on the stack with a finite bound: ``clip_grad_norm_``
+    at ``math.inf`` only measures the norm (the Hugging Face Trainer does so to log it), and finding
+    no gradients there changes no step."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == _CLIP_FILE and code.co_name in _CLIPPING_FUNCTIONS:
+            bound = frame.f_locals.get("max_norm", frame.f_locals.get("clip_value"))
+            try:
+                return not math.isinf(float(bound))
+            except (TypeError, ValueError):
+                return True
+        frame = frame.f_back
+    return False
 
 
 def _called_from(filename: str) -> bool:
