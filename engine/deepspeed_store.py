@@ -19,9 +19,8 @@ from tiered import StoreConfig
 #: The store's subdirectory of each ``nvme_path``: DeepSpeed's own swap folders stay apart from it.
 SUBDIR = "tiered"
 
-_ZERO = "zero_optimization"
-_NVME_PATH_KEYS = (f"{_ZERO}.offload_param.nvme_path", f"{_ZERO}.offload_optimizer.nvme_path")
-_DEVICE_KEYS = (f"{_ZERO}.offload_param.device", f"{_ZERO}.offload_optimizer.device")
+#: The offload sections whose ``device`` and ``nvme_path`` place the store.
+_SECTIONS = ("zero_optimization.offload_param", "zero_optimization.offload_optimizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,15 +48,16 @@ def default_store(ds: Mapping[str, Any]) -> DefaultStore:
     new temporary directory, removed when the engine closes or, failing that, when the process
     exits. ``ValueError`` when the config offloads to NVMe without naming where."""
     found, _ = deepspeed_settings(ds)  # its problems are reported when the whole config is mapped
-    paths = [os.path.abspath(found[k]) for k in _NVME_PATH_KEYS if isinstance(found.get(k), str) and found[k]]
+    to_nvme = [s for s in _SECTIONS if found.get(f"{s}.device") == "nvme"]
+    missing = [s for s in to_nvme if not found.get(f"{s}.nvme_path")]
+    if missing:
+        raise ValueError(f"{missing[0]}.device is \"nvme\" but the config names no nvme_path: set "
+                         f"{missing[0]}.nvme_path (DeepSpeed needs it too), or pass engine.initialize(store=DIR)")
+    # An nvme_path beside another device is unused, as in DeepSpeed (Hugging Face's configs keep one there).
+    paths = [os.path.abspath(found[f"{s}.nvme_path"]) for s in to_nvme]
     if paths:
         dirs = [os.path.join(p, SUBDIR) for p in dict.fromkeys(paths)]
         return DefaultStore(StoreConfig(path=dirs[0], nvme_paths=dirs), scratch=None)
-    offloaded = [k for k in _DEVICE_KEYS if found.get(k) == "nvme"]
-    if offloaded:
-        raise ValueError(f"{offloaded[0]} is \"nvme\" but the config names no nvme_path: set "
-                         f"{offloaded[0].rsplit('.', 1)[0]}.nvme_path (DeepSpeed needs it too), or pass "
-                         f"engine.initialize(store=DIR)")
     scratch = tempfile.mkdtemp(prefix="tiered-store-")
     # atexit runs after the store's own close at exit (threading's exit hooks come first).
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)

@@ -76,7 +76,8 @@ def test_the_store_goes_under_the_configs_nvme_paths(tmp_path):
 
 def test_with_nothing_on_nvme_the_store_is_a_temporary_directory_removed_at_close(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    ds = ds_config({"device": "cpu"}, {"device": "cpu"})
+    # an nvme_path beside device "cpu" is unused, as in DeepSpeed
+    ds = ds_config({"device": "cpu", "nvme_path": str(tmp_path / "unused")}, {"device": "cpu"})
     eng, _, _, _ = engine.initialize(model=make_model(), config=ds)
     try:
         assert train_steps(eng, 3) == pytest.approx(plain_losses(3), rel=1e-6)
@@ -85,7 +86,7 @@ def test_with_nothing_on_nvme_the_store_is_a_temporary_directory_removed_at_clos
         assert os.path.isfile(tmp_path / scratch / "manifest.sqlite")
     finally:
         eng.destroy()
-    assert scratch_dirs(str(tmp_path)) == []
+    assert scratch_dirs(str(tmp_path)) == [] and not os.path.exists(tmp_path / "unused")
     assert all(p.device.type == "meta" for p in eng.module.parameters())  # closed, as close() leaves them
 
     # unwrap keeps the values in the model, then removes the directory all the same
