@@ -88,10 +88,11 @@ def test_activation_checkpointing(tmp_path, mode):
     eng.unwrap()
 
 
-@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": False}])
-def test_hugging_faces_gradient_checkpointing_enable(tmp_path, kwargs):
-    """model.gradient_checkpointing_enable(), a Hugging Face user's first memory saver: the same
-    losses, bit for bit, as the plain model with the same checkpointing."""
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}])
+def test_hugging_faces_activation_checkpointing_enable(tmp_path, kwargs):
+    """model.activation_checkpointing_enable() (gradient_checkpointing_enable() before transformers
+    5), a Hugging Face user's first memory saver: the same losses, bit for bit, as the plain model
+    with the same checkpointing."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, resid_pdrop=0,
                                      embd_pdrop=0, attn_pdrop=0, use_cache=False)
@@ -99,7 +100,10 @@ def test_hugging_faces_gradient_checkpointing_enable(tmp_path, kwargs):
     def losses(wrapped: bool) -> list[float]:
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(config).train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if wrapped:
             eng = engine.wrap(model, optimizer=engine.AdamW(lr=1e-3), config=dataclasses.replace(
                 engine_config(tmp_path), max_grad_norm=None))
