@@ -42,12 +42,12 @@ def accelerate_config(
     have."""
     if config is None:
         if offload_folder is None:
-            raise ValueError("from_pretrained needs config=engine.EngineConfig(store=...) or offload_folder=DIR "
+            raise ValueError("the engine needs config=engine.EngineConfig(store=...) or offload_folder=DIR "
                              "(accelerate's name for where offloaded weights go: here the store's directory)")
         config = EngineConfig(store=StoreConfig(path=os.fspath(offload_folder)))
     elif offload_folder is not None:
-        raise ValueError(f"from_pretrained: offload_folder={os.fspath(offload_folder)!r} and config= both name the "
-                         f"store (config's is {config.store.path!r}): pass one")
+        raise ValueError(f"offload_folder={os.fspath(offload_folder)!r} and config= both name the store (config's "
+                         f"is {config.store.path!r}): pass one")
     if config.compute_device is None:
         device = _compute_device(device_map, torch.cuda.is_available())
         if device is not None:
@@ -104,7 +104,7 @@ def _compute_device(device_map: Any, cuda_available: bool) -> Optional[str]:
     if device_map is None:
         return None
     if isinstance(device_map, Mapping):
-        raise ValueError("from_pretrained: a device_map dict places each module on a device, but the engine keeps "
+        raise ValueError("a device_map dict places each module on a device, but the engine keeps "
                          "every weight in the store and fetches it to one compute device just in time; pass "
                          "device_map='auto' (or a device) and max_memory= for the store's budgets")
     if isinstance(device_map, str) and device_map in SPREAD_MAPS:
@@ -114,8 +114,7 @@ def _compute_device(device_map: Any, cuda_available: bool) -> Optional[str]:
     try:
         return str(torch.device(device_map))
     except (RuntimeError, TypeError):
-        raise ValueError(f"from_pretrained: device_map={device_map!r} is neither one of {SPREAD_MAPS} nor a "
-                         f"device") from None
+        raise ValueError(f"device_map={device_map!r} is neither one of {SPREAD_MAPS} nor a device") from None
 
 
 def _budgets(store: StoreConfig, max_memory: Mapping[Any, Any], compute_device: Optional[str]) -> StoreConfig:
