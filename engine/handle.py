@@ -64,10 +64,11 @@ class ParamHandle:
         self._own_class = type(param)
         self._released_class = released_class(self._own_class, names[0])
 
-    def mark_grads_in_store(self) -> None:
-        """The parameter's gradients go to the store (``engine.AdamW``): while it is released, torch's
-        gradient clipping, which would find no ``.grad`` and clip nothing, is refused with what to call."""
-        mark_grads_in_store(self._released_class)
+    def mark_grads_in_store(self, step_clip_norm: Optional[float]) -> None:
+        """The parameter's gradients go to the store (``engine.AdamW``), whose steps clip them at
+        ``step_clip_norm``: while it is released, torch's gradient clipping, which would find no
+        ``.grad`` and clip nothing, is refused with what to call."""
+        mark_grads_in_store(self._released_class, step_clip_norm)
 
     @property
     def name(self) -> str:

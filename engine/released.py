@@ -37,12 +37,14 @@ _ALSO_METADATA = frozenset({"_has_compatible_shallow_copy_type", "is_leaf", "__s
 _NAME_ATTR = "_tiered_name"
 _CLOSED_ATTR = "_tiered_closed"
 _GRADS_ATTR = "_tiered_grads_in_store"
+_CLIP_NORM_ATTR = "_tiered_step_clip_norm"
 #: DistributedDataParallel's source file: its constructor broadcasts every parameter's values.
 _DDP_FILE = torch.nn.parallel.distributed.__file__
 #: torch's gradient clipping (``clip_grad_norm_``, ``clip_grad_value_``), which reads ``param.grad``.
 _CLIP_FILE = torch.nn.utils.clip_grad.__file__
-#: Its functions that read ``param.grad`` to change it, and the argument bounding the change.
-_CLIPPING_FUNCTIONS = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "_clip_grads_with_norm_")
+#: Its functions that read ``param.grad`` to change it by a 2-norm bound, and the one by a value.
+_NORM_CLIPPING = ("clip_grad_norm_", "clip_grad_norm", "_clip_grads_with_norm_")
+_VALUE_CLIPPING = "clip_grad_value_"
 
 
 class ReleasedParameterError(RuntimeError):
@@ -65,6 +67,7 @@ def released_class(base: type, name: str) -> type:
             _NAME_ATTR: name,
             _CLOSED_ATTR: False,
             _GRADS_ATTR: False,
+            _CLIP_NORM_ATTR: None,
         },
     )
 
@@ -80,12 +83,14 @@ def mark_closed(cls: type) -> None:
     setattr(cls, _CLOSED_ATTR, True)
 
 
-def mark_grads_in_store(cls: type) -> None:
+def mark_grads_in_store(cls: type, step_clip_norm: Optional[float]) -> None:
     """Parameters of class ``cls`` have their gradients in the store (``engine.AdamW``), so their
-    ``.grad`` stays None: torch's gradient clipping, which would find nothing and clip nothing,
-    is refused on them."""
+    ``.grad`` stays None, and each step clips them at the 2-norm ``step_clip_norm`` (None: no
+    clipping). torch's gradient clipping, which would find nothing there and clip nothing, is
+    refused on them unless the step clips as it asks anyway."""
     assert is_released_class(cls), cls
     setattr(cls, _GRADS_ATTR, True)
+    setattr(cls, _CLIP_NORM_ATTR, step_clip_norm)
 
 
 def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -100,7 +105,7 @@ def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: 
         return args[0]
     if name in ("__set__", "__delete__") and descriptor != "data":
         return _run(func, args, kwargs)  # p.grad = None, p.requires_grad = False, ...
-    if name == "__get__" and descriptor == "grad" and getattr(cls, _GRADS_ATTR, False) and _clipping():
+    if name == "__get__" and descriptor == "grad" and getattr(cls, _GRADS_ATTR, False) and _clip_lost(cls):
         raise ReleasedParameterError(_clip_message(cls))
     if name in _ALSO_METADATA or not reads_data(func):
         return _run(func, args, kwargs)
@@ -191,19 +196,23 @@ def _called_by_ddp() -> bool:
     return _called_from(_DDP_FILE)
 
 
-def _clipping() -> bool:
-    """True when torch's gradient clipping is on the stack with a finite bound: ``clip_grad_norm_``
-    at ``math.inf`` only measures the norm (the Hugging Face Trainer does so to log it), and finding
-    no gradients there changes no step."""
+def _clip_lost(cls: type) -> bool:
+    """True when torch's gradient clipping is on the stack and its clipping would be lost: it finds
+    no gradients, so it clips nothing. Not for ``clip_grad_norm_`` at ``math.inf``, which only
+    measures (the Hugging Face Trainer does so to log the norm), nor at the 2-norm the engine's step
+    clips to anyway (what the Trainer of transformers 4 asks when its norm is the engine's)."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code.co_filename == _CLIP_FILE and code.co_name in _CLIPPING_FUNCTIONS:
-            bound = frame.f_locals.get("max_norm", frame.f_locals.get("clip_value"))
+        if code.co_filename == _CLIP_FILE and code.co_name == _VALUE_CLIPPING:
+            return True
+        if code.co_filename == _CLIP_FILE and code.co_name in _NORM_CLIPPING:
+            local = frame.f_locals
             try:
-                return not math.isinf(float(bound))
+                bound, norm_type = float(local.get("max_norm")), float(local.get("norm_type", 2.0))
             except (TypeError, ValueError):
                 return True
+            return not (math.isinf(bound) or (bound == getattr(cls, _CLIP_NORM_ATTR) and norm_type == 2.0))
         frame = frame.f_back
     return False
 

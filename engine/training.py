@@ -131,7 +131,7 @@ class Training:
         ]
         for handle in handles:
             if handle.trainable:
-                handle.mark_grads_in_store()
+                handle.mark_grads_in_store(config.max_grad_norm)
         self._prefetch = StatePrefetch(self._store, config.optimizer_prefetch_groups, config.optimizer_group_bytes)
         #: The running loss scale (None without ``EngineConfig.loss_scaling``).
         self.scaler: Optional[LossScaler] = (

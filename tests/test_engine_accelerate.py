@@ -268,7 +268,9 @@ def batch_of_one() -> dict[str, torch.Tensor]:
 def test_clipping_through_accelerate_or_torch_is_refused_where_it_would_clip_nothing(tmp_path):
     """With engine.AdamW the gradients are in the store: accelerate's clip_grad_norm_ (and torch's,
     which it calls) would see no .grad, return 0 and leave the step unclipped, so it raises and names
-    eng.clip_grad_norm_. With a torch optimizer the gradients are .grad, and torch's clipping runs."""
+    eng.clip_grad_norm_; unless the engine's step clips at that norm anyway (EngineConfig.max_grad_norm),
+    or the norm is math.inf (a measurement). With a torch optimizer the gradients are .grad, and
+    torch's clipping runs."""
     AcceleratorState._reset_state()
     accelerator = Accelerator(cpu=True)
     model = GPT2LMHeadModel(CONFIG)
@@ -282,6 +284,20 @@ def test_clipping_through_accelerate_or_torch_is_refused_where_it_would_clip_not
         # at math.inf it only measures (the Hugging Face Trainer logs that): no step changes, no error
         assert accelerator.clip_grad_norm_(model.parameters(), float("inf")) == 0
         assert eng.clip_grad_norm_(CLIP) > 0  # the call that clips
+        eng.step()
+    finally:
+        eng.close()
+
+    model = GPT2LMHeadModel(CONFIG)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
+        store=store_config(tmp_path / "clipped"), max_grad_norm=CLIP))
+    try:
+        accelerator.backward(model(**batch_of_one()).loss)
+        assert accelerator.clip_grad_norm_(model.parameters(), CLIP) == 0  # the step clips at CLIP anyway
+        with pytest.raises(ReleasedParameterError, match="clip nothing"):
+            accelerator.clip_grad_norm_(model.parameters(), 2 * CLIP)
+        with pytest.raises(ReleasedParameterError, match="clip nothing"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, norm_type=1.0)
         eng.step()
     finally:
         eng.close()
