@@ -327,9 +327,11 @@ def check_client_state(client_state: Optional[Mapping[str, Any]]) -> dict[str, A
 
 
 def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_optimizer: bool = True,
-                    tag: Optional[str] = None) -> dict[str, Any]:
+                    tag: Optional[str] = None, load_step_count: bool = False) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``parts``' store (parameters, buffers and, with
-    ``load_optimizer``, the optimizer state, step counts and hyperparameters). Checks the
+    ``load_optimizer``, the optimizer state, step counts and hyperparameters; without it but with
+    ``load_step_count``, the completed step count alone, as DeepSpeed's weights-only load keeps
+    ``global_steps``). Checks the
     checkpoint against the engine first and changes nothing when they disagree. ``path`` is the
     checkpoint, or ``path/tag``, or the tag ``path/latest`` names (``engine.checkpoint_paths``).
     Returns the ``client_state`` saved with it.
@@ -358,7 +360,8 @@ def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_
         assert files is not None
         with parts.pager.lock:
             parts.pager.drop_prefetched()  # their values are about to change
-        agree(io, attempt(lambda: _load_files(parts, files, load_optimizer)), f"loading checkpoint {files.path!r}")
+        agree(io, attempt(lambda: _load_files(parts, files, load_optimizer, load_step_count)),
+              f"loading checkpoint {files.path!r}")
         client_state = files.metadata.get("client_state") or {}
     finally:
         if files is not None:
@@ -507,7 +510,7 @@ def _check_files(parts: EngineParts, files: CheckpointFiles, load_optimizer: boo
             )
 
 
-def _load_files(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool) -> None:
+def _load_files(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool, load_step_count: bool) -> None:
     store, config = parts.io.store, parts.config
     loads = _loads(parts, files, load_optimizer)
     total = sum(h.layout.shard_numel * torch.float32.itemsize if state else h.layout.shard_nbytes
@@ -540,8 +543,10 @@ def _load_files(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool
             _restore_hyperparameters(parts.optimizer, optimizer)
             _restore_loss_scale(parts.training, optimizer.get("loss_scale"), files.path)
             parts.training.commit_staged(optimizer["step"], optimizer["shard_steps"])
-        else:  # weights only: the optimizer starts afresh from them
-            parts.training.commit_staged(parts.training.completed_steps, {})
+        else:  # weights only: the optimizer starts afresh from them (its step count too, unless asked)
+            saved = files.optimizer
+            step = saved["step"] if load_step_count and saved is not None else parts.training.completed_steps
+            parts.training.commit_staged(step, {})
 
 
 def _restore_loss_scale(training: Any, saved: Any, path: Any) -> None:

@@ -151,8 +151,9 @@ class DeepSpeedEngine(Engine):
         ``latest`` file): a script that loads before its first save starts afresh. ``load_dir``
         may also be one of the engine's untagged checkpoints, or an imported DeepSpeed one
         (``tiered import-deepspeed``). Not ``load_optimizer_states``: no master weights, moments
-        or step counts (the LR schedule still loads, as DeepSpeed's, unless not
-        ``load_lr_scheduler_states``); ``load_module_only``: weights and buffers only. The engine
+        or per-parameter step counts, but :attr:`global_steps` and the LR schedule load, as
+        DeepSpeed's (the schedule unless not ``load_lr_scheduler_states``); ``load_module_only``:
+        weights and buffers only. The engine
         checks every name, so ``load_module_strict=False`` is refused."""
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False) is not supported: the engine loads only "
@@ -166,9 +167,9 @@ class DeepSpeedEngine(Engine):
             return None, None
         client_state = self._load_checkpoint(
             load_dir, tag, load_optimizer=load_optimizer_states and not load_module_only,
-            load_lr_scheduler=load_lr_scheduler_states and not load_module_only)
+            load_lr_scheduler=load_lr_scheduler_states and not load_module_only, load_step_count=not load_module_only)
         steps = client_state.pop(GLOBAL_STEPS, None)
-        if steps is not None and self._training is None and load_optimizer_states and not load_module_only:
+        if steps is not None and self._training is None and not load_module_only:
             self._torch_steps = int(steps)
         return resolve_checkpoint(load_dir, tag), client_state
 

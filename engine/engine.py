@@ -492,10 +492,11 @@ class Engine:
 
     def _load_checkpoint(
         self, path: "str | os.PathLike[str]", tag: Optional[str], *, load_optimizer: bool, load_lr_scheduler: bool,
+        load_step_count: bool = False,
     ) -> dict[str, Any]:
         self._check_open()
         client_state = checkpoint.load_checkpoint(self._checkpoint_parts(), path, load_optimizer=load_optimizer,
-                                                  tag=tag)
+                                                  tag=tag, load_step_count=load_step_count)
         if load_lr_scheduler and self._lr_scheduler is not None and "lr_scheduler" in client_state:
             self._lr_scheduler.load_state_dict(client_state["lr_scheduler"])
         return client_state

@@ -147,7 +147,12 @@ def test_load_before_the_first_save_starts_afresh_and_saves_are_tagged_by_step(t
     eng = _initialized(tmp_path / "no-optimizer")
     try:
         eng.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False)  # the schedule still loads, as DeepSpeed's
-        assert eng.global_steps == 0 and eng.lr_scheduler.iteration == 1
+        assert eng.global_steps == 2 and eng.lr_scheduler.iteration == 1  # and global_steps, as DeepSpeed's
+        assert all(torch.count_nonzero(eng.full_optimizer_state(p, "exp_avg")) == 0
+                   for p in eng.parameters() if p.requires_grad)
+        _train(eng, 2)  # fresh moments from the loaded weights; the count goes on
+        assert eng.global_steps == 3 and eng.save_checkpoint(tmp_path / "after")
+        assert (tmp_path / "after" / "latest").read_text() == "global_step3"
     finally:
         eng.close()
 
