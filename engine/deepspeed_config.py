@@ -19,6 +19,7 @@ import difflib
 import json
 import math
 import os
+import warnings
 from typing import Any, Callable, Mapping, Optional, Union
 
 from tiered import StoreConfig
@@ -353,7 +354,24 @@ def config_from_deepspeed(cls: type, ds_config: DeepSpeedConfig, *, store: Store
     if problems:
         lines = "\n  ".join(problems)
         raise ValueError(f"the DeepSpeed config has {len(problems)} unsupported or invalid setting(s):\n  {lines}")
+    _warn_unreported(found)
     return cls(store=store.replace(**store_fields), **{**engine_fields, **overrides})
+
+
+#: DeepSpeed's monitors and profilers: accepted, but the engine writes and prints nothing for them.
+_REPORTS = ("tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler")
+
+
+def _warn_unreported(found: Mapping[str, Any]) -> None:
+    """Warn when the config turns on a DeepSpeed report the engine does not produce: the user would
+    look for its files or lines and find none."""
+    asked = [k for k in _REPORTS if isinstance(found.get(k), Mapping) and found[k].get("enabled") is True]
+    asked += ["wall_clock_breakdown"] if found.get("wall_clock_breakdown") else []
+    if asked:
+        warnings.warn(
+            f"{', '.join(asked)}: DeepSpeed's own monitoring and timing reports are not produced by the engine "
+            f"(nothing is written or printed for them); log from the loop instead: eng.get_lr(), eng.loss_scale, "
+            f"and eng.stats() for the engine's I/O and stall figures", UserWarning, stacklevel=4)
 
 
 # ---------------------------------------------------------------------------------------- internals

@@ -496,3 +496,14 @@ def test_the_training_guide_lists_every_key():
 
     missing = [p for p in paths({k: v for k, v in TOP.items() if k != "bfloat16"}, "") if f"`{p}`" not in doc]
     assert not missing, f"docs/training.md does not list {missing}"
+
+
+def test_monitors_turned_on_are_named_in_a_warning(store):
+    """DeepSpeed's tensorboard/wandb/csv monitors, flops profiler and wall-clock breakdown are accepted
+    but produce nothing here: turned on, a warning says so; off, nothing is said."""
+    with pytest.warns(UserWarning, match=r"^tensorboard, csv_monitor, wall_clock_breakdown: DeepSpeed's own"):
+        EngineConfig.from_deepspeed(ds(tensorboard={"enabled": True, "output_path": "tb"}, wall_clock_breakdown=True,
+                                       csv_monitor={"enabled": True}, wandb={"enabled": False}), store=store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EngineConfig.from_deepspeed(ds(tensorboard={"enabled": False}, wall_clock_breakdown=False), store=store)
