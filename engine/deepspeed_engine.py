@@ -103,6 +103,14 @@ class DeepSpeedEngine(Engine):
         """Samples per optimizer step, all ranks together: micro-batch x accumulation steps x world size."""
         return self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.world_size
 
+    def get_mom(self) -> list[Any]:
+        """Each parameter group's momentum, as DeepSpeed's ``get_mom()`` logs it: Adam's ``betas``,
+        or SGD's and RMSprop's ``momentum``."""
+        if self.optimizer is None:
+            raise RuntimeError("get_mom() needs an optimizer: give engine.initialize one, or an \"optimizer\" section")
+        key = "momentum" if isinstance(self.optimizer, (torch.optim.SGD, torch.optim.RMSprop)) else "betas"
+        return [group.get(key, 0.0) for group in self.optimizer.param_groups]
+
     def fp16_enabled(self) -> bool:
         """Whether parameters train in float16 (the config's ``fp16.enabled``)."""
         return self.config.train_dtype == "float16"

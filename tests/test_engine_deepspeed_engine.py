@@ -195,6 +195,7 @@ def test_batch_sizes_precision_and_save_16bit_model(tmp_path):
         assert (eng.train_batch_size(), eng.train_micro_batch_size_per_gpu(), eng.gradient_accumulation_steps()) == \
             (12, 4, 3)
         assert eng.bfloat16_enabled() and not eng.fp16_enabled() and eng.zero_optimization_stage() == 3
+        assert eng.get_mom() == [(0.9, 0.999)] * 2 and eng.get_lr() == [0.01] * 2  # two groups: its progress line
         assert eng.save_16bit_model(tmp_path / "out") is True
         saved = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
         expected = eng.state_dict()
@@ -212,6 +213,15 @@ def test_batch_sizes_precision_and_save_16bit_model(tmp_path):
     try:
         with pytest.raises(ValueError, match="neither train_batch_size nor train_micro_batch_size_per_gpu"):
             eng.train_batch_size()
+        with pytest.raises(RuntimeError, match="get_mom.. needs an optimizer"):
+            eng.get_mom()
+    finally:
+        eng.close()
+    model = make_model()
+    eng, _, _, _ = engine.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.8),
+                                     config={"zero_optimization": {"stage": 3}}, store=tmp_path / "sgd")
+    try:
+        assert eng.get_mom() == [0.8]  # SGD's momentum, as DeepSpeed reports it
     finally:
         eng.close()
 
