@@ -373,9 +373,15 @@ class Engine:
         parameter). Every rank passes the same value."""
         handle = self._handle_of(param)
         full_state.check_value(handle, value)
-        with self.gathered([param], writeback=True), torch.no_grad():
+        parts = self._full_state_parts()
+        checkpoint.check_between_steps(parts, "set a parameter's fp32 weights")
+
+        def exact_master(_: list[ParamHandle]) -> None:  # in place of gathered's master from the cast values
+            full_state.set_full_fp32_param(parts, handle, value)
+
+        with gathered_block([handle], self._pager, self._io, writeback=True, modifier_rank=None,
+                            after_write=exact_master), torch.no_grad():
             param.copy_(value)
-        full_state.set_full_fp32_param(self._full_state_parts(), handle, value)
 
     def set_full_grad(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """Make ``value`` (``param``'s shape) the gradient the next step uses, as

@@ -71,12 +71,10 @@ def full_optimizer_state(parts: EngineParts, handle: ParamHandle, key: str) -> O
 
 
 def set_full_fp32_param(parts: EngineParts, handle: ParamHandle, value: torch.Tensor) -> None:
-    """Make ``value`` (the parameter's shape) the fp32 master weight, where the next step starts.
-    The caller writes the parameter itself first (cast to the training dtype: the next forward uses
-    it). Before the parameter's first step there is no master yet: that step makes it from the
-    parameter."""
-    check_between_steps(parts, "set a parameter's fp32 weights")
-    check_value(handle, value)
+    """Make ``value`` (checked: the parameter's shape) the fp32 master weight, where the next step
+    starts. The caller writes the parameter itself (cast to the training dtype: the next forward
+    uses it), which it holds meanwhile, and calls this from that write-back. Before the parameter's
+    first step there is no master yet: that step makes it from the parameter."""
     master = _master_key(parts, handle)
     if master is not None:
         shard = parts.io.shard_of(handle, value.detach().to(torch.float32))
@@ -141,7 +139,7 @@ def _master_key(parts: EngineParts, handle: ParamHandle) -> Optional[str]:
 
 
 def _state_keys(parts: EngineParts, handle: ParamHandle) -> dict[str, str]:
-    shard = next(s for s in parts.training.live_shards() if s.name == handle.name)
+    shard = parts.training.live_shard(handle.name)
     return {"master": shard.master_key, "exp_avg": shard.exp_avg_key, "exp_avg_sq": shard.exp_avg_sq_key}
 
 

@@ -129,6 +129,7 @@ class Training:
         self._params = [
             _Param(h.name, h.layout.shard_numel, h.layout.dtype, h.key, groups[h.name]) for h in handles if h.trainable
         ]
+        self._by_name = {p.name: p for p in self._params}
         for handle in handles:
             if handle.trainable:
                 handle.mark_grads_in_store(config.max_grad_norm)
@@ -250,6 +251,11 @@ class Training:
         """Every trainable shard with the store keys of its current state (a shard that never took
         a step has none yet: its slot-0 keys are absent from the store)."""
         return [self._shard(p, max(self.record.shards[p.name].slot, 0)) for p in self._params]
+
+    def live_shard(self, name: str) -> OptimShard:
+        """:meth:`live_shards`' entry for the trainable shard ``name`` alone."""
+        p = self._by_name[name]
+        return self._shard(p, max(self.record.shards[name].slot, 0))
 
     def staging_keys(self, name: str) -> tuple[str, str, str]:
         """Where to write loaded master, exp_avg, exp_avg_sq of ``name`` before :meth:`commit_staged`."""
