@@ -114,8 +114,8 @@ def _any(v: Any) -> Any:
     return v
 
 
-def _int_or_null(v: Any) -> Optional[int]:
-    return None if v is None else _int(1)(v)
+def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda v: None if v is None else check(v)
 
 
 def _mapping_or_none(v: Any) -> Any:
@@ -139,6 +139,8 @@ _PINNED = "the store pins its host pool and staging buffers whenever CUDA is pre
 _COMM = "the engine issues one collective per parameter shard; DeepSpeed's bucketing knob has no counterpart"
 _ZERO12 = "applies to ZeRO stages 1 and 2 only"
 _LOGGING = "DeepSpeed's own logging/monitoring; the engine reports through eng.stats()"
+_PROGRESS_LINE = ("engine.initialize's engine prints DeepSpeed's progress line (step, skipped steps, lr, momentum) "
+                  "every N steps on rank 0")
 _ACCUMULATION = ("gradient_accumulation_steps (given, or train_batch_size / (train_micro_batch_size_per_gpu x "
                  "world size), as DeepSpeed derives it)")
 _MODEL_SIDE = "changes how DeepSpeed patches or traces modules; the engine uses plain module hooks"
@@ -263,7 +265,7 @@ ACTIVATION_CHECKPOINTING: Schema = {
     "partition_activations": Key(_bool, ACCEPT, "splits checkpoints across model-parallel ranks; the engine has no "
                                  "model parallelism, so each rank's activations are its own"),
     "contiguous_memory_optimization": Key(_bool, ACCEPT, _CHECKPOINT_API),
-    "number_checkpoints": Key(_int_or_null, ACCEPT, _CHECKPOINT_API),
+    "number_checkpoints": Key(_optional(_int(1)), ACCEPT, _CHECKPOINT_API),
     "synchronize_checkpoint_boundary": Key(_bool, ACCEPT, _CHECKPOINT_API),
     "profile": Key(_bool, ACCEPT, _LOGGING),
 }
@@ -289,7 +291,7 @@ TOP: Schema = {
     "train_micro_batch_size_per_gpu": Key(_int(1), MAP, _ACCUMULATION),
     "gradient_accumulation_steps": Key(_int(1), MAP, _ACCUMULATION),
     "dataloader_drop_last": Key(_bool, ACCEPT, "engine.initialize(training_data=)'s loader drops a last short batch"),
-    "steps_per_print": Key(_int(), ACCEPT, _LOGGING),
+    "steps_per_print": Key(_optional(_int()), ACCEPT, _PROGRESS_LINE),
     "wall_clock_breakdown": Key(_bool, ACCEPT, _LOGGING),
     "memory_breakdown": Key(_bool, ACCEPT, _LOGGING),
     "dump_state": Key(_bool, ACCEPT, _LOGGING),

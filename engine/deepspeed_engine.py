@@ -22,8 +22,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from engine import checkpoint
-from engine.checkpoint_files import CheckpointError
-from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint
+from engine.checkpoint_files import METADATA_FILE, CheckpointError
+from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint, tagged_path
 from engine.deepspeed_config import micro_batch_size
 from engine.engine import Engine
 
@@ -74,11 +74,16 @@ class DeepSpeedEngine(Engine):
 
     def step(self) -> bool:
         """:meth:`Engine.step`, counting the optimizer steps of a plain torch optimizer for
-        :attr:`global_steps`."""
-        counts = self._training is None and self.is_gradient_accumulation_boundary()
+        :attr:`global_steps`. With the config's ``steps_per_print`` = N, rank 0 prints DeepSpeed's
+        progress line (``[Rank 0] step=N, skipped=0, lr=[...], mom=[...]``) every N optimizer steps."""
+        boundary = self.is_gradient_accumulation_boundary()
         applied = super().step()
-        if counts:
+        if boundary and self._training is None:
             self._torch_steps += 1
+        every = self._deepspeed_config.get("steps_per_print")
+        if boundary and every and self.global_steps % every == 0 and self.global_rank == 0:
+            print(f"[Rank 0] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
+                  f"mom={self.get_mom()}", flush=True)
         return applied
 
     @property
@@ -137,13 +142,17 @@ class DeepSpeedEngine(Engine):
 
     def save_checkpoint(  # type: ignore[override]
         self, save_dir: "str | os.PathLike[str]", tag: Any = None, client_state: Optional[Mapping[str, Any]] = None,
-        save_latest: bool = True, exclude_frozen_parameters: bool = False, *, overwrite: bool = False,
+        save_latest: bool = True, exclude_frozen_parameters: bool = False, *, overwrite: Optional[bool] = None,
     ) -> bool:
         """DeepSpeed's ``save_checkpoint``: to ``save_dir/tag`` (default tag ``global_step<N>``),
         then, with ``save_latest``, ``save_dir/latest`` names it. ``client_state`` is JSON here
-        (not pickled). Every rank calls it. Saving over an existing tag needs ``overwrite=True``
-        (DeepSpeed replaces it silently). Returns True, as DeepSpeed does."""
+        (not pickled). Every rank calls it. A checkpoint already saved under ``tag`` is replaced,
+        as DeepSpeed replaces it, once the new one is complete (a crash before then leaves the old
+        one whole); ``overwrite=False`` refuses instead, and a directory there that is no
+        checkpoint is never replaced unless ``overwrite=True``. Returns True, as DeepSpeed does."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        if overwrite is None:
+            overwrite = os.path.isfile(os.path.join(tagged_path(save_dir, tag), METADATA_FILE))
         if self._training is None:  # engine.AdamW's steps are in the checkpoint's step record
             client_state = {**(client_state or {}), GLOBAL_STEPS: self._torch_steps}
         self._save_checkpoint(save_dir, tag, client_state, overwrite=overwrite,

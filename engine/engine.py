@@ -468,7 +468,7 @@ class Engine:
         calls it, between steps. With :attr:`lr_scheduler` set, its ``state_dict()`` is saved as
         ``client_state["lr_scheduler"]`` (unless ``client_state`` has that key). A checkpoint
         already at the place is replaced only with ``overwrite`` (``FileExistsError`` otherwise;
-        DeepSpeed replaces it silently). docs/training.md, "Checkpoints"."""
+        ``engine.initialize``'s engine replaces it, as DeepSpeed does). docs/training.md, "Checkpoints"."""
         self._save_checkpoint(path, tag, client_state, overwrite=overwrite,
                               exclude_frozen_parameters=exclude_frozen_parameters)
 

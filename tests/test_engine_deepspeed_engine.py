@@ -112,8 +112,14 @@ def test_load_before_the_first_save_starts_afresh_and_saves_are_tagged_by_step(t
         eng.save_checkpoint(tmp_path / "ckpt", 0.25, save_latest=False)  # a tag of any type, as str(tag)
         assert (tmp_path / "ckpt" / "0.25" / "metadata.json").is_file()
         assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
-        with pytest.raises(FileExistsError):  # DeepSpeed replaces it silently
-            eng.save_checkpoint(tmp_path / "ckpt")
+        eng.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 4})  # the same tag: replaced, as DeepSpeed
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["0.25", "global_step2", "latest"]
+        with pytest.raises(FileExistsError, match="overwrite=True"):
+            eng.save_checkpoint(tmp_path / "ckpt", overwrite=False)
+        (tmp_path / "ckpt" / "notes").mkdir()  # not a checkpoint: never replaced unasked
+        with pytest.raises(FileExistsError, match="overwrite=True"):
+            eng.save_checkpoint(tmp_path / "ckpt", "notes")
+        assert (tmp_path / "ckpt" / "notes").is_dir() and not (tmp_path / "ckpt" / "notes" / "metadata.json").exists()
         with pytest.raises(ValueError, match=r"load_module_strict=False\) is not supported"):
             eng.load_checkpoint(tmp_path / "ckpt", load_module_strict=False)
         weights = {k: v.clone() for k, v in eng.state_dict().items()}
@@ -123,7 +129,7 @@ def test_load_before_the_first_save_starts_afresh_and_saves_are_tagged_by_step(t
     eng = _initialized(tmp_path / "fresh")
     try:
         load_path, client_sd = eng.load_checkpoint(tmp_path / "ckpt")
-        assert load_path == str(tmp_path / "ckpt" / "global_step2") and client_sd["epoch"] == 3
+        assert load_path == str(tmp_path / "ckpt" / "global_step2") and client_sd["epoch"] == 4
         assert eng.global_steps == 2 and eng.lr_scheduler.iteration == 1  # the schedule with the optimizer
         assert all(torch.equal(v, weights[k]) for k, v in eng.state_dict().items())
     finally:
@@ -274,3 +280,27 @@ def test_with_cuda_a_cpu_model_computes_on_its_local_rank(monkeypatch):
     with torch.device("meta"):
         meta = make_model()
     assert _compute_device(meta, cuda_available=True) == "cuda:1"
+
+
+def test_steps_per_print_prints_deepspeeds_progress_line_every_n_steps(tmp_path, capsys):
+    """DeepSpeed prints ``step=N, skipped=S, lr=[...], mom=[...]`` on rank 0 after every
+    ``steps_per_print``-th optimizer step (not micro-batch), with the LR the schedule just set."""
+    eng = _initialized(tmp_path / "store", {**CONFIG, "steps_per_print": 2})
+    try:
+        expected = []
+        for micro in range(10):  # 5 optimizer steps at 2 micro-batches each
+            _train(eng, range(micro, micro + 1))
+            if micro % 4 == 3:
+                expected.append(f"[Rank 0] step={eng.global_steps}, skipped=0, lr={eng.get_lr()}, "
+                                f"mom=[(0.9, 0.999), (0.9, 0.999)]")
+        assert eng.global_steps == 5
+        assert capsys.readouterr().out.splitlines() == expected
+        assert [line.split(",")[0] for line in expected] == ["[Rank 0] step=2", "[Rank 0] step=4"]
+    finally:
+        eng.close()
+    quiet = _initialized(tmp_path / "quiet", {**CONFIG, "steps_per_print": None})  # DeepSpeed's default
+    try:
+        _train(quiet, 4)
+        assert capsys.readouterr().out == ""
+    finally:
+        quiet.close()
