@@ -129,6 +129,11 @@ class DeepSpeedEngine(Engine):
         names (a stage 1 or 2 config runs as ZeRO-3: the same steps)."""
         return 3
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's name for :meth:`drop_prefetched`: free the parameters held ahead of their
+        next use (after generation or evaluation, before memory-hungry work outside the model)."""
+        self.drop_prefetched()
+
     def destroy(self) -> None:
         """DeepSpeed's name for :meth:`close`."""
         self.close()

@@ -304,3 +304,18 @@ def test_steps_per_print_prints_deepspeeds_progress_line_every_n_steps(tmp_path,
         assert capsys.readouterr().out == ""
     finally:
         quiet.close()
+
+
+def test_empty_partition_cache_frees_what_forward_only_calls_keep_prefetched(tmp_path):
+    eng = _initialized(tmp_path / "store", {**CONFIG, "zero_optimization": {
+        "stage": 3, "stage3_prefetch_bucket_size": 1 << 20, "stage3_param_persistence_threshold": 0}})
+    try:
+        ids, targets = batch(0)
+        with torch.no_grad():
+            for _ in range(3):  # recorded once, then the next call's first parameters stay ahead
+                eng(ids, targets)
+        assert eng.stats().materialized_bytes > 0
+        eng.empty_partition_cache()
+        assert eng.stats().materialized_bytes == 0
+    finally:
+        eng.close()
