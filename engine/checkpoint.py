@@ -12,7 +12,8 @@ memory), in the safetensors format (no pickle anywhere). Tensor names in a rank 
 ``param/<name>`` (the shard in the training dtype, padding included), ``optim/<name>/master``,
 ``optim/<name>/exp_avg``, ``optim/<name>/exp_avg_sq`` (fp32, shards that have taken a step) and
 ``buffer/<name>`` (this rank's buffers, whole); with a plain torch optimizer, rank 0's file also
-holds its state tensors (``engine.checkpoint_torch_optimizer``). A save with
+holds its state tensors (``engine.checkpoint_torch_optimizer``), and the tensors of the caller's
+``client_state`` (``engine.checkpoint_client_state``). A save with
 ``exclude_frozen_parameters`` (the name DeepSpeed gives it) leaves out the parameters that take no
 gradient, which a fine-tune (LoRA) has most of, and marks the metadata ``frozen_excluded``; a load
 then keeps the model's own values for them (loaded from the base model, as the run that saved it did).
@@ -44,6 +45,7 @@ from engine.checkpoint_files import (
     dtype_str, jsonable, rank_file, tensor_name,
 )
 from engine import checkpoint_torch_optimizer as torch_optimizer
+from engine.checkpoint_client_state import join_client_state, split_client_state, tensor_sources
 from engine.checkpoint_paths import fsync_dir, resolve_checkpoint, tagged_path, write_latest
 from engine.config import EngineConfig
 from engine.handle import ParamHandle
@@ -113,7 +115,8 @@ def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overw
                     exclude_frozen_parameters: bool = False, save_latest: bool = True) -> None:
     """Write a sharded checkpoint of ``parts`` to the directory ``path``, or to ``path/tag`` and
     then, with ``save_latest``, point ``path/latest`` at it (``engine.checkpoint_paths``).
-    ``client_state`` (JSON; rank 0's is kept) goes into the metadata; ``exclude_frozen_parameters``
+    ``client_state`` (JSON values and tensors; rank 0's is kept) goes into the metadata and rank 0's
+    file (``engine.checkpoint_client_state``); ``exclude_frozen_parameters``
     leaves out the parameters that take no gradient. See the module docstring."""
     io = parts.io
     rank = io.rank
@@ -125,7 +128,7 @@ def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overw
         if len(set(tags)) > 1:  # each rank would write its file under its own tag
             raise ValueError(f"every rank must save under the same tag; the ranks passed {tags}")
         checked["path"] = tagged_path(path, tag)
-        checked["client"] = check_client_state(client_state)
+        checked["client"], checked["client_tensors"] = split_client_state(client_state)
         check_between_steps(parts, "save a checkpoint")
         if rank == 0:
             prepare_partial(checked["path"], checked["path"] + PARTIAL_SUFFIX, overwrite, tag is not None)
@@ -136,7 +139,8 @@ def save_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, overw
 
     written: Any = None
     try:
-        written = _write_rank_file(parts, os.path.join(partial, rank_file(rank)), exclude_frozen_parameters)
+        written = _write_rank_file(parts, os.path.join(partial, rank_file(rank)), exclude_frozen_parameters,
+                                   checked["client_tensors"])
         error = None
     except Exception as exc:  # noqa: BLE001 - every rank hears of it below
         error = exc
@@ -169,8 +173,10 @@ def prepare_partial(path: str, partial: str, overwrite: bool, tagged: bool = Fal
     os.mkdir(partial)
 
 
-def _write_rank_file(parts: EngineParts, file: str, exclude_frozen: bool) -> dict[str, Any]:
-    """Stream this rank's shards, optimizer state and buffers from the store into ``file``."""
+def _write_rank_file(parts: EngineParts, file: str, exclude_frozen: bool,
+                     client_tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Stream this rank's shards, optimizer state and buffers from the store into ``file`` (and on
+    rank 0 the client state's tensors)."""
     store = parts.io.store
     sources: list[tuple[TensorSpec, Callable[[], torch.Tensor]]] = []
     for handle in _saved_handles(parts, exclude_frozen):
@@ -186,6 +192,8 @@ def _write_rank_file(parts: EngineParts, file: str, exclude_frozen: bool) -> dic
         sources.append((TensorSpec("buffer/" + name, buf.dtype, tuple(buf.shape)), _value(buf)))
     if _torch_optimizer(parts) is not None and parts.io.rank == 0:  # every rank holds the same whole state
         sources.extend(torch_optimizer.state_tensors(parts.optimizer))  # type: ignore[arg-type]
+    if parts.io.rank == 0:  # rank 0's client_state is the one kept
+        sources.extend(tensor_sources(list(client_tensors)))
     return write_tensors(file, sources, parts.io.rank, "saving checkpoint",
                          parts.config.progress and parts.io.rank == 0)
 
@@ -307,22 +315,6 @@ def _metadata(parts: EngineParts, files: list[Any], client_state: dict[str, Any]
     }
 
 
-def check_client_state(client_state: Optional[Mapping[str, Any]]) -> dict[str, Any]:
-    """``client_state`` as the dict a checkpoint stores (JSON: numbers, strings, bools, None, lists
-    and dicts with string keys; a load gives tuples back as lists); TypeError naming what is not."""
-    if client_state is None:
-        return {}
-    if not isinstance(client_state, Mapping):
-        raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}")
-    try:
-        return json.loads(json.dumps(dict(client_state), allow_nan=True))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"client_state must be JSON (numbers, strings, lists, dicts with str keys): {exc}; convert tensors "
-            "with .tolist() or save them yourself"
-        ) from exc
-
-
 # ---------------------------------------------------------------------------- load
 
 
@@ -360,9 +352,15 @@ def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_
         assert files is not None
         with parts.pager.lock:
             parts.pager.drop_prefetched()  # their values are about to change
-        agree(io, attempt(lambda: _load_files(parts, files, load_optimizer, load_step_count)),
-              f"loading checkpoint {files.path!r}")
-        client_state = files.metadata.get("client_state") or {}
+        client_state: dict[str, Any] = {}
+
+        def load() -> None:
+            assert files is not None
+            client_state.update(join_client_state(files.metadata.get("client_state") or {},
+                                                  lambda name: files.read(0, name)))
+            _load_files(parts, files, load_optimizer, load_step_count)
+
+        agree(io, attempt(load), f"loading checkpoint {files.path!r}")
     finally:
         if files is not None:
             files.close()
@@ -678,6 +676,6 @@ def agree(io: ShardIO, error: Optional[BaseException], doing: str, failed: Seque
 
 __all__ = [
     "CheckpointError", "EngineParts", "agree", "attempt", "check_between_steps", "consolidated_state_dict",
-    "buffer_record", "check_client_state", "fsync_dir", "gather_objects", "load_checkpoint", "param_record",
+    "buffer_record", "fsync_dir", "gather_objects", "load_checkpoint", "param_record",
     "prepare_partial", "publish", "rank_file", "save_checkpoint", "write_tensors",
 ]

@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from engine.checkpoint import buffer_record, param_record, prepare_partial, publish, write_tensors
+from engine.checkpoint_client_state import split_client_state, tensor_sources
 from engine.checkpoint_files import (
     FORMAT, PARTIAL_SUFFIX, STATE_NAMES, VERSION, CheckpointError, deepspeed_model_file, deepspeed_zero12_model_file,
     rank_file, tensor_name,
@@ -170,7 +171,7 @@ class DeepSpeedCheckpoint:
                         if name in model["module"]}
         self.loss_scale = self._loss_scale(optim)
         self.lr_scheduler: Optional[dict[str, Any]] = model.get("lr_scheduler")
-        self.client_state = _client_state(model, self.path)
+        self.client_state, self.client_tensors = _client_state(model, self.path)
         if self.lr_scheduler is not None:  # DeepSpeed keeps it beside the client_state keys, and so does the import
             self.client_state["lr_scheduler"] = _json_or_none(self.lr_scheduler)
 
@@ -471,8 +472,8 @@ def import_deepspeed_checkpoint(path: "str | os.PathLike[str]", out: "str | os.P
         checkpoint = DeepSpeedCheckpoint(path, tag, trust_pickle=trust_pickle)
         files = {}
         for rank in range(checkpoint.world_size):
-            files[rank_file(rank)] = write_tensors(os.path.join(partial, rank_file(rank)),
-                                                   checkpoint.rank_sources(rank), rank,
+            sources = checkpoint.rank_sources(rank) + (tensor_sources(checkpoint.client_tensors) if rank == 0 else [])
+            files[rank_file(rank)] = write_tensors(os.path.join(partial, rank_file(rank)), sources, rank,
                                                    f"importing rank {rank} of {checkpoint.world_size}", progress)
         publish(partial, target, checkpoint.metadata(files), overwrite)
     except BaseException:
@@ -505,21 +506,22 @@ def _dtype(module: dict[str, Any], name: str, path: str) -> torch.dtype:
     return value.dtype
 
 
-def _client_state(model: dict[str, Any], path: str) -> dict[str, Any]:
-    """The caller's ``client_state`` keys of a model states file that JSON holds; a warning names the others."""
+def _client_state(model: dict[str, Any], path: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The caller's ``client_state`` keys of a model states file that JSON and tensors hold, split
+    as a checkpoint keeps them (``engine.checkpoint_client_state``); a warning names the others."""
     kept, dropped = {}, []
     for key, value in model.items():
         if key in _DEEPSPEED_KEYS:
             continue
-        converted = _json_or_none(value)
-        if converted is None and value is not None:
+        try:
+            split_client_state({str(key): value})
+            kept[str(key)] = value
+        except (TypeError, ValueError):
             dropped.append(str(key))
-        else:
-            kept[str(key)] = converted
     if dropped:
-        warnings.warn(f"{path!r}: client_state keys {dropped} are not JSON (numbers, strings, lists, dicts) and are "
-                      "left out of the imported checkpoint", stacklevel=4)
-    return kept
+        warnings.warn(f"{path!r}: client_state keys {dropped} are neither JSON (numbers, strings, lists, dicts) nor "
+                      "tensors, and are left out of the imported checkpoint", stacklevel=4)
+    return split_client_state(kept)
 
 
 def _json_or_none(value: Any) -> Any:

@@ -150,11 +150,12 @@ class DeepSpeedEngine(Engine):
         save_latest: bool = True, exclude_frozen_parameters: bool = False, *, overwrite: Optional[bool] = None,
     ) -> bool:
         """DeepSpeed's ``save_checkpoint``: to ``save_dir/tag`` (default tag ``global_step<N>``),
-        then, with ``save_latest``, ``save_dir/latest`` names it. ``client_state`` is JSON here
-        (not pickled). Every rank calls it. A checkpoint already saved under ``tag`` is replaced,
-        as DeepSpeed replaces it, once the new one is complete (a crash before then leaves the old
-        one whole); ``overwrite=False`` refuses instead, and a directory there that is no
-        checkpoint is never replaced unless ``overwrite=True``. Returns True, as DeepSpeed does."""
+        then, with ``save_latest``, ``save_dir/latest`` names it. ``client_state`` holds JSON
+        values and tensors here (never pickled). Every rank calls it. A checkpoint already saved
+        under ``tag`` is replaced, as DeepSpeed replaces it, once the new one is complete (a crash
+        before then leaves the old one whole); ``overwrite=False`` refuses instead, and a directory
+        there that is no checkpoint is never replaced unless ``overwrite=True``. Returns True, as
+        DeepSpeed does."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         if overwrite is None:
             overwrite = os.path.isfile(os.path.join(tagged_path(save_dir, tag), METADATA_FILE))

@@ -461,8 +461,9 @@ class Engine:
         """Save a sharded checkpoint to the directory ``path``, atomically: one safetensors file per
         rank (its parameter shards, ``engine.AdamW`` state and buffers) and ``metadata.json``. With
         ``tag``, to ``path/tag``, and ``path/latest`` then names it (DeepSpeed's layout).
-        ``client_state``: a JSON dict of your own (epoch, data position, an LR scheduler's
-        ``state_dict()``) that :meth:`load_checkpoint` returns. ``exclude_frozen_parameters``
+        ``client_state``: a dict of your own, JSON values and tensors (epoch, data position, an LR
+        scheduler's ``state_dict()``, ``torch.get_rng_state()``), that :meth:`load_checkpoint`
+        returns (tensors on the CPU; never pickled: ``engine.checkpoint_client_state``). ``exclude_frozen_parameters``
         (DeepSpeed's name): leave out the parameters that take no gradient (a LoRA fine-tune's base
         weights); :meth:`load_checkpoint` then keeps the model's own values for them. Every rank
         calls it, between steps. With :attr:`lr_scheduler` set, its ``state_dict()`` is saved as

@@ -326,8 +326,10 @@ def test_tagged_checkpoints_latest_and_client_state(tmp_path):
         eng.save_checkpoint(root, tag=f"step{step}", client_state={"epoch": step, "scheduler": scheduler.state_dict()})
         states[step] = eng.state_dict()
     assert sorted(os.listdir(root)) == ["latest", "step1", "step2"] and (root / "latest").read_text() == "step2"
-    with pytest.raises(TypeError, match=r"client_state must be JSON.*tolist"):
-        eng.save_checkpoint(root, tag="bad", client_state={"t": torch.ones(2)})
+    with pytest.raises(TypeError, match=r"client_state must hold JSON values .* and tensors.*torch.from_numpy"):
+        eng.save_checkpoint(root, tag="bad", client_state={"t": torch.ones(2).numpy()})
+    with pytest.raises(ValueError, match="may not use the key '__tensor__'"):
+        eng.save_checkpoint(root, tag="bad", client_state={"x": [{"__tensor__": 0}]})
     for tag in ("a/b", "latest", ""):
         with pytest.raises(ValueError, match="tag"):
             eng.save_checkpoint(root, tag=tag)
@@ -349,6 +351,39 @@ def test_tagged_checkpoints_latest_and_client_state(tmp_path):
     eng.close()
     offline = engine.checkpoint_state_dict(root)  # the latest too
     assert all(torch.equal(v, states[2][k]) for k, v in offline.items())
+
+
+def test_client_state_carries_tensors_without_pickle(tmp_path):
+    """DeepSpeed pickles client_state and scripts keep tensors in it (RNG states, running figures):
+    they go into rank 0's safetensors file, come back where they were, and a damaged one is refused."""
+    model = model_with_seed(0)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=train_config(tmp_path / "a"))
+    train(model, eng, range(1))
+    torch.manual_seed(5)
+    tensors = {"rng": torch.get_rng_state(), "scalar": torch.tensor(2.5, dtype=torch.float64),
+               "strided": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t(), "empty": torch.zeros(0, 2),
+               "flags": torch.tensor([True, False])}
+    eng.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 3, "state": tensors, "history": [torch.ones(2), 1.5]})
+    expected_draw = torch.rand(4)
+    meta = json.loads((tmp_path / "ckpt" / METADATA_FILE).read_text())
+    assert meta["client_state"]["state"]["rng"] == {"__tensor__": 0}  # the JSON holds markers, not bytes
+    client = eng.load_checkpoint(tmp_path / "ckpt")
+    assert client["epoch"] == 3 and client["history"][1] == 1.5 and torch.equal(client["history"][0], torch.ones(2))
+    for name, tensor in tensors.items():
+        got = client["state"][name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor), name
+    torch.set_rng_state(client["state"]["rng"])
+    assert torch.equal(torch.rand(4), expected_draw)  # the resumed run draws what the saved one would have
+
+    file = tmp_path / "ckpt" / rank_file(0)
+    header = int.from_bytes(file.read_bytes()[:8], "little")
+    offsets = json.loads(file.read_bytes()[8:8 + header])["client_state/0"]["data_offsets"]
+    data = bytearray(file.read_bytes())
+    data[8 + header + offsets[0]] ^= 0xFF
+    file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="'client_state/0' is damaged"):
+        eng.load_checkpoint(tmp_path / "ckpt")
+    eng.close()
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):

@@ -67,13 +67,19 @@ def _tutorial_at_two_ranks(rank: int, root: str) -> None:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / 2)
-        model_engine.save_checkpoint(Path(root, "ours"), client_state={"step": model_engine.global_steps})
+        rng = torch.get_rng_state()  # tensors in client_state, as DeepSpeed scripts keep them; rank 0's are kept
+        model_engine.save_checkpoint(Path(root, "ours"), client_state={
+            "step": model_engine.global_steps, "rng": rng, "mine": [torch.full((2, 3), float(rank))]})
         try:  # DeepSpeed's tag_validation: each rank would otherwise write its file under its own tag
             model_engine.save_checkpoint(Path(root, "ours"), f"rank{rank}")
             mismatch = None
         except ValueError as exc:
             mismatch = str(exc)
-        record = {"mismatch": mismatch, "load_path": load_path, "client_sd": client_sd, "loaded_steps": loaded_steps,
+        _, saved = model_engine.load_checkpoint(Path(root, "ours"))
+        rank0_state = (saved["step"] == model_engine.global_steps and torch.equal(saved["rng"], rng)
+                       and torch.equal(saved["mine"][0], torch.zeros(2, 3)))
+        record = {"mismatch": mismatch, "rank0_state": rank0_state, "load_path": load_path, "client_sd": client_sd,
+                  "loaded_steps": loaded_steps,
                   "losses": losses, "world": model_engine.world_size,
                   "ranks": [model_engine.global_rank, model_engine.local_rank],
                   "steps": model_engine.global_steps, "samples": model_engine.global_samples}
@@ -94,6 +100,7 @@ def test_deepspeeds_tutorial_loop_at_two_ranks_reaches_deepspeeds_losses(tmp_pat
         assert record["losses"] == pytest.approx(meta["losses_after"], rel=1e-6)
         assert record["steps"] == STEPS_BEFORE + STEPS_AFTER and record["samples"] == 4 * record["steps"]
         assert "every rank must save under the same tag; the ranks passed ['rank0', 'rank1']" in record["mismatch"]
+        assert record["rank0_state"]
     assert (tmp_path / "ours" / "latest").read_text() == f"global_step{STEPS_BEFORE + STEPS_AFTER}"
     assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["global_step6", "latest"]
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["rank0", "rank1"]

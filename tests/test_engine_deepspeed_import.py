@@ -255,15 +255,17 @@ def test_client_state_pickles_and_unsupported_checkpoints(tmp_path):
     shutil.copytree(FIXTURE_DIR / "zero3_fp32_world2", source)
     states = source / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     saved = torch.load(states, weights_only=True)
-    torch.save({**saved, "epoch": 4, "args": Namespace(lr=0.1)}, states)  # client_state, as training scripts save it
+    rng = torch.get_rng_state()
+    torch.save({**saved, "epoch": 4, "rng": rng, "args": Namespace(lr=0.1)}, states)  # as training scripts save it
     with pytest.raises(CheckpointError, match=r"argparse\.Namespace.*trust_pickle=True"):
         imported(tmp_path, "", source)
     assert not (tmp_path / "imported").exists() and not (tmp_path / "imported.partial").exists()
-    with pytest.warns(UserWarning, match=r"client_state keys \['args'\] are not JSON"):
+    with pytest.warns(UserWarning, match=r"client_state keys \['args'\] are neither JSON .* nor tensors"):
         out = engine.import_deepspeed_checkpoint(source, tmp_path / "imported", trust_pickle=True, progress=False)
     model, eng = wrap_as_deepspeed(tmp_path, "zero3_fp32_world2", 2)
     try:
-        assert eng.load_checkpoint(out) == {"epoch": 4}  # what DeepSpeed's load returns, less what JSON cannot hold
+        client = eng.load_checkpoint(out)  # what DeepSpeed's load returns, less what neither JSON nor tensors hold
+        assert sorted(client) == ["epoch", "rng"] and client["epoch"] == 4 and torch.equal(client["rng"], rng)
     finally:
         eng.close()
     with pytest.raises(FileExistsError):
