@@ -3,9 +3,9 @@
 For each module in pre-order: its direct parameters are given exclusive, contiguous storage on the
 compute device (a parameter on the meta device gets empty storage, keeping its identity through
 ``torch.utils.swap_tensors``); a module with tensors on the meta device is initialized
-(``init_fn(module)``, else ``module.reset_parameters()`` and, for what that leaves, a Hugging
-Face model's ``_init_weights(module)``; a tensor left unset is an error) unless the weight source
-sets them all;
+(``init_fn(module)``, else ``module.reset_parameters()`` and then a Hugging Face model's
+``_init_weights`` for it and its enclosing modules, as transformers runs it: ``engine.init_scope``;
+a tensor left unset is an error) unless the weight source sets them all;
 values from the weight source are copied in; then the shards are written and the storage freed.
 So at most one module's parameters (plus tied ones it shares) are materialized at a time.
 Buffers are moved to the compute device and stay there.
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.handle import HandleState, ParamHandle
+from engine.init_scope import InitScope, hf_initializers
 from engine.layout import ShardLayout, is_dense, param_key
 from engine.shard_io import ShardIO
 from engine.stats import MemoryMeter
@@ -81,6 +82,7 @@ class Placement:
         self._dtype = dtype
         self._from_store = from_store
         self._names = parameter_names(model)
+        self._model_tensors: Optional[frozenset[int]] = None  # ids of every parameter and buffer, for InitScope
         self._storage_users: collections.Counter[int] = collections.Counter()
         self._moved_buffers: dict[int, torch.Tensor] = {}
         self.handles: dict[int, ParamHandle] = {}  # id(param) -> handle, in placement order
@@ -262,9 +264,9 @@ class Placement:
 
     def _init(self, prefix: str, module: nn.Module, missing: list[str]) -> None:
         """Initialize ``module``'s ``missing`` tensors: ``init_fn``; else its ``reset_parameters()``,
-        then, for what that leaves (a buffer it does not know, as Gemma's scaled embedding's
-        ``embed_scale``) or for a module without one (a rotary embedding's ``inv_freq``), a Hugging
-        Face model's own ``_init_weights(module)``. The missing tensors are first filled with a
+        then a Hugging Face model's ``_init_weights`` for it and each enclosing module (which also
+        sets what ``reset_parameters`` does not know, as Gemma's ``embed_scale``, and a rotary
+        embedding's ``inv_freq``). The missing tensors are first filled with a
         value no initializer leaves, so any still holding it is an error rather than garbage."""
         own = {_join(prefix, n): t for n, t in (*module.named_parameters(recurse=False),
                                                  *module.named_buffers(recurse=False))}
@@ -280,9 +282,9 @@ class Placement:
                 if callable(getattr(module, "reset_parameters", None)):
                     module.reset_parameters()
                     ran.append("its reset_parameters()")
-                model_init = getattr(self._model, "_init_weights", None)
-                if callable(model_init) and (not ran or any(_is_unset(t) for t in tensors.values())):
-                    model_init(module)
+                initializers = hf_initializers(self._model, prefix)
+                if initializers:
+                    self._run_enclosing(prefix, module, initializers)
                     ran.append("the model's _init_weights")
         if not ran:
             raise ValueError(
@@ -297,6 +299,23 @@ class Placement:
                 f"state dict sets and that {' and '.join(ran)} left unset: {left}; pass an init_fn=... that sets "
                 "them, or a state_dict that has them"
             )
+
+    def _run_enclosing(self, prefix: str, module: nn.Module, initializers: list[tuple[InitFn, nn.Module]]) -> None:
+        """Run a Hugging Face model's ``_init_weights`` for ``module`` and each module enclosing it
+        (``engine.init_scope``), with only ``module``'s own tensors taking their writes."""
+        if self._model_tensors is None:
+            self._model_tensors = frozenset(id(t) for t in (*self._model.parameters(), *self._model.buffers()))
+        own = {id(t) for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))}
+        with InitScope(self._model_tensors, own):
+            for init, enclosing in initializers:
+                try:
+                    init(enclosing)
+                except Exception as exc:
+                    raise ValueError(
+                        f"module {prefix or '<root>'!r} ({type(module).__name__}): the model's _init_weights failed "
+                        f"for {type(enclosing).__name__} while initializing it on the meta device ({exc}); pass "
+                        "init_fn=... or a state_dict that sets its tensors"
+                    ) from exc
 
     def _load(self, prefix: str, module: nn.Module, handles: list[ParamHandle]) -> None:
         assert self._source is not None

@@ -38,8 +38,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             store=tiered.StoreConfig(path=args.dir, host_bytes=16 * MiB, prefault_host=False),
             param_tier="nvme", optimizer_tier="nvme", prefetch_bytes=16 * MiB, max_grad_norm=1.0,
         ),
-        init_fn=model._init_weights,          # HF's own per-module init
-    )
+    )  # no init_fn: each module is initialized as transformers initializes it, one at a time
     ids = torch.randint(0, cfg.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
     try:
         for step in range(args.steps):

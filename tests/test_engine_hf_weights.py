@@ -156,12 +156,13 @@ class _ModelWithInit(torch.nn.Module):
 
     def __init__(self, sets_count: bool) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(4, 4)  # has reset_parameters: _init_weights is not asked
+        self.linear = torch.nn.Linear(4, 4)  # has reset_parameters, which _init_weights leaves as it is
         self.counted = _Counted()
         self.sets_count = sets_count
 
     def _init_weights(self, module: torch.nn.Module) -> None:
-        assert isinstance(module, _Counted), module
+        if not isinstance(module, _Counted):
+            return
         module.scale.fill_(2.0)
         if self.sets_count:
             module.count.copy_(torch.arange(4))
@@ -176,6 +177,45 @@ def test_tensors_the_models_init_weights_leaves_unset_are_an_error(tmp_path):
         model = _ModelWithInit(sets_count=False)
     with pytest.raises(ValueError, match=r"the model's _init_weights left unset: \['counted.count'\]"):
         engine.wrap(model, config=engine_config(tmp_path / "b"))
+
+
+def _hf_init_cases() -> dict[str, tuple[type, object]]:
+    small = dict(vocab_size=512)
+    return {
+        # GPT-2's attention and MLP scale their child c_proj.weight by 1/sqrt(2 n_layer)
+        "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, **small)),
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            **small)),
+        # T5's attention sets q, k, v and o, each with its own scale: placing k touches q, already in the store
+        "t5": (transformers.T5ForConditionalGeneration, transformers.T5Config(
+            d_model=128, d_ff=256, num_layers=2, num_heads=4, d_kv=32, **small)),
+    }
+
+
+@pytest.mark.parametrize("arch", sorted(_hf_init_cases()))
+def test_a_meta_hugging_face_model_starts_as_its_own_construction_initializes_it(tmp_path, arch):
+    """Training from scratch on the meta device: every tensor takes the distribution transformers
+    gives it (reset_parameters, then _init_weights children before parents). Before, wrap ran only
+    reset_parameters where a module had one: embeddings N(0, 1) where transformers draws N(0, 0.02),
+    Kaiming-uniform linears, GPT-2's c_proj unscaled."""
+    cls, config = _hf_init_cases()[arch]
+    torch.manual_seed(0)
+    expected = cls(config).state_dict()
+    with torch.device("meta"):
+        model = cls(config)
+    with engine.wrap(model, config=engine_config(tmp_path / "store")) as eng:
+        got = eng.state_dict()
+    assert sorted(got) == sorted(expected)
+    for name, want in expected.items():
+        have = got[name]
+        assert have.dtype == want.dtype and have.shape == want.shape, name
+        if not want.is_floating_point() or want.numel() < 2 or want.std() == 0:
+            assert torch.equal(have, want), name  # constants: norms' ones, zero biases, int buffers
+            continue
+        # random draws: the same distribution (the draws themselves come in another order)
+        assert have.std().item() == pytest.approx(want.std().item(), rel=0.1 if want.numel() > 2000 else 0.4), name
+        assert abs(have.mean().item() - want.mean().item()) < 0.05 + 3 * want.std().item() / want.numel() ** 0.5, name
 
 
 class _ScaledEmbedding(torch.nn.Embedding):
