@@ -719,8 +719,10 @@ def wrap(
     ``config.store`` is opened as the store. ``optimizer``: a ``torch.optim.Optimizer`` built on the
     model's parameters before wrap (its step fetches them and writes them back). ``init_fn(module)``
     initializes a module whose parameters are on the meta device (default: its
-    ``reset_parameters()``); ``state_dict`` (a mapping, or a path to a .safetensors or torch file)
-    supplies parameter and buffer values, read one tensor at a time. ``process_group``: the
+    ``reset_parameters()``, then for a Hugging Face model its ``_init_weights`` for the module and
+    the modules enclosing it, as transformers initializes a model: leave it out for those);
+    ``state_dict`` (a mapping, or a path to a .safetensors or torch file) supplies parameter and
+    buffer values, read one tensor at a time. ``process_group``: the
     ``torch.distributed`` group to shard over; None uses the default group when
     ``torch.distributed`` is initialized (each rank then keeps 1/world of every parameter in the
     ``rank{N}`` subdirectory of the store's paths), and no sharding otherwise; a group of size 1
