@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import math
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -88,6 +89,8 @@ class Placement:
         self.handles: dict[int, ParamHandle] = {}  # id(param) -> handle, in placement order
         self.by_module: dict[nn.Module, list[ParamHandle]] = {}
         self.was_materialized: set[int] = set()  # ids of parameters that had data before wrap
+        #: Parameters and persistent buffers the weight source does not set (HF's "newly initialized").
+        self.not_loaded: list[str] = []
 
     @property
     def device(self) -> torch.device:
@@ -136,6 +139,13 @@ class Placement:
             placed = self._place_module(name, module)
             if on_placed is not None and placed:
                 on_placed(placed)
+        if self._source is not None and self.not_loaded and self._init_fn is None:
+            names = self.not_loaded
+            warnings.warn(
+                f"{len(names)} parameters and buffers of the model are not in {self._source.origin} and were not "
+                f"loaded, but initialized (newly, as the model initializes them, or kept as they were): "
+                f"{names[:10]}{' ...' if len(names) > 10 else ''}; train them before using the model for predictions, "
+                "or load weights that have them", UserWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ one module
 
@@ -148,15 +158,20 @@ class Placement:
             handle = self.handles.get(id(param))
             if handle is None:
                 names = self._names[id(param)]
-                if param.device.type == "meta" and not self._from_store and (
-                    self._source is None or self._source.find(names) is None
-                ):
+                unsourced = self._source is not None and self._source.find(names) is None
+                if param.device.type == "meta" and not self._from_store and (self._source is None or unsourced):
                     missing.append(names[0])
+                if unsourced:
+                    self.not_loaded.append(names[0])
                 handle = self._adopt(param)
                 new.append(handle)
             mine.append(handle)
         self.by_module[module] = mine
         missing += [n for n in self._place_buffers(prefix, module) if self._source is None or n not in self._source]
+        if self._source is not None:
+            persistent = [_join(prefix, n) for n, b in module._buffers.items()
+                          if b is not None and n not in module._non_persistent_buffers_set]
+            self.not_loaded += [n for n in persistent if n not in self._source]
 
         rewrite = list(new)
         if missing:

@@ -4,6 +4,8 @@ a safetensors file or a torch state dict; never more than one module's parameter
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -119,6 +121,24 @@ def test_a_state_dict_loads_into_a_materialized_model_too(tmp_path):
     engine.wrap(model, config=engine_config(tmp_path), state_dict=source).unwrap()
     for name, value in model.state_dict().items():
         assert torch.equal(value, source[name]), name
+
+
+def test_what_a_state_dict_leaves_out_is_named_in_a_warning(tmp_path):
+    """transformers warns that weights are "newly initialized" when a checkpoint lacks them (a new
+    head); a file that silently lacked some tensors would otherwise train or serve unnoticed."""
+    torch.manual_seed(6)
+    source = {k: v for k, v in _build().state_dict().items() if not k.startswith("2.")}  # no head
+    with pytest.warns(UserWarning, match=r"2 parameters and buffers of the model are not in .* \['2.weight', "
+                                         r"'2.bias'\]; train them"):
+        engine.wrap(_meta(), config=engine_config(tmp_path / "a"), state_dict=source).unwrap()
+    del source["1.2.running_mean"]  # a persistent buffer counts too
+    with pytest.warns(UserWarning, match=r"\['1.2.running_mean', '2.weight', '2.bias'\]"):
+        engine.wrap(_meta(), config=engine_config(tmp_path / "b"), state_dict=source).unwrap()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.wrap(_meta(), config=engine_config(tmp_path / "c"), state_dict=_build().state_dict()).unwrap()
+        engine.wrap(_meta(), config=engine_config(tmp_path / "d"), state_dict=source,  # the caller initializes
+                    init_fn=lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None).unwrap()
 
 
 class NoReset(nn.Module):
