@@ -53,6 +53,7 @@ def from_pretrained(
     max_memory: Optional[Mapping[Any, Any]] = None,
     offload_folder: "str | os.PathLike[str] | None" = None,
     low_cpu_mem_usage: Optional[bool] = None,
+    **config_overrides: Any,
 ) -> Engine:
     """A Hugging Face model wrapped by the engine, its weights read from ``name_or_path`` (a
     ``save_pretrained`` directory, or a Hub name) into ``config``'s store one tensor at a time.
@@ -70,7 +71,12 @@ def from_pretrained(
     the store's directory when there is no ``config``; ``max_memory`` ({GPU index, ``"cpu"``,
     ``"disk"``: size}) sets the store's budget per tier; ``device_map`` (``"auto"``, or a device)
     picks the compute device, the local GPU under ``"auto"`` when there is one. ``low_cpu_mem_usage``
-    is accepted: the weights are always read one tensor at a time."""
+    is accepted: the weights are always read one tensor at a time.
+
+    Other keyword arguments change the model's configuration, as transformers' ``from_pretrained``
+    takes them (``num_labels=3`` for a classification head, ``use_cache=False``); one the
+    configuration does not have is a TypeError. Tensors the checkpoint lacks (a new head) are
+    initialized as transformers initializes them, and named in a warning."""
     import transformers
 
     config = accelerate_config(config, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
@@ -84,7 +90,7 @@ def from_pretrained(
     hub = {"revision": revision, "local_files_only": local_files_only, "cache_dir": cache_dir, "token": token}
     folder = _resolve(os.fspath(name_or_path), hub)
     model = meta_model(folder, model_class=model_class, dtype=dtype, trust_remote_code=trust_remote_code,
-                       attn_implementation=attn_implementation)
+                       attn_implementation=attn_implementation, config_overrides=config_overrides)
     generation = os.path.join(folder, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
@@ -93,13 +99,19 @@ def from_pretrained(
 
 
 def meta_model(folder: "str | os.PathLike[str]", *, model_class: Any = None, dtype: "torch.dtype | str | None" = "auto",
-               trust_remote_code: bool = False, attn_implementation: Optional[str] = None) -> Any:
-    """The model ``folder``'s ``config.json`` describes, on the meta device, built as
-    ``from_pretrained`` builds it: parameters in ``dtype`` (see :func:`from_pretrained`), buffers
-    as the model's code makes them (a rotary embedding's ``inv_freq`` stays fp32)."""
+               trust_remote_code: bool = False, attn_implementation: Optional[str] = None,
+               config_overrides: Optional[Mapping[str, Any]] = None) -> Any:
+    """The model ``folder``'s ``config.json`` describes (with ``config_overrides`` set on it), on
+    the meta device, built as ``from_pretrained`` builds it: parameters in ``dtype`` (see
+    :func:`from_pretrained`), buffers as the model's code makes them (a rotary embedding's
+    ``inv_freq`` stays fp32)."""
     import transformers
 
-    hf_config = transformers.AutoConfig.from_pretrained(os.fspath(folder), trust_remote_code=trust_remote_code)
+    hf_config, unused = transformers.AutoConfig.from_pretrained(
+        os.fspath(folder), trust_remote_code=trust_remote_code, return_unused_kwargs=True, **(config_overrides or {}))
+    if unused:
+        raise TypeError(f"from_pretrained got keyword arguments that are neither its own nor settings of "
+                        f"{type(hf_config).__name__}: {sorted(unused)}")
     cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
     dtype_name = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     kwargs: dict[str, Any] = {dtype_name: _dtype(dtype, hf_config)}

@@ -499,3 +499,27 @@ def test_load_checkpoint_and_dispatch_as_accelerates_tutorial_writes_it(tmp_path
                                              dtype=torch.bfloat16) as eng:  # cast as the weights are placed
         assert eng.state_dict()["lm_head.weight"].dtype == torch.bfloat16
         assert torch.equal(eng.state_dict()["lm_head.weight"], ref.lm_head.weight.to(torch.bfloat16))
+
+
+def test_from_pretrained_puts_a_new_head_on_a_base_checkpoint_as_transformers_does(tmp_path):
+    """The fine-tuning start: ``from_pretrained(base, num_labels=3)`` into a classification model.
+    The base's weights load under the head model's prefix, the new head is initialized as
+    transformers initializes it and named in a warning, as transformers warns."""
+    config = transformers.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     vocab_size=100)
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(tmp_path / "base")
+    ref = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=3)
+    with pytest.warns(UserWarning, match=r"2 parameters .* \['classifier.weight', 'classifier.bias'\]; train them"):
+        eng = engine.from_pretrained(tmp_path / "base", model_class=transformers.BertForSequenceClassification,
+                                     num_labels=3, config=engine_config(tmp_path / "store"))
+    with eng:
+        assert eng.model.config.num_labels == 3 and eng.model.num_labels == 3
+        got, want = eng.state_dict(), ref.state_dict()
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[k], want[k]) for k in want if k != "classifier.weight")
+        assert got["classifier.weight"].shape == (3, 64) and torch.equal(got["classifier.bias"], torch.zeros(3))
+        assert got["classifier.weight"].std().item() == pytest.approx(0.02, rel=0.4)  # N(0, 0.02), not Kaiming
+    with pytest.raises(TypeError, match=r"neither its own nor settings of BertConfig: \['num_lables'\]"):
+        engine.from_pretrained(tmp_path / "base", model_class=transformers.BertForSequenceClassification,
+                               num_lables=3, config=engine_config(tmp_path / "typo"))
