@@ -22,7 +22,7 @@ Hub with ``huggingface_hub.snapshot_download`` (config, weights, tokenizer files
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
@@ -31,6 +31,9 @@ from engine.engine import Engine, wrap
 from engine.hf_device_map import accelerate_config
 from engine.hf_weights import WEIGHT_FILES
 
+if TYPE_CHECKING:
+    import transformers
+
 #: What is fetched from the Hub: configs and weights (safetensors first; torch files only without them).
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
 
@@ -38,7 +41,7 @@ HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
 def from_pretrained(
     name_or_path: "str | os.PathLike[str]",
     *,
-    config: Optional[EngineConfig] = None,
+    config: "EngineConfig | transformers.PretrainedConfig | None" = None,
     model_class: Any = None,
     dtype: "torch.dtype | str | None" = "auto",
     optimizer: Optional[torch.optim.Optimizer] = None,
@@ -65,7 +68,9 @@ def from_pretrained(
     older transformers name. ``attn_implementation`` (``"sdpa"``, ``"eager"``, ...), ``revision``,
     ``cache_dir``, ``token``, ``trust_remote_code``, ``local_files_only``: as transformers' own.
     ``optimizer``: as for :func:`engine.wrap` (an ``engine.AdamW`` binds to the model when built
-    without parameters). The model is ``eng.model``, in eval mode.
+    without parameters). ``config`` may also be transformers' configuration of the model, as
+    transformers' ``from_pretrained`` takes it; the store is then ``offload_folder``. The model is
+    ``eng.model``, in eval mode.
 
     accelerate's big-model arguments carry over (``engine.hf_device_map``): ``offload_folder`` is
     the store's directory when there is no ``config``; ``max_memory`` ({GPU index, ``"cpu"``,
@@ -79,6 +84,18 @@ def from_pretrained(
     initialized as transformers initializes them, and named in a warning."""
     import transformers
 
+    hf_config = None
+    if isinstance(config, transformers.PretrainedConfig):  # transformers' own config=: the model's configuration
+        if config_overrides:
+            raise ValueError(f"from_pretrained: set {sorted(config_overrides)} on the {type(config).__name__} passed "
+                             "as config=, or pass them without it")
+        if offload_folder is None:
+            raise ValueError(f"from_pretrained: config= is the model's configuration here (a "
+                             f"{type(config).__name__}), so the store needs offload_folder=DIR")
+        hf_config, config = config, None
+    elif config is not None and not isinstance(config, EngineConfig):
+        raise TypeError(f"from_pretrained: config must be an engine.EngineConfig (or transformers' configuration "
+                        f"of the model), got {type(config).__name__}")
     config = accelerate_config(config, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
     del low_cpu_mem_usage  # always low: one tensor in memory at a time
 
@@ -90,7 +107,7 @@ def from_pretrained(
     hub = {"revision": revision, "local_files_only": local_files_only, "cache_dir": cache_dir, "token": token}
     folder = _resolve(os.fspath(name_or_path), hub)
     model = meta_model(folder, model_class=model_class, dtype=dtype, trust_remote_code=trust_remote_code,
-                       attn_implementation=attn_implementation, config_overrides=config_overrides)
+                       attn_implementation=attn_implementation, config_overrides=config_overrides, hf_config=hf_config)
     generation = os.path.join(folder, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
@@ -100,15 +117,18 @@ def from_pretrained(
 
 def meta_model(folder: "str | os.PathLike[str]", *, model_class: Any = None, dtype: "torch.dtype | str | None" = "auto",
                trust_remote_code: bool = False, attn_implementation: Optional[str] = None,
-               config_overrides: Optional[Mapping[str, Any]] = None) -> Any:
-    """The model ``folder``'s ``config.json`` describes (with ``config_overrides`` set on it), on
-    the meta device, built as ``from_pretrained`` builds it: parameters in ``dtype`` (see
+               config_overrides: Optional[Mapping[str, Any]] = None, hf_config: Any = None) -> Any:
+    """The model ``folder``'s ``config.json`` (or ``hf_config``) describes (with ``config_overrides``
+    set on it), on the meta device, built as ``from_pretrained`` builds it: parameters in ``dtype`` (see
     :func:`from_pretrained`), buffers as the model's code makes them (a rotary embedding's
     ``inv_freq`` stays fp32)."""
     import transformers
 
-    hf_config, unused = transformers.AutoConfig.from_pretrained(
-        os.fspath(folder), trust_remote_code=trust_remote_code, return_unused_kwargs=True, **(config_overrides or {}))
+    unused: dict[str, Any] = {}
+    if hf_config is None:
+        hf_config, unused = transformers.AutoConfig.from_pretrained(
+            os.fspath(folder), trust_remote_code=trust_remote_code, return_unused_kwargs=True,
+            **(config_overrides or {}))
     if unused:
         raise TypeError(f"from_pretrained got keyword arguments that are neither its own nor settings of "
                         f"{type(hf_config).__name__}: {sorted(unused)}")

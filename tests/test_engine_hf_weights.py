@@ -523,3 +523,22 @@ def test_from_pretrained_puts_a_new_head_on_a_base_checkpoint_as_transformers_do
     with pytest.raises(TypeError, match=r"neither its own nor settings of BertConfig: \['num_lables'\]"):
         engine.from_pretrained(tmp_path / "base", model_class=transformers.BertForSequenceClassification,
                                num_lables=3, config=engine_config(tmp_path / "typo"))
+
+
+def test_from_pretrained_takes_transformers_config_argument_too(tmp_path):
+    """transformers' ``from_pretrained(dir, config=AutoConfig...)``: the model's configuration, the
+    store then named by offload_folder (accelerate's name); anything else is a TypeError."""
+    config = transformers.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                     vocab_size=100)
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(tmp_path / "base")
+    changed = transformers.BertConfig.from_pretrained(tmp_path / "base", num_labels=4)
+    with pytest.warns(UserWarning, match="classifier.weight"), engine.from_pretrained(
+            tmp_path / "base", model_class=transformers.BertForSequenceClassification, config=changed,
+            offload_folder=tmp_path / "store") as eng:
+        assert eng.model.num_labels == 4 and eng.state_dict()["classifier.bias"].shape == (4,)
+    with pytest.raises(ValueError, match=r"config= is the model's configuration here \(a BertConfig\), so the store "
+                                         r"needs offload_folder=DIR"):
+        engine.from_pretrained(tmp_path / "base", config=changed)
+    with pytest.raises(TypeError, match="config must be an engine.EngineConfig .* got dict"):
+        engine.from_pretrained(tmp_path / "base", config={"store": str(tmp_path / "s")})
