@@ -20,6 +20,7 @@ from engine import checkpoint, export, full_state
 from engine.accumulation import GradientAccumulation
 from engine.backward import BackwardTracker, SavedTensorHooks, register_grad_final_hooks
 from engine.collectives import Collectives, group_rank_and_world
+from engine.rank_agreement import take_rank0_values
 from engine.config import EngineConfig
 from engine.distributed_init import local_rank as launcher_local_rank
 from engine.gathered import ParamsArg, check_modifier_rank, select_handles
@@ -786,6 +787,8 @@ def wrap_as(
         else:
             discard_training_state(store)  # this wrap's parameters replace the earlier run's
         discard_activations(store)
+        if collectives is not None and not config.resume:
+            take_rank0_values(model, collectives)
         placement = Placement(
             model, device=device, shard_io=shard_io, meter=meter, rank=rank, world=world, source=source,
             init_fn=init_fn, dtype=_train_dtype(config), from_store=config.resume,

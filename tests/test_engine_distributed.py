@@ -15,6 +15,7 @@ import datetime
 import os
 import pathlib
 import socket
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -645,3 +646,40 @@ def test_world2_resume_refuses_ranks_that_completed_different_steps(trained):
     for rank in range(WORLD):
         message = (root / f"mixed{rank}.txt").read_text()
         assert message.startswith("StepRecordError") and "completed different steps {0: 6, 1: 3}" in message, message
+
+
+def _differing_ranks(rank: int, root: str) -> None:
+    """Each rank seeds differently (or, for "same", alike) and wraps its own copy; what it warned
+    and the state the engine then holds are saved for the test."""
+    out = {}
+    for case in ("different", "same"):
+        torch.manual_seed(rank if case == "different" else 0)
+        model = TinyGPT(**GPT_SIZES)
+        model.register_buffer("counter", torch.full((3,), float(rank if case == "different" else 0)))  # a buffer
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            eng = engine.wrap(model, config=engine_config(pathlib.Path(root) / f"{case}-store"))
+        out[case] = {"warnings": [str(w.message) for w in caught if "differed between the ranks" in str(w.message)],
+                     "before": before, "after": eng.state_dict(), "counter": model.counter.clone()}
+        eng.close()
+    torch.save(out, os.path.join(root, f"rank{rank}.pt"))
+
+
+def test_world2_ranks_whose_models_differ_all_start_from_rank0s(tmp_path):
+    """DDP broadcasts rank 0's state at construction, so DDP scripts may seed ranks differently or
+    load weights on rank 0 alone; sharded, each rank's part would come from its own model. The
+    engine takes rank 0's values on every rank and names what differed."""
+    run_ranks(_differing_ranks, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    rank0 = ranks[0]["different"]["before"]
+    for rank, record in enumerate(ranks):
+        different, same = record["different"], record["same"]
+        differing = {k for k, v in rank0.items() if not torch.equal(v, ranks[1]["different"]["before"][k])}
+        differing.discard("lm_head.weight")  # tied to wte.weight: one tensor (norms' ones and zeros agree)
+        assert len(different["warnings"]) == 1, different["warnings"]
+        assert different["warnings"][0].startswith(f"{len(differing)} parameters and buffers differed between")
+        assert all(torch.equal(different["after"][k], v) for k, v in rank0.items()), rank
+        assert torch.equal(different["counter"], torch.zeros(3))  # the buffer the rank keeps, rank 0's
+        assert same["warnings"] == [] and all(torch.equal(same["after"][k], v) for k, v in same["before"].items())
+    assert not torch.equal(ranks[1]["different"]["before"]["wte.weight"], rank0["wte.weight"])  # they did differ

@@ -1,0 +1,68 @@
+"""Every rank starts from rank 0's values: :func:`take_rank0_values`.
+
+Each rank keeps 1/world of every parameter, cut from its own copy of the model, so ranks whose
+copies differ (seeded differently, or weights loaded on rank 0 only, a pattern DDP allows because
+it broadcasts rank 0's state at construction) would assemble parameters from different models
+without a word. Before placing, the ranks compare a CRC-32 of each materialized parameter and
+buffer; where any differs, rank 0's value is broadcast to all, as DDP and DeepSpeed's
+``zero.Init`` do, and a warning names what differed. Parameters still on the meta device are
+initialized later on each rank, from its own random state (seed every rank alike, as FSDP asks).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.collectives import Collectives
+from tiered.io.crc import crc32
+
+
+def take_rank0_values(model: nn.Module, collectives: Collectives) -> list[str]:
+    """Make every materialized parameter and buffer of ``model`` equal to rank 0's on every rank;
+    return the names of those that differed (the same list on every rank), after warning of them."""
+    tensors: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers()):
+        if tensor.device.type != "meta" and id(tensor) not in tensors:
+            tensors[id(tensor)] = (name, tensor)
+    entries = list(tensors.values())
+    mine = [_fingerprint(t) for _, t in entries]
+    everyone = collectives.run(collectives.all_gather_object, mine)
+    if any(len(theirs) != len(mine) for theirs in everyone):
+        raise ValueError(f"the ranks' models have different numbers of materialized parameters and buffers "
+                         f"({[len(theirs) for theirs in everyone]}): build the same model on every rank")
+    differing = [i for i in range(len(entries)) if any(theirs[i] != everyone[0][i] for theirs in everyone[1:])]
+    if not differing:
+        return []
+    with torch.no_grad():
+        for i in differing:
+            collectives.run(_broadcast_from_rank0, entries[i][1], collectives)
+    names = [entries[i][0] for i in differing]
+    warnings.warn(
+        f"{len(names)} parameters and buffers differed between the ranks' models at wrap: {names[:10]}"
+        f"{' ...' if len(names) > 10 else ''}; every rank now has rank 0's values, as DDP and DeepSpeed's "
+        "zero.Init broadcast them (seed every rank alike, or load the weights on every rank, to silence this)",
+        UserWarning, stacklevel=4)
+    return names
+
+
+def _fingerprint(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], int]:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    data = memoryview(flat.view(torch.uint8).numpy())
+    return str(tensor.dtype), tuple(tensor.shape), crc32([data], len(data))
+
+
+def _broadcast_from_rank0(tensor: torch.Tensor, collectives: Collectives) -> None:
+    data = tensor.detach()
+    if data.is_contiguous():
+        dist.broadcast(data, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
+    else:
+        staged = data.contiguous()
+        dist.broadcast(staged, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
+        data.copy_(staged)
+
+
+__all__ = ["take_rank0_values"]
