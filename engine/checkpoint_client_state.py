@@ -45,11 +45,10 @@ def split_client_state(client_state: Optional[Mapping[str, Any]]) -> tuple[dict[
             return [replace(item) for item in value]
         return value
 
+    marked = replace(client_state)
     try:
-        return json.loads(json.dumps(replace(client_state), allow_nan=True)), tensors
+        return json.loads(json.dumps(marked, allow_nan=True)), tensors
     except (TypeError, ValueError) as exc:
-        if isinstance(exc, ValueError) and MARKER in str(exc):
-            raise
         raise TypeError(
             f"client_state must hold JSON values (numbers, strings, lists, dicts with str keys) and tensors: {exc}; "
             "convert other objects (a numpy array: torch.from_numpy) or save them yourself"

@@ -20,7 +20,6 @@ from engine import checkpoint, export, full_state
 from engine.accumulation import GradientAccumulation
 from engine.backward import BackwardTracker, SavedTensorHooks, register_grad_final_hooks
 from engine.collectives import Collectives, group_rank_and_world
-from engine.rank_agreement import take_rank0_values
 from engine.config import EngineConfig
 from engine.distributed_init import local_rank as launcher_local_rank
 from engine.gathered import ParamsArg, check_modifier_rank, select_handles
@@ -32,6 +31,7 @@ from engine.module_hooks import ForwardScope, ModuleHooks
 from engine.pager import Pager
 from engine.placement import InitFn, Placement, model_device
 from engine.progress import byte_progress
+from engine.rank_agreement import take_rank0_values
 from engine.saved_activations import SavedActivations, discard_activations
 from engine.scaled_loss import scale_in_backward
 from engine.shard_io import ShardIO
