@@ -260,11 +260,19 @@ def publish(partial: str, path: str, metadata: dict[str, Any], overwrite: bool) 
         shutil.rmtree(old, ignore_errors=True)
 
 
+def holds_saved_checkpoint(path: "str | os.PathLike[str]") -> bool:
+    """Whether a checkpoint was published at ``path``: it is there, or an overwrite killed between
+    its two renames left it at ``path.old`` (the next save or load puts it back)."""
+    path = os.fspath(path)
+    return os.path.isfile(os.path.join(path, METADATA_FILE)) or (
+        not os.path.exists(path) and os.path.isfile(os.path.join(path + OLD_SUFFIX, METADATA_FILE)))
+
+
 def _recover_interrupted_overwrite(path: str) -> None:
     """An overwrite killed between its two renames left no ``<dir>`` and the previous checkpoint,
     complete, in ``<dir>.old`` (it only ever gets there by a rename of a published ``<dir>``): put it back."""
     old = path + OLD_SUFFIX
-    if os.path.exists(path) or not os.path.isfile(os.path.join(old, METADATA_FILE)):
+    if os.path.exists(path) or not holds_saved_checkpoint(path):
         return
     try:
         os.rename(old, path)
@@ -676,6 +684,6 @@ def agree(io: ShardIO, error: Optional[BaseException], doing: str, failed: Seque
 
 __all__ = [
     "CheckpointError", "EngineParts", "agree", "attempt", "check_between_steps", "consolidated_state_dict",
-    "buffer_record", "fsync_dir", "gather_objects", "load_checkpoint", "param_record",
+    "buffer_record", "fsync_dir", "gather_objects", "holds_saved_checkpoint", "load_checkpoint", "param_record",
     "prepare_partial", "publish", "rank_file", "save_checkpoint", "write_tensors",
 ]

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from engine import checkpoint
-from engine.checkpoint_files import METADATA_FILE, CheckpointError
+from engine.checkpoint_files import CheckpointError
 from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint, tagged_path
 from engine.deepspeed_config import micro_batch_size
 from engine.engine import Engine
@@ -157,8 +157,8 @@ class DeepSpeedEngine(Engine):
         there that is no checkpoint is never replaced unless ``overwrite=True``. Returns True, as
         DeepSpeed does."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        if overwrite is None:
-            overwrite = os.path.isfile(os.path.join(tagged_path(save_dir, tag), METADATA_FILE))
+        if overwrite is None:  # DeepSpeed's: replace what an earlier save put under the tag
+            overwrite = checkpoint.holds_saved_checkpoint(tagged_path(save_dir, tag))
         if self._training is None:  # engine.AdamW's steps are in the checkpoint's step record
             client_state = {**(client_state or {}), GLOBAL_STEPS: self._torch_steps}
         self._save_checkpoint(save_dir, tag, client_state, overwrite=overwrite,

@@ -31,9 +31,9 @@ def hf_initializers(model: nn.Module, prefix: str) -> list[tuple[Initializer, nn
     chain = [model.get_submodule(".".join(parts[:depth])) for depth in range(len(parts), -1, -1)]
     pairs: list[tuple[Initializer, nn.Module]] = []
     for at, module in enumerate(chain):
-        owner = next((m for m in chain[at:] if _own_initializer(m) is not None), None)
-        if owner is not None:
-            pairs.append((_own_initializer(owner), module))  # type: ignore[arg-type]
+        init = next((i for i in map(_own_initializer, chain[at:]) if i is not None), None)
+        if init is not None:
+            pairs.append((init, module))
     return pairs
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.collectives import Collectives
+from engine.safetensors_stream import tensor_bytes
 from tiered.io.crc import crc32
 
 
@@ -50,18 +51,15 @@ def take_rank0_values(model: nn.Module, collectives: Collectives) -> list[str]:
 
 
 def _fingerprint(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], int]:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    data = memoryview(flat.view(torch.uint8).numpy())
+    data = tensor_bytes(tensor)
     return str(tensor.dtype), tuple(tensor.shape), crc32([data], len(data))
 
 
 def _broadcast_from_rank0(tensor: torch.Tensor, collectives: Collectives) -> None:
     data = tensor.detach()
-    if data.is_contiguous():
-        dist.broadcast(data, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
-    else:
-        staged = data.contiguous()
-        dist.broadcast(staged, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
+    staged = data.contiguous()  # the tensor itself when it already is
+    dist.broadcast(staged, src=dist.get_global_rank(collectives.group, 0), group=collectives.group)
+    if staged is not data:
         data.copy_(staged)
 
 
