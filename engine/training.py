@@ -250,7 +250,7 @@ class Training:
     def live_shards(self) -> list[OptimShard]:
         """Every trainable shard with the store keys of its current state (a shard that never took
         a step has none yet: its slot-0 keys are absent from the store)."""
-        return [self._shard(p, max(self.record.shards[p.name].slot, 0)) for p in self._params]
+        return [self.live_shard(p.name) for p in self._params]
 
     def live_shard(self, name: str) -> OptimShard:
         """:meth:`live_shards`' entry for the trainable shard ``name`` alone."""
