@@ -20,7 +20,7 @@ import json
 import math
 import os
 import warnings
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Collection, Mapping, Optional, Union
 
 from tiered import StoreConfig
 
@@ -110,6 +110,12 @@ def _path(v: Any) -> str:
     return os.fspath(v)
 
 
+def _text(v: Any) -> str:
+    if not isinstance(v, str):
+        raise _Bad("must be a string")
+    return v
+
+
 def _any(v: Any) -> Any:
     return v
 
@@ -139,6 +145,8 @@ _PINNED = "the store pins its host pool and staging buffers whenever CUDA is pre
 _COMM = "the engine issues one collective per parameter shard; DeepSpeed's bucketing knob has no counterpart"
 _ZERO12 = "applies to ZeRO stages 1 and 2 only"
 _LOGGING = "DeepSpeed's own logging/monitoring; the engine reports through eng.stats()"
+_TIMERS = ("engine.initialize's engine prints each forward, backward and step call's wall time in ms, and each "
+           "optimizer step's sums with the time spent waiting on the store (io_wait), on rank 0")
 _PROGRESS_LINE = ("engine.initialize's engine prints DeepSpeed's progress line (step, skipped steps, lr, momentum) "
                   "every N steps on rank 0")
 _ACCUMULATION = ("gradient_accumulation_steps (given, or train_batch_size / (train_micro_batch_size_per_gpu x "
@@ -270,6 +278,44 @@ ACTIVATION_CHECKPOINTING: Schema = {
     "profile": Key(_bool, ACCEPT, _LOGGING),
 }
 
+_MONITOR = ("engine.initialize's engine writes DeepSpeed's events (lr, fp16 loss_scale, wall_clock_breakdown's "
+            "timings) and the script's (model_engine.monitor.write_events) on rank 0")
+_MONITOR_DIR = "the files go to output_path/job_name (DeepSpeed's defaults: \"\" and \"DeepSpeedJobName\")"
+
+TENSORBOARD: Schema = {
+    "enabled": Key(_bool, ACCEPT, _MONITOR + ", as TensorBoard scalars (needs the tensorboard package)"),
+    "output_path": Key(_text, ACCEPT, _MONITOR_DIR),
+    "job_name": Key(_text, ACCEPT, _MONITOR_DIR),
+}
+
+CSV_MONITOR: Schema = {
+    "enabled": Key(_bool, ACCEPT, _MONITOR + ", one CSV file per event name"),
+    "output_path": Key(_text, ACCEPT, _MONITOR_DIR),
+    "job_name": Key(_text, ACCEPT, _MONITOR_DIR),
+}
+
+WANDB: Schema = {
+    "enabled": Key(_bool, ACCEPT, _MONITOR + ", to the script's W&B run, or one it starts (needs the wandb package)"),
+    "group": Key(_optional(_text), ACCEPT, "wandb.init's group, for a run the engine starts"),
+    "team": Key(_optional(_text), ACCEPT, "wandb.init's entity, for a run the engine starts"),
+    "project": Key(_text, ACCEPT, "wandb.init's project, for a run the engine starts (DeepSpeed's default: deepspeed)"),
+}
+
+_COMET_START = "passed to comet_ml.start"
+
+COMET: Schema = {
+    "enabled": Key(_bool, ACCEPT, _MONITOR + ", to a Comet experiment (needs the comet_ml package)"),
+    "samples_log_interval": Key(_int(1), ACCEPT, "an event name is logged at most once per this many samples "
+                                "(DeepSpeed's default: 100)"),
+    "project": Key(_optional(_text), ACCEPT, _COMET_START),
+    "workspace": Key(_optional(_text), ACCEPT, _COMET_START),
+    "api_key": Key(_optional(_text), ACCEPT, _COMET_START),
+    "experiment_name": Key(_optional(_text), ACCEPT, "the experiment's name (set_name)"),
+    "experiment_key": Key(_optional(_text), ACCEPT, _COMET_START),
+    "online": Key(_optional(_bool), ACCEPT, _COMET_START),
+    "mode": Key(_optional(_choice("get", "create", "get_or_create")), ACCEPT, _COMET_START),
+}
+
 CHECKPOINT: Schema = {
     "tag_validation": Key(_choice("ignore", "warn", "fail"), ACCEPT,
                           "every rank's tag is always checked: different tags are an error"),
@@ -292,13 +338,13 @@ TOP: Schema = {
     "gradient_accumulation_steps": Key(_int(1), MAP, _ACCUMULATION),
     "dataloader_drop_last": Key(_bool, ACCEPT, "engine.initialize(training_data=)'s loader drops a last short batch"),
     "steps_per_print": Key(_optional(_int()), ACCEPT, _PROGRESS_LINE),
-    "wall_clock_breakdown": Key(_bool, ACCEPT, _LOGGING),
+    "wall_clock_breakdown": Key(_bool, ACCEPT, _TIMERS),
     "memory_breakdown": Key(_bool, ACCEPT, _LOGGING),
     "dump_state": Key(_bool, ACCEPT, _LOGGING),
-    "tensorboard": Key(_mapping_or_none, ACCEPT, _LOGGING),
-    "wandb": Key(_mapping_or_none, ACCEPT, _LOGGING),
-    "csv_monitor": Key(_mapping_or_none, ACCEPT, _LOGGING),
-    "comet": Key(_mapping_or_none, ACCEPT, _LOGGING),
+    "tensorboard": TENSORBOARD,
+    "wandb": WANDB,
+    "csv_monitor": CSV_MONITOR,
+    "comet": COMET,
     "flops_profiler": Key(_mapping_or_none, ACCEPT, _LOGGING),
     "comms_logger": Key(_mapping_or_none, ACCEPT, _LOGGING),
     "timers": Key(_mapping_or_none, ACCEPT, _LOGGING),
@@ -342,12 +388,14 @@ def deepspeed_settings(ds_config: DeepSpeedConfig) -> tuple[dict[str, Any], list
     return found, problems
 
 
-def config_from_deepspeed(cls: type, ds_config: DeepSpeedConfig, *, store: StoreConfig, **overrides: Any) -> Any:
+def config_from_deepspeed(cls: type, ds_config: DeepSpeedConfig, *, store: StoreConfig,
+                          reports: Collection[str] = (), **overrides: Any) -> Any:
     """An EngineConfig (``cls``) from a DeepSpeed config dict or JSON path, over ``store``.
 
     Mapped values replace the matching fields of ``store`` and of the EngineConfig defaults;
     ``overrides`` replace EngineConfig fields last. ValueError names every unknown or unsupported
-    key and every bad value, by path.
+    key and every bad value, by path. A warning names the reports (monitors, profilers, timings)
+    the config turns on that are not in ``reports``, those the caller produces.
     """
     if not isinstance(store, StoreConfig):
         raise TypeError(f"store must be a tiered.StoreConfig, got {type(store).__name__}")
@@ -356,24 +404,30 @@ def config_from_deepspeed(cls: type, ds_config: DeepSpeedConfig, *, store: Store
     if problems:
         lines = "\n  ".join(problems)
         raise ValueError(f"the DeepSpeed config has {len(problems)} unsupported or invalid setting(s):\n  {lines}")
-    _warn_unreported(found)
+    _warn_unreported(found, reports)
     return cls(store=store.replace(**store_fields), **{**engine_fields, **overrides})
 
 
-#: DeepSpeed's monitors and profilers: accepted, but the engine writes and prints nothing for them.
-_REPORTS = ("tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler")
+#: DeepSpeed's monitors and timings, which ``engine.initialize``'s engine produces.
+INITIALIZE_REPORTS = ("tensorboard", "wandb", "csv_monitor", "comet", "wall_clock_breakdown")
+#: DeepSpeed's reports: a config turning one on that nothing produces gets a warning.
+_REPORTS = INITIALIZE_REPORTS + ("flops_profiler",)
 
 
-def _warn_unreported(found: Mapping[str, Any]) -> None:
-    """Warn when the config turns on a DeepSpeed report the engine does not produce: the user would
-    look for its files or lines and find none."""
-    asked = [k for k in _REPORTS if isinstance(found.get(k), Mapping) and found[k].get("enabled") is True]
-    asked += ["wall_clock_breakdown"] if found.get("wall_clock_breakdown") else []
-    if asked:
-        warnings.warn(
-            f"{', '.join(asked)}: DeepSpeed's own monitoring and timing reports are not produced by the engine "
-            f"(nothing is written or printed for them); log from the loop instead: eng.get_lr(), eng.loss_scale, "
-            f"and eng.stats() for the engine's I/O and stall figures", UserWarning, stacklevel=4)
+def _warn_unreported(found: Mapping[str, Any], produced: Collection[str]) -> None:
+    """Warn when the config turns on a DeepSpeed report that is not produced: the user would look
+    for its files or lines and find none."""
+    asked = [k for k in _REPORTS if k not in produced and (
+        found.get(k) is True or isinstance(found.get(k), Mapping) and found[k].get("enabled") is True)]
+    if not asked:
+        return
+    monitors = [k for k in asked if k in INITIALIZE_REPORTS]
+    hint = (f"; engine.initialize's engine produces {', '.join(monitors)} (DeepSpeed's events and timings)"
+            if monitors else "")
+    warnings.warn(
+        f"{', '.join(asked)}: not produced by this engine (nothing is written or printed for them){hint}; or log "
+        f"from the loop: eng.get_lr(), eng.loss_scale, and eng.stats() for the engine's I/O and stall figures",
+        UserWarning, stacklevel=4)
 
 
 # ---------------------------------------------------------------------------------------- internals

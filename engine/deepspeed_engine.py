@@ -14,10 +14,11 @@ else is the engine's: ``model_engine(batch)``, ``backward``, ``step``, ``device`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
-from typing import Any, Mapping, Optional
+from typing import Any, ContextManager, Mapping, Optional
 
 import torch
 
@@ -25,6 +26,8 @@ from engine import checkpoint
 from engine.checkpoint_files import CheckpointError
 from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint, tagged_path
 from engine.deepspeed_config import micro_batch_size
+from engine.deepspeed_monitor import DeepSpeedMonitor, Event
+from engine.deepspeed_timers import WallClockBreakdown, window_line
 from engine.engine import Engine
 
 #: Where the client state carries :attr:`DeepSpeedEngine.global_steps` for a plain torch optimizer
@@ -38,14 +41,22 @@ ONE_FILE = 1 << 62
 
 class DeepSpeedEngine(Engine):
     """An :class:`~engine.Engine` whose checkpoint calls take and return what DeepSpeed's do. Made
-    by ``engine.initialize``; ``deepspeed_config`` is the DeepSpeed config it was made from, and
-    ``scratch_dir`` the temporary store directory it removes when it closes (None: it keeps its store)."""
+    by ``engine.initialize``; ``deepspeed_config`` is the DeepSpeed config it was made from,
+    ``scratch_dir`` the temporary store directory it removes when it closes (None: it keeps its store)
+    and ``monitor`` the config's monitors (:mod:`engine.deepspeed_monitor`; None: none), which it
+    closes with itself."""
 
     def __init__(self, *args: Any, deepspeed_config: Mapping[str, Any], scratch_dir: Optional[str] = None,
-                 **kwargs: Any) -> None:
+                 monitor: Optional[DeepSpeedMonitor] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deepspeed_config = dict(deepspeed_config)
         self._scratch_dir = scratch_dir
+        #: DeepSpeed's ``model_engine.monitor``: ``monitor.write_events([(name, value, step), ...])``.
+        self.monitor = monitor if monitor is not None else DeepSpeedMonitor()
+        self._timers: Optional[WallClockBreakdown] = None
+        if self._deepspeed_config.get("wall_clock_breakdown") is True:
+            self._timers = WallClockBreakdown(self.device)
+            self._io_wait_mark = self._io_wait_seconds()
         #: Optimizer steps of a plain torch optimizer (``engine.AdamW`` counts its own in the store).
         self._torch_steps = 0
 
@@ -72,19 +83,67 @@ class DeepSpeedEngine(Engine):
             return self._torch_steps
         return self.completed_steps + self.skipped_steps
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``model_engine(batch)``: the model's forward (timed with ``wall_clock_breakdown``)."""
+        with self._timed("fwd"):
+            return super().__call__(*args, **kwargs)
+
+    def backward(self, loss: Any, **kwargs: Any) -> None:
+        """:meth:`Engine.backward` (timed with ``wall_clock_breakdown``)."""
+        with self._timed("bwd"):
+            super().backward(loss, **kwargs)
+
     def step(self) -> bool:
         """:meth:`Engine.step`, counting the optimizer steps of a plain torch optimizer for
-        :attr:`global_steps`. With the config's ``steps_per_print`` = N, rank 0 prints DeepSpeed's
-        progress line (``[Rank 0] step=N, skipped=0, lr=[...], mom=[...]``) every N optimizer steps."""
+        :attr:`global_steps`, then DeepSpeed's reports after each optimizer step: with the config's
+        ``steps_per_print`` = N, rank 0 prints DeepSpeed's progress line (``[Rank 0] step=N,
+        skipped=0, lr=[...], mom=[...]``) every N optimizer steps; with a monitor on, rank 0 writes
+        ``Train/Samples/lr`` (and ``loss_scale`` with fp16) at :attr:`global_samples`; with
+        ``wall_clock_breakdown``, it prints each call's timings and each step's sums (and writes
+        them as ``Train/Samples/elapsed_time_ms_*`` events)."""
         boundary = self.is_gradient_accumulation_boundary()
-        applied = super().step()
+        with self._timed("step"):
+            applied = super().step()
         if boundary and self._training is None:
             self._torch_steps += 1
+        if self.global_rank != 0:
+            return applied
         every = self._deepspeed_config.get("steps_per_print")
-        if boundary and every and self.global_steps % every == 0 and self.global_rank == 0:
+        if boundary and every and self.global_steps % every == 0:
             print(f"[Rank 0] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
                   f"mom={self.get_mom()}", flush=True)
+        events: list[Event] = []
+        if boundary and self.monitor.enabled:
+            events.append(("Train/Samples/lr", self.get_lr()[0], self.global_samples))
+            if self.fp16_enabled() and self.loss_scale is not None:
+                events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
+        if self._timers is not None:
+            print(f"[Rank 0] {self._timers.micro_line()}", flush=True)
+            if boundary:
+                events += self._report_window()
+        self.monitor.write_events(events)
         return applied
+
+    def _timed(self, phase: str) -> ContextManager[None]:
+        return self._timers.timed(phase) if self._timers is not None else contextlib.nullcontext()
+
+    def _report_window(self) -> list[Event]:
+        """Print the accumulation window's timings; DeepSpeed's events for them when monitored."""
+        assert self._timers is not None
+        window = self._timers.take_window()
+        now = self._io_wait_seconds()
+        io_wait_ms, self._io_wait_mark = (now - self._io_wait_mark) * 1e3, now
+        print(f"[Rank 0] {window_line(window, io_wait_ms)}", flush=True)
+        if not self.monitor.enabled:
+            return []
+        names = {"fwd": "forward", "bwd": "backward", "step": "step"}
+        return [(f"Train/Samples/elapsed_time_ms_{names[phase]}", ms, self.global_samples)
+                for phase, ms in window.items()]
+
+    def _io_wait_seconds(self) -> float:
+        """Seconds the engine has waited on the store: parameters, optimizer state and activations."""
+        stats = self.stats()
+        return stats.stall_seconds + stats.optimizer_stall_seconds + stats.activation_stall_seconds
 
     @property
     def global_samples(self) -> int:
@@ -140,6 +199,7 @@ class DeepSpeedEngine(Engine):
 
     def _shutdown(self) -> None:
         super()._shutdown()
+        self.monitor.close()
         if self._scratch_dir is not None:  # the store is closed: nothing reads its files again
             shutil.rmtree(self._scratch_dir, ignore_errors=True)
 

@@ -31,8 +31,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from engine.config import EngineConfig
-from engine.deepspeed_config import DeepSpeedConfig, load_deepspeed_config, micro_batch_size
+from engine.deepspeed_config import (
+    INITIALIZE_REPORTS, DeepSpeedConfig, config_from_deepspeed, load_deepspeed_config, micro_batch_size,
+)
 from engine.deepspeed_engine import DeepSpeedEngine
+from engine.deepspeed_monitor import DeepSpeedMonitor, enabled_monitors
 from engine.deepspeed_store import DefaultStore, default_store
 from engine.distributed_init import init_distributed, local_rank
 from engine.engine import wrap_as
@@ -115,10 +118,11 @@ def _initialize(
 ) -> tuple[DeepSpeedEngine, Optional[DataLoader], Any]:
     """:func:`initialize` after the config is loaded, the process group joined and the store chosen."""
     if default is not None:
-        engine_config = default.apply(EngineConfig.from_deepspeed(ds, store=default.config))
+        engine_config = default.apply(config_from_deepspeed(EngineConfig, ds, store=default.config,
+                                                            reports=INITIALIZE_REPORTS))
     else:
         store_config = store if isinstance(store, StoreConfig) else StoreConfig(path=os.fspath(store))
-        engine_config = EngineConfig.from_deepspeed(ds, store=store_config)
+        engine_config = config_from_deepspeed(EngineConfig, ds, store=store_config, reports=INITIALIZE_REPORTS)
     if engine_config.compute_device is None:
         device = _compute_device(model, torch.cuda.is_available())
         engine_config = engine_config.replace(compute_device=device) if device is not None else engine_config
@@ -141,16 +145,31 @@ def _initialize(
     # Everything that can be refused is checked before wrap, which moves the model's values into the store.
     loader = (_loader(training_data, ds, engine_config.gradient_accumulation_steps, collate_fn)
               if training_data is not None else None)
+    monitor = _monitor(ds, engine_config.gradient_accumulation_steps)
     scratch = default.scratch if default is not None else None
-    eng = wrap_as(functools.partial(DeepSpeedEngine, deepspeed_config=ds, scratch_dir=scratch), model,
-                  optimizer=optimizer, config=engine_config, init_fn=init_fn, state_dict=state_dict)
+    try:
+        eng = wrap_as(functools.partial(DeepSpeedEngine, deepspeed_config=ds, scratch_dir=scratch, monitor=monitor),
+                      model, optimizer=optimizer, config=engine_config, init_fn=init_fn, state_dict=state_dict)
+    except BaseException:
+        monitor.close()
+        raise
     try:
         scheduler = _scheduler(lr_scheduler, ds, eng.optimizer)
         eng.lr_scheduler = scheduler
     except BaseException:
-        eng.unwrap()  # the model as it was, values in memory again
+        eng.unwrap()  # the model as it was, values in memory again; the monitor closed with the engine
         raise
     return eng, loader, scheduler
+
+
+def _monitor(ds: dict[str, Any], accumulation_steps: int) -> DeepSpeedMonitor:
+    """The config's monitors (opened on rank 0). Their events are at ``global_samples``, which needs
+    the batch size: ValueError without one, as DeepSpeed requires it."""
+    if enabled_monitors(ds) and micro_batch_size(ds, accumulation_steps, 1) is None:
+        raise ValueError(f"the DeepSpeed config turns on {', '.join(enabled_monitors(ds))}, whose events are "
+                         f"counted in samples: set train_micro_batch_size_per_gpu or train_batch_size")
+    return DeepSpeedMonitor.from_config(ds, rank=dist.get_rank() if dist.is_available() and dist.is_initialized()
+                                        else 0)
 
 
 def _join_process_group(required: Optional[bool]) -> None:

@@ -287,6 +287,10 @@ def test_schema_covers_every_key_of_the_installed_deepspeed():
             and not n.endswith(("_DEFAULT", "_FORMAT"))} - {act.ACT_CHKPT} <= set(TOP["activation_checkpointing"])
     assert {getattr(aio, n) for n in dir(aio) if n.startswith("AIO_") and n.count("_") >= 2
             and not n.endswith(("_DEFAULT", "_FORMAT"))} <= set(TOP["aio"])
+    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+    for section, model in (("tensorboard", TensorBoardConfig), ("csv_monitor", CSVConfig), ("wandb", WandbConfig),
+                           ("comet", CometConfig)):
+        assert names(model) == set(TOP[section]), section
     # The defaults the mapping assumes for a half-given aio section are DeepSpeed's own.
     from engine.deepspeed_config import DEEPSPEED_AIO_QUEUE_DEPTH, DEEPSPEED_AIO_THREADS
     assert (aio.AIO_QUEUE_DEPTH_DEFAULT, aio.AIO_INTRA_OP_PARALLELISM_DEFAULT) == (
@@ -499,9 +503,10 @@ def test_the_training_guide_lists_every_key():
 
 
 def test_monitors_turned_on_are_named_in_a_warning(store):
-    """DeepSpeed's tensorboard/wandb/csv monitors, flops profiler and wall-clock breakdown are accepted
-    but produce nothing here: turned on, a warning says so; off, nothing is said."""
-    with pytest.warns(UserWarning, match=r"^tensorboard, csv_monitor, wall_clock_breakdown: DeepSpeed's own"):
+    """DeepSpeed's tensorboard/wandb/csv monitors, flops profiler and wall-clock breakdown are accepted,
+    but an EngineConfig's engine produces none of them (engine.initialize's produces all but the
+    profiler): turned on, a warning says so; off, nothing is said."""
+    with pytest.warns(UserWarning, match=r"^tensorboard, csv_monitor, wall_clock_breakdown: not produced"):
         EngineConfig.from_deepspeed(ds(tensorboard={"enabled": True, "output_path": "tb"}, wall_clock_breakdown=True,
                                        csv_monitor={"enabled": True}, wandb={"enabled": False}), store=store)
     with warnings.catch_warnings():

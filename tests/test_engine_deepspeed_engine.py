@@ -52,8 +52,10 @@ def _tutorial_at_two_ranks(rank: int, root: str) -> None:
     changed: no init_process_group (initialize joins torchrun's group), batches moved to
     ``model_engine.device``, ``_, client_sd = load_checkpoint(dir)``, a save with the default tag."""
     model = make_model()
+    monitor = {"csv_monitor": {"enabled": True, "output_path": root, "job_name": "csv"}}  # written by rank 0 alone
     model_engine, _, _, _ = engine.initialize(model=model, model_parameters=param_groups(model),
-                                              config=ds_config(2, FIXTURES[TWO_RANKS][1]), store=Path(root, "store"))
+                                              config=ds_config(2, {**FIXTURES[TWO_RANKS][1], **monitor}),
+                                              store=Path(root, "store"))
     try:
         load_path, client_sd = model_engine.load_checkpoint(Path(root, "imported"))
         loaded_steps = model_engine.global_steps
@@ -67,6 +69,7 @@ def _tutorial_at_two_ranks(rank: int, root: str) -> None:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / 2)
+            model_engine.monitor.write_events([("Train/loss", losses[-1], model_engine.global_samples)])
         rng = torch.get_rng_state()  # tensors in client_state, as DeepSpeed scripts keep them; rank 0's are kept
         model_engine.save_checkpoint(Path(root, "ours"), client_state={
             "step": model_engine.global_steps, "rng": rng, "mine": [torch.full((2, 3), float(rank))]})
@@ -104,6 +107,11 @@ def test_deepspeeds_tutorial_loop_at_two_ranks_reaches_deepspeeds_losses(tmp_pat
     assert (tmp_path / "ours" / "latest").read_text() == f"global_step{STEPS_BEFORE + STEPS_AFTER}"
     assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["global_step6", "latest"]
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["rank0", "rank1"]
+    samples = [4 * step for step in range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1)]
+    for name, values in (("Train_loss", records[0]["losses"]), ("Train_Samples_lr", None)):
+        rows = (tmp_path / "csv" / f"{name}.csv").read_text().splitlines()
+        assert rows[0].startswith("step,") and [int(r.split(",")[0]) for r in rows[1:]] == samples  # once each
+        assert values is None or [float(r.split(",")[1]) for r in rows[1:]] == values
 
 
 def test_load_before_the_first_save_starts_afresh_and_saves_are_tagged_by_step(tmp_path):
