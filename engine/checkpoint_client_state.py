@@ -32,18 +32,27 @@ def split_client_state(client_state: Optional[Mapping[str, Any]]) -> tuple[dict[
     if not isinstance(client_state, Mapping):
         raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}")
     tensors: list[torch.Tensor] = []
+    containing: set[int] = set()  # the containers around the value being replaced
 
     def replace(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             tensors.append(value.detach())
             return {MARKER: len(tensors) - 1}
-        if isinstance(value, Mapping):
-            if MARKER in value:
-                raise ValueError(f"client_state may not use the key {MARKER!r} (it marks a saved tensor); rename it")
-            return {key: replace(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
+        if not isinstance(value, (Mapping, list, tuple)):
+            return value
+        if id(value) in containing:
+            raise TypeError(f"client_state contains itself (a {type(value).__name__} holding itself, directly or "
+                            f"through others): JSON cannot hold a circular reference")
+        containing.add(id(value))
+        try:
+            if isinstance(value, Mapping):
+                if MARKER in value:
+                    raise ValueError(f"client_state may not use the key {MARKER!r} (it marks a saved tensor); "
+                                     f"rename it")
+                return {key: replace(item) for key, item in value.items()}
             return [replace(item) for item in value]
-        return value
+        finally:
+            containing.discard(id(value))
 
     marked = replace(client_state)
     try:

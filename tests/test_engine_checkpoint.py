@@ -330,6 +330,13 @@ def test_tagged_checkpoints_latest_and_client_state(tmp_path):
         eng.save_checkpoint(root, tag="bad", client_state={"t": torch.ones(2).numpy()})
     with pytest.raises(ValueError, match="may not use the key '__tensor__'"):
         eng.save_checkpoint(root, tag="bad", client_state={"x": [{"__tensor__": 0}]})
+    circular: dict = {"epoch": 1, "history": []}
+    circular["history"].append(circular)
+    with pytest.raises(TypeError, match="client_state contains itself .*circular reference"):
+        eng.save_checkpoint(root, tag="bad", client_state=circular)
+    shared = [1, 2]  # the same list twice is no cycle: saved as two copies
+    eng.save_checkpoint(tmp_path / "shared", client_state={"a": shared, "b": shared, "c": (shared, shared)})
+    assert eng.load_checkpoint(tmp_path / "shared") == {"a": [1, 2], "b": [1, 2], "c": [[1, 2], [1, 2]]}
     for tag in ("a/b", "latest", ""):
         with pytest.raises(ValueError, match="tag"):
             eng.save_checkpoint(root, tag=tag)
