@@ -18,7 +18,7 @@ import contextlib
 import os
 import shutil
 import warnings
-from typing import Any, ContextManager, Mapping, Optional
+from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 
@@ -54,6 +54,7 @@ class DeepSpeedEngine(Engine):
         #: DeepSpeed's ``model_engine.monitor``: ``monitor.write_events([(name, value, step), ...])``.
         self.monitor = monitor if monitor is not None else DeepSpeedMonitor()
         self._timers: Optional[WallClockBreakdown] = None
+        self._timer_snapshot: dict[str, float] = {}
         if self._deepspeed_config.get("wall_clock_breakdown") is True:
             self._timers = WallClockBreakdown(self.device)
             self._io_wait_mark = self._io_wait_seconds()
@@ -106,31 +107,37 @@ class DeepSpeedEngine(Engine):
             applied = super().step()
         if boundary and self._training is None:
             self._torch_steps += 1
-        if self.global_rank != 0:
-            return applied
-        every = self._deepspeed_config.get("steps_per_print")
-        if boundary and every and self.global_steps % every == 0:
+        rank0 = self.global_rank == 0
+        every = self.steps_per_print()
+        if rank0 and boundary and every and self.global_steps % every == 0:
             print(f"[Rank 0] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
                   f"mom={self.get_mom()}", flush=True)
         events: list[Event] = []
-        if boundary and self.monitor.enabled:
+        if rank0 and boundary and self.monitor.enabled:
             events.append(("Train/Samples/lr", self.get_lr()[0], self.global_samples))
             if self.fp16_enabled() and self.loss_scale is not None:
                 events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
         if self._timers is not None:
-            print(f"[Rank 0] {self._timers.micro_line()}", flush=True)
-            if boundary:
-                events += self._report_window()
-        self.monitor.write_events(events)
+            events += self._report_timings(boundary, rank0)
+        self.monitor.write_events(events)  # nothing on other ranks
         return applied
 
     def _timed(self, phase: str) -> ContextManager[None]:
         return self._timers.timed(phase) if self._timers is not None else contextlib.nullcontext()
 
-    def _report_window(self) -> list[Event]:
-        """Print the accumulation window's timings; DeepSpeed's events for them when monitored."""
+    def _report_timings(self, boundary: bool, rank0: bool) -> list[Event]:
+        """After a :meth:`step` call: the micro-step's line and, after an optimizer step, the window's
+        (printed on rank 0), and DeepSpeed's events for the window when monitored."""
         assert self._timers is not None
+        self._timer_snapshot = self._timers.snapshot()
+        micro = self._timers.micro_line()
+        if rank0:
+            print(f"[Rank 0] {micro}", flush=True)
+        if not boundary:
+            return []
         window = self._timers.take_window()
+        if not rank0:
+            return []
         now = self._io_wait_seconds()
         io_wait_ms, self._io_wait_mark = (now - self._io_wait_mark) * 1e3, now
         print(f"[Rank 0] {window_line(window, io_wait_ms)}", flush=True)
@@ -174,6 +181,31 @@ class DeepSpeedEngine(Engine):
             raise RuntimeError("get_mom() needs an optimizer: give engine.initialize one, or an \"optimizer\" section")
         key = "momentum" if isinstance(self.optimizer, (torch.optim.SGD, torch.optim.RMSprop)) else "betas"
         return [group.get(key, 0.0) for group in self.optimizer.param_groups]
+
+    def get_batch_info(self) -> tuple[Callable[[], int], Callable[[], int], Callable[[], int]]:
+        """DeepSpeed's: the methods :meth:`train_batch_size`, :meth:`train_micro_batch_size_per_gpu`
+        and :meth:`gradient_accumulation_steps` (the methods, not their values, as DeepSpeed returns)."""
+        return self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+
+    def steps_per_print(self) -> Optional[int]:
+        """The config's ``steps_per_print`` (None, DeepSpeed's default, when it has none or ``"auto"``)."""
+        every = self._deepspeed_config.get("steps_per_print")
+        return every if isinstance(every, int) else None
+
+    def gradient_clipping(self) -> float:
+        """The global gradient norm the step clips at (0.0: no clipping), DeepSpeed's ``gradient_clipping``."""
+        return float(self.config.max_grad_norm or 0.0)
+
+    def wall_clock_breakdown(self) -> bool:
+        """Whether the config's ``wall_clock_breakdown`` is on."""
+        return self._timers is not None
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """With ``wall_clock_breakdown``, milliseconds by DeepSpeed's timer name as of the last
+        :meth:`step` call: that call's ``fwd_microstep``, ``bwd_microstep``, ``step_microstep``, and
+        the window's ``fwd``, ``bwd``, ``step`` so far (the whole window after an optimizer step).
+        Empty before the first call and without ``wall_clock_breakdown``."""
+        return dict(self._timer_snapshot)
 
     def fp16_enabled(self) -> bool:
         """Whether parameters train in float16 (the config's ``fp16.enabled``)."""
@@ -266,6 +298,10 @@ class DeepSpeedEngine(Engine):
                 f"ranks {[r for r, f in enumerate(found) if f]} find a checkpoint at {os.fspath(load_dir)!r} and "
                 f"ranks {[r for r, f in enumerate(found) if not f]} do not: give every rank a path that reaches it")
         return found[0]
+
+    def save_fp16_model(self, save_dir: "str | os.PathLike[str]", save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name for :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
     def save_16bit_model(
         self, save_dir: "str | os.PathLike[str]", save_filename: str = "pytorch_model.bin",

@@ -38,6 +38,11 @@ class WallClockBreakdown:
             self._micro[phase] += elapsed_ms
             self._window[phase] += elapsed_ms
 
+    def snapshot(self) -> dict[str, float]:
+        """Milliseconds by DeepSpeed's timer name: this micro-step's (``fwd_microstep``, ...) and
+        the window's so far (``fwd``, ...)."""
+        return {**{f"{phase}_microstep": ms for phase, ms in self._micro.items()}, **self._window}
+
     def micro_line(self) -> str:
         """DeepSpeed's per-micro-step line (``fwd_microstep``, ...), and start the next micro-step."""
         line = "time (ms)" + "".join(f" | {phase}_microstep: {ms:.2f}" for phase, ms in self._micro.items())

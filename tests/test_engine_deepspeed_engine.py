@@ -215,6 +215,9 @@ def test_batch_sizes_precision_and_save_16bit_model(tmp_path):
     try:
         assert (eng.train_batch_size(), eng.train_micro_batch_size_per_gpu(), eng.gradient_accumulation_steps()) == \
             (12, 4, 3)
+        assert [get() for get in eng.get_batch_info()] == [12, 4, 3]  # DeepSpeed returns the methods
+        assert eng.steps_per_print() is None and eng.gradient_clipping() == 1.0 and not eng.wall_clock_breakdown()
+        assert eng.get_wall_clock_timers() == {}
         assert eng.bfloat16_enabled() and not eng.fp16_enabled() and eng.zero_optimization_stage() == 3
         assert eng.get_mom() == [(0.9, 0.999)] * 2 and eng.get_lr() == [0.01] * 2  # two groups: its progress line
         assert eng.save_16bit_model(tmp_path / "out") is True
@@ -222,6 +225,9 @@ def test_batch_sizes_precision_and_save_16bit_model(tmp_path):
         expected = eng.state_dict()
         assert saved.keys() == expected.keys() and all(torch.equal(saved[k], v) for k, v in expected.items())
         assert saved["proj.weight"].dtype == torch.bfloat16
+        assert eng.save_fp16_model(tmp_path / "old") is True  # DeepSpeed's older name
+        old = torch.load(tmp_path / "old" / "pytorch_model.bin", weights_only=True)
+        assert old.keys() == saved.keys() and all(torch.equal(old[k], v) for k, v in saved.items())
         eng.save_16bit_model(tmp_path / "out", "model.safetensors")  # the Trainer's name: save_weights' file
         assert [p.name for p in (tmp_path / "out").glob("model*")] == ["model.safetensors"]
         with pytest.raises(ValueError, match="save_filename must be a file name"):
@@ -230,8 +236,10 @@ def test_batch_sizes_precision_and_save_16bit_model(tmp_path):
         eng.destroy()
     assert eng.closed
 
-    eng = _initialized(tmp_path / "no-batch", {"zero_optimization": {"stage": 3}})
+    eng = _initialized(tmp_path / "no-batch", {"zero_optimization": {"stage": 3}, "gradient_clipping": 0,
+                                               "steps_per_print": 10})
     try:
+        assert eng.gradient_clipping() == 0.0 and eng.steps_per_print() == 10
         with pytest.raises(ValueError, match="neither train_batch_size nor train_micro_batch_size_per_gpu"):
             eng.train_batch_size()
         with pytest.raises(RuntimeError, match="get_mom.. needs an optimizer"):

@@ -115,6 +115,8 @@ def test_wall_clock_breakdown_prints_deepspeeds_lines_and_writes_the_timings(tmp
     eng = _initialized(tmp_path / "store", config)
     try:
         _train_steps(eng, 2)
+        assert eng.wall_clock_breakdown()
+        timers = eng.get_wall_clock_timers()  # as of the last step() call: its micro-step, the whole window
     finally:
         eng.close()
     lines = capsys.readouterr().out.splitlines()
@@ -133,6 +135,10 @@ def test_wall_clock_breakdown_prints_deepspeeds_lines_and_writes_the_timings(tmp
         assert step == pytest.approx(a[2] + b[2], abs=0.011) and min(fwd, bwd, step) > 0 and io_wait >= 0
         assert b[2] > a[2]  # the optimizer steps in the second call; the first only counts
         sums.append((fwd, bwd, step))
+    last = {**dict(zip(("fwd_microstep", "bwd_microstep", "step_microstep"), b)),
+            **dict(zip(("fwd", "bwd", "step"), sums[-1]))}
+    assert timers.keys() == last.keys()
+    assert all(timers[name] == pytest.approx(ms, abs=0.006) for name, ms in last.items())
     for phase, name in enumerate(("forward", "backward", "step")):
         rows = _csv_rows(tmp_path / "timers" / f"Train_Samples_elapsed_time_ms_{name}.csv")
         assert rows[0] == ["step", f"elapsed_time_ms_{name}"]
