@@ -18,7 +18,7 @@ import contextlib
 import os
 import shutil
 import warnings
-from typing import Any, Callable, ContextManager, Mapping, Optional
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional
 
 import torch
 
@@ -29,6 +29,7 @@ from engine.deepspeed_config import micro_batch_size
 from engine.deepspeed_monitor import DeepSpeedMonitor, Event
 from engine.deepspeed_timers import WallClockBreakdown, window_line
 from engine.engine import Engine
+from tiered import Tier
 
 #: Where the client state carries :attr:`DeepSpeedEngine.global_steps` for a plain torch optimizer
 #: (taken out again on load).
@@ -37,6 +38,8 @@ GLOBAL_STEPS = "global_steps"
 SAFETENSORS_NAME = "model.safetensors"
 #: A shard size no model reaches: DeepSpeed's ``save_16bit_model`` writes one file.
 ONE_FILE = 1 << 62
+#: DeepSpeed's ``OffloadStateTypeEnum`` values, the states ``offload_states(include=)`` names.
+OFFLOAD_STATES = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 
 
 class DeepSpeedEngine(Engine):
@@ -60,6 +63,8 @@ class DeepSpeedEngine(Engine):
             self._io_wait_mark = self._io_wait_seconds()
         #: Optimizer steps of a plain torch optimizer (``engine.AdamW`` counts its own in the store).
         self._torch_steps = 0
+        #: Store keys ``offload_states`` moved out of the device tier, for ``reload_states``.
+        self._offloaded_keys: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         """What the engine does not have, its model does, as with DeepSpeed's engine
@@ -224,6 +229,46 @@ class DeepSpeedEngine(Engine):
         """DeepSpeed's name for :meth:`drop_prefetched`: free the parameters held ahead of their
         next use (after generation or evaluation, before memory-hungry work outside the model)."""
         self.drop_prefetched()
+
+    def offload_states(self, include: Optional[Iterable[Any]] = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's: free the accelerator memory the engine holds while other work needs it (an
+        RLHF loop generating with an inference engine between training steps). The parameters
+        prefetched ahead are released and every parameter shard in the store's device tier moves
+        to the host tier (optimizer state, master weights and gradients never live in the device
+        tier); :meth:`reload_states` brings the shards back. ``include`` takes DeepSpeed's state
+        names (``lp_params`` is the one held on the device here; the others have nothing to move);
+        ``device`` must be the CPU, as in DeepSpeed; the host tier is pinned whenever CUDA is present
+        (``pin_memory``), and the moves complete before the call returns (``non_blocking``)."""
+        self._check_open()
+        names = {getattr(name, "value", name) for name in include} if include is not None else set(OFFLOAD_STATES)
+        unknown = sorted(map(str, names - set(OFFLOAD_STATES)))
+        if unknown:
+            raise ValueError(f"offload_states: unknown state(s) {unknown}; DeepSpeed's are {list(OFFLOAD_STATES)}")
+        if str(getattr(device, "value", device)) != "cpu":
+            raise ValueError(f"offload_states moves states to the CPU only (as DeepSpeed's), got device={device!r}")
+        if "lp_params" not in names:
+            return
+        self.drop_prefetched()
+        store = self.store
+        on_device = [key for key in store.keys()
+                     if Tier.DEVICE in (info := store.info(key)).tiers and not info.pinned]
+        for key in on_device:
+            store.sync.evict(key, Tier.HOST)
+        self._offloaded_keys = on_device
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks back to the driver, for the other engine
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's: bring back to the device tier what :meth:`offload_states` moved out. With
+        ``non_blocking`` the transfers are started and the call returns; the forward waits for any
+        shard it needs before they finish. Without a preceding offload, nothing moves."""
+        self._check_open()
+        keys, self._offloaded_keys = self._offloaded_keys, []
+        transfers = [self.store.prefetch(key, Tier.DEVICE) for key in keys if key in self.store]
+        if not non_blocking:
+            for transfer in transfers:
+                transfer.result()
 
     def destroy(self) -> None:
         """DeepSpeed's name for :meth:`close`."""

@@ -30,7 +30,7 @@ CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}
 
 
-def _initialized(store: Path, config: dict = CONFIG) -> engine.DeepSpeedEngine:
+def _initialized(store: Path | tiered.StoreConfig, config: dict = CONFIG) -> engine.DeepSpeedEngine:
     model = make_model()
     eng, _, _, _ = engine.initialize(model=model, model_parameters=param_groups(model), config=config, store=store)
     return eng
@@ -340,5 +340,45 @@ def test_empty_partition_cache_frees_what_forward_only_calls_keep_prefetched(tmp
         assert eng.stats().materialized_bytes > 0
         eng.empty_partition_cache()
         assert eng.stats().materialized_bytes == 0
+    finally:
+        eng.close()
+
+
+def test_offload_states_empties_the_device_tier_and_reload_states_refills_it(tmp_path):
+    """RLHF loops free the training engine's accelerator memory while they generate with another
+    engine (DeepSpeed's offload_states/reload_states); training then goes on as if never interrupted."""
+    config = {**CONFIG, "zero_optimization": {"stage": 3, "offload_param": {"device": "none"}}}
+
+    def initialized(path: Path) -> engine.DeepSpeedEngine:  # the device tier holds the parameters
+        return _initialized(tiered.StoreConfig(path=str(path), device_bytes=1 << 26), config)
+
+    plain = initialized(tmp_path / "plain")
+    try:
+        want = _train(plain, 8)
+    finally:
+        plain.close()
+    eng = initialized(tmp_path / "store")
+    try:
+        losses = _train(eng, 4)
+
+        def on_device() -> int:
+            return eng.stats().store.tiers[tiered.Tier.DEVICE].entries
+
+        held = on_device()
+        assert held > 0 and eng.stats().materialized_bytes >= 0
+        eng.offload_states(include=["optim_states", "hp_params"])  # nothing of theirs is on the device here
+        assert on_device() == held
+        eng.offload_states()
+        assert on_device() == 0 and eng.stats().materialized_bytes == 0
+        eng.reload_states()
+        assert on_device() == held
+        eng.offload_states()
+        eng.reload_states(non_blocking=True)  # the next forward waits for what it needs
+        losses += _train(eng, range(4, 8))
+        assert losses == want
+        with pytest.raises(ValueError, match=r"unknown state\(s\) \['weights'\]"):
+            eng.offload_states(include=["weights"])
+        with pytest.raises(ValueError, match="to the CPU only"):
+            eng.offload_states(device="nvme")
     finally:
         eng.close()
