@@ -301,6 +301,20 @@ WANDB: Schema = {
     "project": Key(_text, ACCEPT, "wandb.init's project, for a run the engine starts (DeepSpeed's default: deepspeed)"),
 }
 
+_PROFILE = "engine.initialize's engine prints DeepSpeed's flops profile of that optimizer step on rank 0"
+
+FLOPS_PROFILER: Schema = {
+    "enabled": Key(_bool, ACCEPT, _PROFILE + " (forward flops counted by torch.utils.flop_counter)"),
+    "profile_step": Key(_int(0), ACCEPT, "the optimizer step profiled: the one taken at this global_steps (DeepSpeed's "
+                         "default: 1, the second)"),
+    "module_depth": Key(_int(-1), ACCEPT, "deepest module level listed (-1, the default: all)"),
+    "top_modules": Key(_int(1), ACCEPT, "modules listed at each depth, most flops first (default 1)"),
+    "detailed": Key(_bool, ACCEPT, "adds the per-module, per-operator flop table (default true)"),
+    "recompute_fwd_factor": Key(_number(0.0), ACCEPT, "forward recomputed in backward (activation checkpointing): "
+                                "bwd flops = (2 + factor) x fwd flops (default 0)"),
+    "output_file": Key(_optional(_text), ACCEPT, "write the profile to this file instead of stdout"),
+}
+
 _COMET_START = "passed to comet_ml.start"
 
 COMET: Schema = {
@@ -345,7 +359,7 @@ TOP: Schema = {
     "wandb": WANDB,
     "csv_monitor": CSV_MONITOR,
     "comet": COMET,
-    "flops_profiler": Key(_mapping_or_none, ACCEPT, _LOGGING),
+    "flops_profiler": FLOPS_PROFILER,
     "comms_logger": Key(_mapping_or_none, ACCEPT, _LOGGING),
     "timers": Key(_mapping_or_none, ACCEPT, _LOGGING),
     "checkpoint": CHECKPOINT,
@@ -408,26 +422,22 @@ def config_from_deepspeed(cls: type, ds_config: DeepSpeedConfig, *, store: Store
     return cls(store=store.replace(**store_fields), **{**engine_fields, **overrides})
 
 
-#: DeepSpeed's monitors and timings, which ``engine.initialize``'s engine produces.
-INITIALIZE_REPORTS = ("tensorboard", "wandb", "csv_monitor", "comet", "wall_clock_breakdown")
-#: DeepSpeed's reports: a config turning one on that nothing produces gets a warning.
-_REPORTS = INITIALIZE_REPORTS + ("flops_profiler",)
+#: DeepSpeed's reports (monitors, timings, the flops profile), which ``engine.initialize``'s engine
+#: produces: a config turning one on where nothing produces it gets a warning.
+INITIALIZE_REPORTS = ("tensorboard", "wandb", "csv_monitor", "comet", "wall_clock_breakdown", "flops_profiler")
 
 
 def _warn_unreported(found: Mapping[str, Any], produced: Collection[str]) -> None:
     """Warn when the config turns on a DeepSpeed report that is not produced: the user would look
     for its files or lines and find none."""
-    asked = [k for k in _REPORTS if k not in produced and (
+    asked = [k for k in INITIALIZE_REPORTS if k not in produced and (
         found.get(k) is True or isinstance(found.get(k), Mapping) and found[k].get("enabled") is True)]
     if not asked:
         return
-    monitors = [k for k in asked if k in INITIALIZE_REPORTS]
-    hint = (f"; engine.initialize's engine produces {', '.join(monitors)} (DeepSpeed's events and timings)"
-            if monitors else "")
     warnings.warn(
-        f"{', '.join(asked)}: not produced by this engine (nothing is written or printed for them){hint}; or log "
-        f"from the loop: eng.get_lr(), eng.loss_scale, and eng.stats() for the engine's I/O and stall figures",
-        UserWarning, stacklevel=4)
+        f"{', '.join(asked)}: not produced by this engine (nothing is written or printed for them); "
+        f"engine.initialize's engine produces them, as DeepSpeed's does; or log from the loop: eng.get_lr(), "
+        f"eng.loss_scale, and eng.stats() for the engine's I/O and stall figures", UserWarning, stacklevel=4)
 
 
 # ---------------------------------------------------------------------------------------- internals

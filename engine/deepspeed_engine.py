@@ -26,6 +26,7 @@ from engine import checkpoint
 from engine.checkpoint_files import CheckpointError
 from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint, tagged_path
 from engine.deepspeed_config import micro_batch_size
+from engine.deepspeed_flops import FlopsProfile, FlopsProfilerSettings, StepFigures
 from engine.deepspeed_monitor import DeepSpeedMonitor, Event
 from engine.deepspeed_timers import WallClockBreakdown, window_line
 from engine.engine import Engine
@@ -61,6 +62,10 @@ class DeepSpeedEngine(Engine):
         if self._deepspeed_config.get("wall_clock_breakdown") is True:
             self._timers = WallClockBreakdown(self.device)
             self._io_wait_mark = self._io_wait_seconds()
+        self._flops_settings = FlopsProfilerSettings.from_config(self._deepspeed_config)
+        self._flops_reported_step: Optional[int] = None
+        #: The profiled step's flops, timings and io_wait at its start, while it runs (rank 0).
+        self._flops_profile: Optional[tuple[FlopsProfile, WallClockBreakdown, float]] = None
         #: Optimizer steps of a plain torch optimizer (``engine.AdamW`` counts its own in the store).
         self._torch_steps = 0
         #: Store keys ``offload_states`` moved out of the device tier, for ``reload_states``.
@@ -90,8 +95,10 @@ class DeepSpeedEngine(Engine):
         return self.completed_steps + self.skipped_steps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """``model_engine(batch)``: the model's forward (timed with ``wall_clock_breakdown``)."""
-        with self._timed("fwd"):
+        """``model_engine(batch)``: the model's forward (timed with ``wall_clock_breakdown``; its
+        flops counted in the ``flops_profiler``'s step)."""
+        profile = self._step_profile()
+        with self._timed("fwd"), profile[0].counting() if profile is not None else contextlib.nullcontext():
             return super().__call__(*args, **kwargs)
 
     def backward(self, loss: Any, **kwargs: Any) -> None:
@@ -108,8 +115,11 @@ class DeepSpeedEngine(Engine):
         ``wall_clock_breakdown``, it prints each call's timings and each step's sums (and writes
         them as ``Train/Samples/elapsed_time_ms_*`` events)."""
         boundary = self.is_gradient_accumulation_boundary()
+        profiled = self._flops_profile if boundary else None
         with self._timed("step"):
             applied = super().step()
+        if profiled is not None:
+            self._report_flops(*profiled)
         if boundary and self._training is None:
             self._torch_steps += 1
         rank0 = self.global_rank == 0
@@ -128,7 +138,37 @@ class DeepSpeedEngine(Engine):
         return applied
 
     def _timed(self, phase: str) -> ContextManager[None]:
-        return self._timers.timed(phase) if self._timers is not None else contextlib.nullcontext()
+        timers = [t for t in (self._timers, self._flops_profile[1] if self._flops_profile else None) if t is not None]
+        stack = contextlib.ExitStack()
+        for timer in timers:
+            stack.enter_context(timer.timed(phase))
+        return stack
+
+    def _step_profile(self) -> Optional[tuple[FlopsProfile, WallClockBreakdown, float]]:
+        """The flops profile of the step under way, started at its first forward when it is the
+        config's ``profile_step`` (on rank 0); None otherwise."""
+        settings = self._flops_settings
+        if (self._flops_profile is None and settings is not None and self.global_rank == 0
+                and self.global_steps == settings.profile_step and self._flops_reported_step is None):
+            self._flops_profile = (FlopsProfile(settings), WallClockBreakdown(self.device), self._io_wait_seconds())
+        return self._flops_profile
+
+    def _report_flops(self, profile: FlopsProfile, timers: WallClockBreakdown, io_wait_start: float) -> None:
+        """Print (or write to ``output_file``) the profile of the optimizer step just taken."""
+        self._flops_profile = None
+        self._flops_reported_step = step = self.global_steps - 1
+        window = timers.take_window()
+        micro = micro_batch_size(self._deepspeed_config, self.gradient_accumulation_steps(), self.world_size)
+        figures = StepFigures(
+            fwd_seconds=window["fwd"] / 1e3, bwd_seconds=window["bwd"] / 1e3, step_seconds=window["step"] / 1e3,
+            io_wait_seconds=self._io_wait_seconds() - io_wait_start, world_size=self.world_size, micro_batch=micro,
+            samples=micro * self.gradient_accumulation_steps() * self.world_size if micro is not None else None)
+        text = profile.report(self.module, step, figures)
+        if profile.settings.output_file is None:
+            print(text, flush=True)
+        else:
+            with open(profile.settings.output_file, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
 
     def _report_timings(self, boundary: bool, rank0: bool) -> list[Event]:
         """After a :meth:`step` call: the micro-step's line and, after an optimizer step, the window's

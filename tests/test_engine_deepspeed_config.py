@@ -4,6 +4,7 @@ refused by name; plus engine.AdamW and LR schedulers from the optimizer and sche
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import warnings
@@ -291,6 +292,13 @@ def test_schema_covers_every_key_of_the_installed_deepspeed():
     for section, model in (("tensorboard", TensorBoardConfig), ("csv_monitor", CSVConfig), ("wandb", WandbConfig),
                            ("comet", CometConfig)):
         assert names(model) == set(TOP[section]), section
+    from deepspeed.profiling import constants as flops
+    assert {getattr(flops, n) for n in dir(flops) if n.startswith("FLOPS_PROFILER_")
+            and not n.endswith(("_DEFAULT", "_FORMAT"))} == set(TOP["flops_profiler"])
+    from engine.deepspeed_flops import FlopsProfilerSettings
+    defaults = FlopsProfilerSettings()
+    for field in dataclasses.fields(defaults):  # the profile a section leaving keys out gets is DeepSpeed's
+        assert getattr(flops, f"FLOPS_PROFILER_{field.name.upper()}_DEFAULT") == getattr(defaults, field.name)
     # The defaults the mapping assumes for a half-given aio section are DeepSpeed's own.
     from engine.deepspeed_config import DEEPSPEED_AIO_QUEUE_DEPTH, DEEPSPEED_AIO_THREADS
     assert (aio.AIO_QUEUE_DEPTH_DEFAULT, aio.AIO_INTRA_OP_PARALLELISM_DEFAULT) == (

@@ -247,14 +247,57 @@ def test_events_are_checked_and_a_resumed_csv_file_keeps_one_header(tmp_path):
 
 
 def test_engine_wrap_users_are_told_the_monitors_are_initializes(tmp_path):
-    with pytest.warns(UserWarning, match=r"^tensorboard, csv_monitor, wall_clock_breakdown: not produced by this "
-                                         r"engine .*engine.initialize's engine produces tensorboard, csv_monitor, "
-                                         r"wall_clock_breakdown"):
+    with pytest.warns(UserWarning, match=r"^tensorboard, csv_monitor, wall_clock_breakdown, flops_profiler: not "
+                                         r"produced by this engine .*engine.initialize's engine produces them"):
         engine.EngineConfig.from_deepspeed(
             {"zero_optimization": {"stage": 3}, "tensorboard": {"enabled": True}, "csv_monitor": {"enabled": True},
-             "wall_clock_breakdown": True}, store=tiered.StoreConfig(path=str(tmp_path)))
+             "wall_clock_breakdown": True, "flops_profiler": {"enabled": True}},
+            store=tiered.StoreConfig(path=str(tmp_path)))
     with pytest.raises(ValueError, match=r"tensorboard.output_dir: unknown key.*did you mean 'output_path'\?"
                                          r"[\s\S]*wandb.project: must be a string, got 3"):
         engine.EngineConfig.from_deepspeed(
             {"zero_optimization": {"stage": 3}, "tensorboard": {"enabled": True, "output_dir": "x"},
              "wandb": {"project": 3}}, store=tiered.StoreConfig(path=str(tmp_path)))
+
+
+def test_flops_profiler_prints_deepspeeds_profile_of_its_step(tmp_path, capsys):
+    """At ``profile_step`` (the second optimizer step by default), rank 0 prints DeepSpeed's profile:
+    the forward flops of the step's micro-batches, as torch's counter finds them on the plain
+    model, the latencies and rates from them, and the busiest modules."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from engine.deepspeed_flops import _scaled
+
+    plain = make_model()
+    with FlopCounterMode(display=False) as counter:
+        for micro in (2, 3):  # the micro-batches of step 1
+            plain(*batch(micro))
+    expected = counter.get_total_flops()
+    config = {**CONFIG, "flops_profiler": {"enabled": True, "top_modules": 2, "detailed": False}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eng = _initialized(tmp_path / "store", config)
+    try:
+        _train_steps(eng, 3)
+    finally:
+        eng.close()
+    out = capsys.readouterr().out
+    assert out.count("DeepSpeed Flops Profiler") == 1 and "Profile Summary at step 1:" in out
+    values = dict(re.findall(r"^(.+?):\s{2,}(.+)$", out, re.MULTILINE))
+    assert values["fwd flops per GPU"] == _scaled(expected, "") and expected > 0
+    assert values["fwd MACs per GPU"] == _scaled(expected / 2, "MACs")
+    assert values["params per GPU"] == _scaled(sum(p.numel() for p in plain.parameters()), "")
+    assert values["batch size per GPU"] == "2" and float(values["samples/second"]) > 0
+    for name in ("fwd latency", "bwd latency", "step latency", "iter latency"):
+        assert re.fullmatch(r"\d+\.\d\d m?s", values[name]), name
+    assert re.search(r"^depth 0: +TinyLM: ", out, re.MULTILINE) and "Detailed Profile" not in out
+
+    config["flops_profiler"] = {"enabled": True, "profile_step": 0, "output_file": str(tmp_path / "profile.txt")}
+    eng = _initialized(tmp_path / "store2", config)
+    try:
+        _train_steps(eng, 2)
+    finally:
+        eng.close()
+    assert capsys.readouterr().out == ""
+    written = (tmp_path / "profile.txt").read_text()
+    assert "Profile Summary at step 0:" in written and "Detailed Profile per GPU" in written
