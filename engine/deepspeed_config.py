@@ -315,6 +315,15 @@ FLOPS_PROFILER: Schema = {
     "output_file": Key(_optional(_text), ACCEPT, "write the profile to this file instead of stdout"),
 }
 
+TIMERS: Schema = {
+    "throughput": {
+        "enabled": Key(_bool, ACCEPT, "engine.initialize's engine prints DeepSpeed's samples/second line with each "
+                       "steps_per_print progress line (default true)"),
+        "synchronized": Key(_bool, ACCEPT, "with CUDA, synchronize the device when the throughput timer reads the "
+                            "clock (default true)"),
+    },
+}
+
 _COMET_START = "passed to comet_ml.start"
 
 COMET: Schema = {
@@ -361,7 +370,7 @@ TOP: Schema = {
     "comet": COMET,
     "flops_profiler": FLOPS_PROFILER,
     "comms_logger": Key(_mapping_or_none, ACCEPT, _LOGGING),
-    "timers": Key(_mapping_or_none, ACCEPT, _LOGGING),
+    "timers": TIMERS,
     "checkpoint": CHECKPOINT,
     "zero_allow_untested_optimizer": Key(_bool, ACCEPT, "relaxes DeepSpeed's check of client optimizers"),
     "zero_force_ds_cpu_optimizer": Key(_bool, ACCEPT, "the engine's optimizer is always its own CPU AdamW"),

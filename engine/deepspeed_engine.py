@@ -28,7 +28,7 @@ from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint, tagged
 from engine.deepspeed_config import micro_batch_size
 from engine.deepspeed_flops import FlopsProfile, FlopsProfilerSettings, StepFigures
 from engine.deepspeed_monitor import DeepSpeedMonitor, Event
-from engine.deepspeed_timers import WallClockBreakdown, window_line
+from engine.deepspeed_timers import ThroughputMeter, WallClockBreakdown, window_line
 from engine.engine import Engine
 from tiered import Tier
 
@@ -62,6 +62,10 @@ class DeepSpeedEngine(Engine):
         if self._deepspeed_config.get("wall_clock_breakdown") is True:
             self._timers = WallClockBreakdown(self.device)
             self._io_wait_mark = self._io_wait_seconds()
+        throughput = (self._deepspeed_config.get("timers") or {}).get("throughput") or {}
+        self._throughput: Optional[ThroughputMeter] = None
+        if throughput.get("enabled", True) is not False:
+            self._throughput = ThroughputMeter(self.device, synchronized=throughput.get("synchronized") is not False)
         self._flops_settings = FlopsProfilerSettings.from_config(self._deepspeed_config)
         self._flops_reported_step: Optional[int] = None
         #: The profiled step's flops, timings and io_wait at its start, while it runs (rank 0).
@@ -98,6 +102,8 @@ class DeepSpeedEngine(Engine):
         """``model_engine(batch)``: the model's forward (timed with ``wall_clock_breakdown``; its
         flops counted in the ``flops_profiler``'s step)."""
         profile = self._step_profile()
+        if self._throughput is not None:
+            self._throughput.start()
         with self._timed("fwd"), profile[0].counting() if profile is not None else contextlib.nullcontext():
             return super().__call__(*args, **kwargs)
 
@@ -118,6 +124,8 @@ class DeepSpeedEngine(Engine):
         profiled = self._flops_profile if boundary else None
         with self._timed("step"):
             applied = super().step()
+        if self._throughput is not None:
+            self._throughput.stop(boundary)
         if profiled is not None:
             self._report_flops(*profiled)
         if boundary and self._training is None:
@@ -127,6 +135,9 @@ class DeepSpeedEngine(Engine):
         if rank0 and boundary and every and self.global_steps % every == 0:
             print(f"[Rank 0] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
                   f"mom={self.get_mom()}", flush=True)
+            samples = self._samples_per_step()
+            if self._throughput is not None and samples is not None:
+                print(f"[Rank 0] {self._throughput.line(self.global_steps, samples)}", flush=True)
         events: list[Event] = []
         if rank0 and boundary and self.monitor.enabled:
             events.append(("Train/Samples/lr", self.get_lr()[0], self.global_samples))
@@ -158,11 +169,11 @@ class DeepSpeedEngine(Engine):
         self._flops_profile = None
         self._flops_reported_step = step = self.global_steps - 1
         window = timers.take_window()
-        micro = micro_batch_size(self._deepspeed_config, self.gradient_accumulation_steps(), self.world_size)
         figures = StepFigures(
             fwd_seconds=window["fwd"] / 1e3, bwd_seconds=window["bwd"] / 1e3, step_seconds=window["step"] / 1e3,
-            io_wait_seconds=self._io_wait_seconds() - io_wait_start, world_size=self.world_size, micro_batch=micro,
-            samples=micro * self.gradient_accumulation_steps() * self.world_size if micro is not None else None)
+            io_wait_seconds=self._io_wait_seconds() - io_wait_start, world_size=self.world_size,
+            micro_batch=micro_batch_size(self._deepspeed_config, self.gradient_accumulation_steps(), self.world_size),
+            samples=self._samples_per_step())
         text = profile.report(self.module, step, figures)
         if profile.settings.output_file is None:
             print(text, flush=True)
@@ -191,6 +202,11 @@ class DeepSpeedEngine(Engine):
         names = {"fwd": "forward", "bwd": "backward", "step": "step"}
         return [(f"Train/Samples/elapsed_time_ms_{names[phase]}", ms, self.global_samples)
                 for phase, ms in window.items()]
+
+    def _samples_per_step(self) -> Optional[int]:
+        """:meth:`train_batch_size`, or None when the config gives no batch size."""
+        micro = micro_batch_size(self._deepspeed_config, self.gradient_accumulation_steps(), self.world_size)
+        return None if micro is None else micro * self.gradient_accumulation_steps() * self.world_size
 
     def _io_wait_seconds(self) -> float:
         """Seconds the engine has waited on the store: parameters, optimizer state and activations."""

@@ -292,6 +292,8 @@ def test_schema_covers_every_key_of_the_installed_deepspeed():
     for section, model in (("tensorboard", TensorBoardConfig), ("csv_monitor", CSVConfig), ("wandb", WandbConfig),
                            ("comet", CometConfig)):
         assert names(model) == set(TOP[section]), section
+    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
+    assert names(DeepSpeedThroughputTimerConfig) == set(TOP["timers"]["throughput"])
     from deepspeed.profiling import constants as flops
     assert {getattr(flops, n) for n in dir(flops) if n.startswith("FLOPS_PROFILER_")
             and not n.endswith(("_DEFAULT", "_FORMAT"))} == set(TOP["flops_profiler"])

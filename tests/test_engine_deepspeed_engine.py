@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -307,7 +308,8 @@ def test_with_cuda_a_cpu_model_computes_on_its_local_rank(monkeypatch):
 
 def test_steps_per_print_prints_deepspeeds_progress_line_every_n_steps(tmp_path, capsys):
     """DeepSpeed prints ``step=N, skipped=S, lr=[...], mom=[...]`` on rank 0 after every
-    ``steps_per_print``-th optimizer step (not micro-batch), with the LR the schedule just set."""
+    ``steps_per_print``-th optimizer step (not micro-batch), with the LR the schedule just set, and
+    its throughput timer's samples/second (the first two optimizer steps left out of it)."""
     eng = _initialized(tmp_path / "store", {**CONFIG, "steps_per_print": 2})
     try:
         expected = []
@@ -317,10 +319,23 @@ def test_steps_per_print_prints_deepspeeds_progress_line_every_n_steps(tmp_path,
                 expected.append(f"[Rank 0] step={eng.global_steps}, skipped=0, lr={eng.get_lr()}, "
                                 f"mom=[(0.9, 0.999), (0.9, 0.999)]")
         assert eng.global_steps == 5
-        assert capsys.readouterr().out.splitlines() == expected
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0::2] == expected
         assert [line.split(",")[0] for line in expected] == ["[Rank 0] step=2", "[Rank 0] step=4"]
+        assert lines[1] == "[Rank 0] micro_step=4/global_step=2, RunningAvgSamplesPerSec=-, CurrSamplesPerSec=-"
+        timed = re.fullmatch(r"\[Rank 0\] micro_step=8/global_step=4, RunningAvgSamplesPerSec=(\d+\.\d\d), "
+                             r"CurrSamplesPerSec=(\d+\.\d\d)", lines[3])
+        assert timed and min(map(float, timed.groups())) > 0 and len(lines) == 4
     finally:
         eng.close()
+    untimed = _initialized(tmp_path / "untimed", {**CONFIG, "steps_per_print": 1,
+                                                  "timers": {"throughput": {"enabled": False}}})
+    try:
+        _train(untimed, 2)
+        assert capsys.readouterr().out.splitlines() == [
+            "[Rank 0] step=1, skipped=0, lr=[0.0, 0.0], mom=[(0.9, 0.999), (0.9, 0.999)]"]
+    finally:
+        untimed.close()
     quiet = _initialized(tmp_path / "quiet", {**CONFIG, "steps_per_print": None})  # DeepSpeed's default
     try:
         _train(quiet, 4)
