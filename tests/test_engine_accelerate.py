@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
@@ -36,12 +37,15 @@ def examples() -> list[dict[str, torch.Tensor]]:
 
 
 def train(path: Path, *, wrapped: bool, prepare_model: bool = True, clip_in_loop: bool = False,
-          norms: list[float] | None = None, mixed_precision: str = "no", autocast: bool = False) -> list[float]:
+          norms: list[float] | None = None, mixed_precision: str = "no", autocast: bool = False,
+          save_model: Path | None = None) -> list[float]:
     """Sixteen examples in micro-batches of 2 (split over the ranks) through accelerate's loop; the
     losses. The wrapped model is clipped by ``EngineConfig.max_grad_norm``, or with
     ``clip_in_loop`` by ``eng.clip_grad_norm_`` where the plain loop calls accelerate's
     (which would find no gradients on it); ``norms`` gets what the clipping call returned.
-    ``autocast``: the forward in ``accelerator.autocast()`` (for a model left out of prepare)."""
+    ``autocast``: the forward in ``accelerator.autocast()`` (for a model left out of prepare).
+    ``save_model``: at the end, ``accelerator.save_model`` there, and the wrapped model's
+    ``eng.state_dict()`` as ``expected.safetensors`` beside it (main process)."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
     AcceleratorState._reset_state()  # accelerate sets it once per process (its own tests reset it so too)
@@ -76,6 +80,13 @@ def train(path: Path, *, wrapped: bool, prepare_model: bool = True, clip_in_loop
                 optimizer.step()
                 optimizer.zero_grad()
             losses.append(loss.item())
+        if save_model is not None:
+            accelerator.wait_for_everyone()
+            accelerator.save_model(model, save_model)  # every rank: the state dict gathers collectively
+            expected = eng.state_dict() if eng is not None else None
+            if accelerator.is_main_process and expected is not None:
+                safetensors.torch.save_file({k: v.clone() for k, v in expected.items()},
+                                            str(save_model / "expected.safetensors"))
     finally:
         if eng is not None:
             eng.close()
@@ -107,7 +118,8 @@ def test_accelerates_mixed_precision_reaches_a_wrapped_model(tmp_path):
 def _two_ranks(rank: int, root: str) -> None:
     root_path = Path(root)
     losses = {"ddp": train(root_path / f"plain{rank}", wrapped=False),
-              "engine": train(root_path / f"engine{rank}", wrapped=True, prepare_model=False),
+              "engine": train(root_path / f"engine{rank}", wrapped=True, prepare_model=False,
+                              save_model=root_path / "saved-model"),
               "call": train(root_path / f"call{rank}", wrapped=True, prepare_model=False, clip_in_loop=True),
               # save_state / load_state with register_engine_state: the engine's checkpoint is collective
               "saved": checkpointed_run(root_path, seed=0, save_after=2)}
@@ -140,6 +152,11 @@ def test_two_ranks_train_as_distributed_data_parallel(tmp_path):
         assert "DistributedDataParallel cannot wrap" in res["refused"]
         assert "prepare only the optimizer" in res["refused"]
     assert results[0]["ddp"] != results[1]["ddp"]  # each rank trained on its own batches
+    # accelerator.save_model at the end: the whole trained model in accelerate's file, from rank 0
+    saved = safetensors.torch.load_file(str(tmp_path / "saved-model" / "model.safetensors"))
+    expected = safetensors.torch.load_file(str(tmp_path / "saved-model" / "expected.safetensors"))
+    assert sorted(saved) == sorted(expected) and "transformer.h.1.mlp.c_proj.weight" in saved
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)
 
 
 def fp16_engine(path: Path, accumulation: int) -> tuple[GPT2LMHeadModel, engine.Engine]:
