@@ -101,10 +101,12 @@ class DeepSpeedEngine(Engine):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``model_engine(batch)``: the model's forward (timed with ``wall_clock_breakdown``; its
         flops counted in the ``flops_profiler``'s step)."""
-        profile = self._step_profile()
-        if self._throughput is not None:
+        training = self.module.training  # an evaluation forward is no part of a step's time or flops
+        profile = self._step_profile() if training else None
+        if self._throughput is not None and training:
             self._throughput.start()
-        with self._timed("fwd"), profile[0].counting() if profile is not None else contextlib.nullcontext():
+        with self._timed("fwd", profiled=training), \
+                profile[0].counting() if profile is not None else contextlib.nullcontext():
             return super().__call__(*args, **kwargs)
 
     def backward(self, loss: Any, **kwargs: Any) -> None:
@@ -148,11 +150,13 @@ class DeepSpeedEngine(Engine):
         self.monitor.write_events(events)  # nothing on other ranks
         return applied
 
-    def _timed(self, phase: str) -> ContextManager[None]:
-        timers = [t for t in (self._timers, self._flops_profile[1] if self._flops_profile else None) if t is not None]
+    def _timed(self, phase: str, *, profiled: bool = True) -> ContextManager[None]:
+        """Time ``phase`` for ``wall_clock_breakdown`` and, with ``profiled``, for the flops profile."""
         stack = contextlib.ExitStack()
-        for timer in timers:
-            stack.enter_context(timer.timed(phase))
+        if self._timers is not None:
+            stack.enter_context(self._timers.timed(phase))
+        if profiled and self._flops_profile is not None:
+            stack.enter_context(self._flops_profile[1].timed(phase))
         return stack
 
     def _step_profile(self) -> Optional[tuple[FlopsProfile, WallClockBreakdown, float]]:
