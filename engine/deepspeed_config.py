@@ -362,8 +362,11 @@ TOP: Schema = {
     "dataloader_drop_last": Key(_bool, ACCEPT, "engine.initialize(training_data=)'s loader drops a last short batch"),
     "steps_per_print": Key(_optional(_int()), ACCEPT, _PROGRESS_LINE),
     "wall_clock_breakdown": Key(_bool, ACCEPT, _TIMERS),
-    "memory_breakdown": Key(_bool, ACCEPT, _LOGGING),
-    "dump_state": Key(_bool, ACCEPT, _LOGGING),
+    "memory_breakdown": Key(_bool, ACCEPT, "engine.initialize's engine prints DeepSpeed's memory lines after each "
+                            "forward, backward and step, with the store's tiers and the materialized parameters, "
+                            "on rank 0"),
+    "dump_state": Key(_bool, ACCEPT, "engine.initialize's engine prints the EngineConfig (store settings included) "
+                      "the config became, on rank 0"),
     "tensorboard": TENSORBOARD,
     "wandb": WANDB,
     "csv_monitor": CSV_MONITOR,
@@ -433,7 +436,8 @@ def config_from_deepspeed(cls: type, ds_config: DeepSpeedConfig, *, store: Store
 
 #: DeepSpeed's reports (monitors, timings, the flops profile), which ``engine.initialize``'s engine
 #: produces: a config turning one on where nothing produces it gets a warning.
-INITIALIZE_REPORTS = ("tensorboard", "wandb", "csv_monitor", "comet", "wall_clock_breakdown", "flops_profiler")
+INITIALIZE_REPORTS = ("tensorboard", "wandb", "csv_monitor", "comet", "wall_clock_breakdown", "flops_profiler",
+                      "memory_breakdown", "dump_state")
 
 
 def _warn_unreported(found: Mapping[str, Any], produced: Collection[str]) -> None:

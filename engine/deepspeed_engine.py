@@ -27,6 +27,7 @@ from engine.checkpoint_files import CheckpointError
 from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint, tagged_path
 from engine.deepspeed_config import micro_batch_size
 from engine.deepspeed_flops import FlopsProfile, FlopsProfilerSettings, StepFigures
+from engine.deepspeed_memory import configuration_lines, memory_lines
 from engine.deepspeed_monitor import DeepSpeedMonitor, Event
 from engine.deepspeed_timers import ThroughputMeter, WallClockBreakdown, window_line
 from engine.engine import Engine
@@ -67,6 +68,9 @@ class DeepSpeedEngine(Engine):
         if throughput.get("enabled", True) is not False:
             self._throughput = ThroughputMeter(self.device, synchronized=throughput.get("synchronized") is not False)
         self._flops_settings = FlopsProfilerSettings.from_config(self._deepspeed_config)
+        if self._deepspeed_config.get("dump_state") is True and self.global_rank == 0:
+            for line in configuration_lines("DeepSpeedEngine configuration", self.config):
+                print(f"[Rank 0] {line}", flush=True)
         self._flops_reported_step: Optional[int] = None
         #: The profiled step's flops, timings and io_wait at its start, while it runs (rank 0).
         self._flops_profile: Optional[tuple[FlopsProfile, WallClockBreakdown, float]] = None
@@ -107,12 +111,15 @@ class DeepSpeedEngine(Engine):
             self._throughput.start()
         with self._timed("fwd", profiled=training), \
                 profile[0].counting() if profile is not None else contextlib.nullcontext():
-            return super().__call__(*args, **kwargs)
+            output = super().__call__(*args, **kwargs)
+        self._report_memory("Engine after forward")
+        return output
 
     def backward(self, loss: Any, **kwargs: Any) -> None:
         """:meth:`Engine.backward` (timed with ``wall_clock_breakdown``)."""
         with self._timed("bwd"):
             super().backward(loss, **kwargs)
+        self._report_memory("Engine after backward")
 
     def step(self) -> bool:
         """:meth:`Engine.step`, counting the optimizer steps of a plain torch optimizer for
@@ -148,7 +155,14 @@ class DeepSpeedEngine(Engine):
         if self._timers is not None:
             events += self._report_timings(boundary, rank0)
         self.monitor.write_events(events)  # nothing on other ranks
+        self._report_memory("Engine after step")
         return applied
+
+    def _report_memory(self, label: str) -> None:
+        """With ``memory_breakdown``, DeepSpeed's memory lines and the store's tiers, on rank 0."""
+        if self._deepspeed_config.get("memory_breakdown") is True and self.global_rank == 0:
+            for line in memory_lines(label, self.device, self.stats()):
+                print(f"[Rank 0] {line}", flush=True)
 
     def _timed(self, phase: str, *, profiled: bool = True) -> ContextManager[None]:
         """Time ``phase`` for ``wall_clock_breakdown`` and, with ``profiled``, for the flops profile."""

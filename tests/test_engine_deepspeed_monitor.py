@@ -22,6 +22,7 @@ import torch
 import engine
 import tiered
 from deepspeed_fixtures import batch, make_model, param_groups
+from engine.deepspeed_memory import human_bytes
 from engine.deepspeed_monitor import CsvMonitor, DeepSpeedMonitor
 
 #: 2 samples a micro-batch, 2 micro-batches a step, one rank: 4 samples a step.
@@ -308,3 +309,34 @@ def test_flops_profiler_prints_deepspeeds_profile_of_its_step(tmp_path, capsys):
     assert capsys.readouterr().out == ""
     written = (tmp_path / "profile.txt").read_text()
     assert "Profile Summary at step 0:" in written and "Detailed Profile per GPU" in written
+
+
+def test_memory_breakdown_and_dump_state_print_memory_and_the_configuration(tmp_path, capsys):
+    config = {**CONFIG, "memory_breakdown": True, "dump_state": True,
+              "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1000}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eng = _initialized(tmp_path / "store", config)
+    try:
+        dumped = capsys.readouterr().out.splitlines()
+        _train_steps(eng, 1)
+        stats = eng.stats()
+    finally:
+        eng.close()
+    assert dumped[0] == "[Rank 0] DeepSpeedEngine configuration:"
+    settings = dict(re.fullmatch(r"\[Rank 0\]   (\S+) \.+ (.+)", line).groups() for line in dumped[1:])
+    assert settings["prefetch_bytes"] == "4000" and settings["gradient_accumulation_steps"] == "2"  # mapped
+    assert settings["store.path"] == repr(str(tmp_path / "store")) and list(settings) == sorted(settings)
+    lines = capsys.readouterr().out.splitlines()
+    labels = [line for line in lines if line.startswith("[Rank 0] Engine after")]
+    assert labels == ["[Rank 0] Engine after forward", "[Rank 0] Engine after backward",
+                      "[Rank 0] Engine after step"] * 2
+    machine = [line for line in lines if "CPU Virtual Memory" in line]
+    assert len(machine) == 6 and re.fullmatch(r"\[Rank 0\] CPU Virtual Memory:  used = \d+\.\d\d GB, "
+                                              r"percent = \d+\.\d%", machine[0])
+    store = [line for line in lines if line.startswith("[Rank 0] Store: ")]
+    assert len(store) == 6
+    nvme = stats.store.tiers[tiered.Tier.NVME]
+    budget = f" of {human_bytes(nvme.budget_bytes)}" if nvme.budget_bytes is not None else ""
+    assert f"nvme {human_bytes(nvme.used_bytes)}{budget};" in store[-1]
+    assert nvme.used_bytes > 0 and store[-1].endswith(f"(peak {human_bytes(stats.peak_materialized_bytes)})")
