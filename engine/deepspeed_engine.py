@@ -63,14 +63,12 @@ class DeepSpeedEngine(Engine):
         if self._deepspeed_config.get("wall_clock_breakdown") is True:
             self._timers = WallClockBreakdown(self.device)
             self._io_wait_mark = self._io_wait_seconds()
-        throughput = (self._deepspeed_config.get("timers") or {}).get("throughput") or {}
+        throughput = self._section("timers").get("throughput")
+        throughput = throughput if isinstance(throughput, Mapping) else {}
         self._throughput: Optional[ThroughputMeter] = None
         if throughput.get("enabled", True) is not False:
             self._throughput = ThroughputMeter(self.device, synchronized=throughput.get("synchronized") is not False)
         self._flops_settings = FlopsProfilerSettings.from_config(self._deepspeed_config)
-        if self._deepspeed_config.get("dump_state") is True and self.global_rank == 0:
-            for line in configuration_lines("DeepSpeedEngine configuration", self.config):
-                print(f"[Rank 0] {line}", flush=True)
         self._flops_reported_step: Optional[int] = None
         #: The profiled step's flops, timings and io_wait at its start, while it runs (rank 0).
         self._flops_profile: Optional[tuple[FlopsProfile, WallClockBreakdown, float]] = None
@@ -78,6 +76,14 @@ class DeepSpeedEngine(Engine):
         self._torch_steps = 0
         #: Store keys ``offload_states`` moved out of the device tier, for ``reload_states``.
         self._offloaded_keys: list[str] = []
+        if self._deepspeed_config.get("dump_state") is True and self.global_rank == 0:
+            for line in configuration_lines("DeepSpeedEngine configuration", self.config):
+                print(f"[Rank 0] {line}", flush=True)
+
+    def _section(self, name: str) -> Mapping[str, Any]:
+        """The DeepSpeed config's section ``name``; empty when it has none (or ``"auto"``)."""
+        section = self._deepspeed_config.get(name)
+        return section if isinstance(section, Mapping) else {}
 
     def __getattr__(self, name: str) -> Any:
         """What the engine does not have, its model does, as with DeepSpeed's engine
