@@ -7,18 +7,20 @@ A DeepSpeed script's checkpoint code runs as written::
     model_engine.save_checkpoint(args.save_dir, client_state=client_sd)   # tag global_step<N>
 
 and so do its bookkeeping calls (``global_steps``, ``global_samples``, ``train_batch_size()``,
-``gradient_accumulation_steps()``, ``fp16_enabled()``, ...) and ``save_16bit_model``; what it does not
-have goes to the model (``model_engine.generate(...)``), as DeepSpeed's engine forwards it. Everything
-else is the engine's: ``model_engine(batch)``, ``backward``, ``step``, ``device``, ``local_rank``.
+``gradient_accumulation_steps()``, ``fp16_enabled()``, ...), ``save_16bit_model``,
+``offload_states``/``reload_states`` and ``model_engine.monitor.write_events``; the config's reports
+(progress lines, monitors, timings, flops profile, memory lines) come from
+:mod:`engine.deepspeed_reports`. What it does not have goes to the model
+(``model_engine.generate(...)``), as DeepSpeed's engine forwards it. Everything else is the
+engine's: ``model_engine(batch)``, ``backward``, ``step``, ``device``, ``local_rank``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import warnings
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -26,10 +28,8 @@ from engine import checkpoint
 from engine.checkpoint_files import CheckpointError
 from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint, tagged_path
 from engine.deepspeed_config import micro_batch_size
-from engine.deepspeed_flops import FlopsProfile, FlopsProfilerSettings, StepFigures
-from engine.deepspeed_memory import configuration_lines, memory_lines
-from engine.deepspeed_monitor import DeepSpeedMonitor, Event
-from engine.deepspeed_timers import ThroughputMeter, WallClockBreakdown, window_line
+from engine.deepspeed_monitor import DeepSpeedMonitor
+from engine.deepspeed_reports import DeepSpeedReports
 from engine.engine import Engine
 from tiered import Tier
 
@@ -56,34 +56,14 @@ class DeepSpeedEngine(Engine):
         super().__init__(*args, **kwargs)
         self._deepspeed_config = dict(deepspeed_config)
         self._scratch_dir = scratch_dir
-        #: DeepSpeed's ``model_engine.monitor``: ``monitor.write_events([(name, value, step), ...])``.
-        self.monitor = monitor if monitor is not None else DeepSpeedMonitor()
-        self._timers: Optional[WallClockBreakdown] = None
-        self._timer_snapshot: dict[str, float] = {}
-        if self._deepspeed_config.get("wall_clock_breakdown") is True:
-            self._timers = WallClockBreakdown(self.device)
-            self._io_wait_mark = self._io_wait_seconds()
-        throughput = self._section("timers").get("throughput")
-        throughput = throughput if isinstance(throughput, Mapping) else {}
-        self._throughput: Optional[ThroughputMeter] = None
-        if throughput.get("enabled", True) is not False:
-            self._throughput = ThroughputMeter(self.device, synchronized=throughput.get("synchronized") is not False)
-        self._flops_settings = FlopsProfilerSettings.from_config(self._deepspeed_config)
-        self._flops_reported_step: Optional[int] = None
-        #: The profiled step's flops, timings and io_wait at its start, while it runs (rank 0).
-        self._flops_profile: Optional[tuple[FlopsProfile, WallClockBreakdown, float]] = None
         #: Optimizer steps of a plain torch optimizer (``engine.AdamW`` counts its own in the store).
         self._torch_steps = 0
         #: Store keys ``offload_states`` moved out of the device tier, for ``reload_states``.
         self._offloaded_keys: list[str] = []
-        if self._deepspeed_config.get("dump_state") is True and self.global_rank == 0:
-            for line in configuration_lines("DeepSpeedEngine configuration", self.config):
-                print(f"[Rank 0] {line}", flush=True)
-
-    def _section(self, name: str) -> Mapping[str, Any]:
-        """The DeepSpeed config's section ``name``; empty when it has none (or ``"auto"``)."""
-        section = self._deepspeed_config.get(name)
-        return section if isinstance(section, Mapping) else {}
+        self._reports = DeepSpeedReports(self, self._deepspeed_config,
+                                         monitor if monitor is not None else DeepSpeedMonitor())
+        #: DeepSpeed's ``model_engine.monitor``: ``monitor.write_events([(name, value, step), ...])``.
+        self.monitor = self._reports.monitor
 
     def __getattr__(self, name: str) -> Any:
         """What the engine does not have, its model does, as with DeepSpeed's engine
@@ -109,133 +89,29 @@ class DeepSpeedEngine(Engine):
         return self.completed_steps + self.skipped_steps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """``model_engine(batch)``: the model's forward (timed with ``wall_clock_breakdown``; its
-        flops counted in the ``flops_profiler``'s step)."""
-        training = self.module.training  # an evaluation forward is no part of a step's time or flops
-        profile = self._step_profile() if training else None
-        if self._throughput is not None and training:
-            self._throughput.start()
-        with self._timed("fwd", profiled=training), \
-                profile[0].counting() if profile is not None else contextlib.nullcontext():
-            output = super().__call__(*args, **kwargs)
-        self._report_memory("Engine after forward")
-        return output
+        """``model_engine(batch)``: the model's forward, with the config's reports around it."""
+        with self._reports.forward():
+            return super().__call__(*args, **kwargs)
 
     def backward(self, loss: Any, **kwargs: Any) -> None:
-        """:meth:`Engine.backward` (timed with ``wall_clock_breakdown``)."""
-        with self._timed("bwd"):
+        """:meth:`Engine.backward`, with the config's reports around it."""
+        with self._reports.backward():
             super().backward(loss, **kwargs)
-        self._report_memory("Engine after backward")
 
     def step(self) -> bool:
         """:meth:`Engine.step`, counting the optimizer steps of a plain torch optimizer for
-        :attr:`global_steps`, then DeepSpeed's reports after each optimizer step: with the config's
-        ``steps_per_print`` = N, rank 0 prints DeepSpeed's progress line (``[Rank 0] step=N,
-        skipped=0, lr=[...], mom=[...]``) every N optimizer steps; with a monitor on, rank 0 writes
-        ``Train/Samples/lr`` (and ``loss_scale`` with fp16) at :attr:`global_samples`; with
-        ``wall_clock_breakdown``, it prints each call's timings and each step's sums (and writes
-        them as ``Train/Samples/elapsed_time_ms_*`` events)."""
+        :attr:`global_steps`, then DeepSpeed's reports (:mod:`engine.deepspeed_reports`): with the
+        config's ``steps_per_print`` = N, rank 0 prints DeepSpeed's progress line (``[Rank 0]
+        step=N, skipped=0, lr=[...], mom=[...]``) and its throughput line every N optimizer steps;
+        with a monitor on, rank 0 writes ``Train/Samples/lr`` (and ``loss_scale`` with fp16) at
+        :attr:`global_samples`; ``wall_clock_breakdown``, ``flops_profiler`` and
+        ``memory_breakdown`` print theirs."""
         boundary = self.is_gradient_accumulation_boundary()
-        profiled = self._flops_profile if boundary else None
-        with self._timed("step"):
+        with self._reports.step():
             applied = super().step()
-        if self._throughput is not None:
-            self._throughput.stop(boundary)
-        if profiled is not None:
-            self._report_flops(*profiled)
-        if boundary and self._training is None:
-            self._torch_steps += 1
-        rank0 = self.global_rank == 0
-        every = self.steps_per_print()
-        if rank0 and boundary and every and self.global_steps % every == 0:
-            print(f"[Rank 0] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
-                  f"mom={self.get_mom()}", flush=True)
-            samples = self._samples_per_step()
-            if self._throughput is not None and samples is not None:
-                print(f"[Rank 0] {self._throughput.line(self.global_steps, samples)}", flush=True)
-        events: list[Event] = []
-        if rank0 and boundary and self.monitor.enabled:
-            events.append(("Train/Samples/lr", self.get_lr()[0], self.global_samples))
-            if self.fp16_enabled() and self.loss_scale is not None:
-                events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
-        if self._timers is not None:
-            events += self._report_timings(boundary, rank0)
-        self.monitor.write_events(events)  # nothing on other ranks
-        self._report_memory("Engine after step")
+            if boundary and self._training is None:
+                self._torch_steps += 1
         return applied
-
-    def _report_memory(self, label: str) -> None:
-        """With ``memory_breakdown``, DeepSpeed's memory lines and the store's tiers, on rank 0."""
-        if self._deepspeed_config.get("memory_breakdown") is True and self.global_rank == 0:
-            for line in memory_lines(label, self.device, self.stats()):
-                print(f"[Rank 0] {line}", flush=True)
-
-    def _timed(self, phase: str, *, profiled: bool = True) -> ContextManager[None]:
-        """Time ``phase`` for ``wall_clock_breakdown`` and, with ``profiled``, for the flops profile."""
-        stack = contextlib.ExitStack()
-        if self._timers is not None:
-            stack.enter_context(self._timers.timed(phase))
-        if profiled and self._flops_profile is not None:
-            stack.enter_context(self._flops_profile[1].timed(phase))
-        return stack
-
-    def _step_profile(self) -> Optional[tuple[FlopsProfile, WallClockBreakdown, float]]:
-        """The flops profile of the step under way, started at its first forward when it is the
-        config's ``profile_step`` (on rank 0); None otherwise."""
-        settings = self._flops_settings
-        if (self._flops_profile is None and settings is not None and self.global_rank == 0
-                and self.global_steps == settings.profile_step and self._flops_reported_step is None):
-            self._flops_profile = (FlopsProfile(settings), WallClockBreakdown(self.device), self._io_wait_seconds())
-        return self._flops_profile
-
-    def _report_flops(self, profile: FlopsProfile, timers: WallClockBreakdown, io_wait_start: float) -> None:
-        """Print (or write to ``output_file``) the profile of the optimizer step just taken."""
-        self._flops_profile = None
-        self._flops_reported_step = step = self.global_steps - 1
-        window = timers.take_window()
-        figures = StepFigures(
-            fwd_seconds=window["fwd"] / 1e3, bwd_seconds=window["bwd"] / 1e3, step_seconds=window["step"] / 1e3,
-            io_wait_seconds=self._io_wait_seconds() - io_wait_start, world_size=self.world_size,
-            micro_batch=micro_batch_size(self._deepspeed_config, self.gradient_accumulation_steps(), self.world_size),
-            samples=self._samples_per_step())
-        text = profile.report(self.module, step, figures)
-        if profile.settings.output_file is None:
-            print(text, flush=True)
-        else:
-            with open(profile.settings.output_file, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-
-    def _report_timings(self, boundary: bool, rank0: bool) -> list[Event]:
-        """After a :meth:`step` call: the micro-step's line and, after an optimizer step, the window's
-        (printed on rank 0), and DeepSpeed's events for the window when monitored."""
-        assert self._timers is not None
-        self._timer_snapshot = self._timers.snapshot()
-        micro = self._timers.micro_line()
-        if rank0:
-            print(f"[Rank 0] {micro}", flush=True)
-        if not boundary:
-            return []
-        window = self._timers.take_window()
-        if not rank0:
-            return []
-        now = self._io_wait_seconds()
-        io_wait_ms, self._io_wait_mark = (now - self._io_wait_mark) * 1e3, now
-        print(f"[Rank 0] {window_line(window, io_wait_ms)}", flush=True)
-        if not self.monitor.enabled:
-            return []
-        names = {"fwd": "forward", "bwd": "backward", "step": "step"}
-        return [(f"Train/Samples/elapsed_time_ms_{names[phase]}", ms, self.global_samples)
-                for phase, ms in window.items()]
-
-    def _samples_per_step(self) -> Optional[int]:
-        """:meth:`train_batch_size`, or None when the config gives no batch size."""
-        micro = micro_batch_size(self._deepspeed_config, self.gradient_accumulation_steps(), self.world_size)
-        return None if micro is None else micro * self.gradient_accumulation_steps() * self.world_size
-
-    def _io_wait_seconds(self) -> float:
-        """Seconds the engine has waited on the store: parameters, optimizer state and activations."""
-        stats = self.stats()
-        return stats.stall_seconds + stats.optimizer_stall_seconds + stats.activation_stall_seconds
 
     @property
     def global_samples(self) -> int:
@@ -283,14 +159,14 @@ class DeepSpeedEngine(Engine):
 
     def wall_clock_breakdown(self) -> bool:
         """Whether the config's ``wall_clock_breakdown`` is on."""
-        return self._timers is not None
+        return self._reports.wall_clock_breakdown
 
     def get_wall_clock_timers(self) -> dict[str, float]:
         """With ``wall_clock_breakdown``, milliseconds by DeepSpeed's timer name as of the last
         :meth:`step` call: that call's ``fwd_microstep``, ``bwd_microstep``, ``step_microstep``, and
         the window's ``fwd``, ``bwd``, ``step`` so far (the whole window after an optimizer step).
         Empty before the first call and without ``wall_clock_breakdown``."""
-        return dict(self._timer_snapshot)
+        return self._reports.wall_clock_timers()
 
     def fp16_enabled(self) -> bool:
         """Whether parameters train in float16 (the config's ``fp16.enabled``)."""
@@ -356,7 +232,7 @@ class DeepSpeedEngine(Engine):
 
     def _shutdown(self) -> None:
         super()._shutdown()
-        self.monitor.close()
+        self._reports.close()
         if self._scratch_dir is not None:  # the store is closed: nothing reads its files again
             shutil.rmtree(self._scratch_dir, ignore_errors=True)
 
