@@ -165,8 +165,9 @@ def _initialize(
 def _monitor(ds: dict[str, Any], accumulation_steps: int) -> DeepSpeedMonitor:
     """The config's monitors (opened on rank 0). Their events are at ``global_samples``, which needs
     the batch size: ValueError without one, as DeepSpeed requires it."""
-    if enabled_monitors(ds) and micro_batch_size(ds, accumulation_steps, 1) is None:
-        raise ValueError(f"the DeepSpeed config turns on {', '.join(enabled_monitors(ds))}, whose events are "
+    monitors = enabled_monitors(ds)
+    if monitors and micro_batch_size(ds, accumulation_steps, 1) is None:
+        raise ValueError(f"the DeepSpeed config turns on {', '.join(monitors)}, whose events are "
                          f"counted in samples: set train_micro_batch_size_per_gpu or train_batch_size")
     return DeepSpeedMonitor.from_config(ds, rank=dist.get_rank() if dist.is_available() and dist.is_initialized()
                                         else 0)

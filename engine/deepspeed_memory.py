@@ -11,6 +11,7 @@ import torch
 
 from engine.stats import EngineStats
 from tiered import Tier
+from tiered.offline.render import format_bytes
 
 GiB = float(1 << 30)
 
@@ -33,17 +34,9 @@ def memory_lines(label: str, device: torch.device, stats: EngineStats) -> list[s
     tiers = stats.store.tiers
     lines.append(
         f"Store: device {_tier(tiers[Tier.DEVICE])}, host {_tier(tiers[Tier.HOST])}, nvme {_tier(tiers[Tier.NVME])}; "
-        f"parameters materialized {human_bytes(stats.materialized_bytes)} "
-        f"(peak {human_bytes(stats.peak_materialized_bytes)})")
+        f"parameters materialized {format_bytes(stats.materialized_bytes)} "
+        f"(peak {format_bytes(stats.peak_materialized_bytes)})")
     return lines
-
-
-def human_bytes(n: int) -> str:
-    """``n`` bytes in GB, MB or KB (binary units, as DeepSpeed's GB), two decimals."""
-    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def machine_memory() -> Optional[tuple[int, float]]:
@@ -83,8 +76,8 @@ def _fields(config: Any, prefix: str) -> list[tuple[str, Any]]:
 
 def _tier(t: Any) -> str:
     if t.budget_bytes is None:
-        return human_bytes(t.used_bytes)
-    return f"{human_bytes(t.used_bytes)} of {human_bytes(t.budget_bytes)}"
+        return format_bytes(t.used_bytes)
+    return f"{format_bytes(t.used_bytes)} of {format_bytes(t.budget_bytes)}"
 
 
-__all__ = ["configuration_lines", "human_bytes", "machine_memory", "memory_lines"]
+__all__ = ["configuration_lines", "machine_memory", "memory_lines"]

@@ -29,10 +29,14 @@ class DeepSpeedReports:
 
     def __init__(self, engine: "DeepSpeedEngine", ds: Mapping[str, Any], monitor: DeepSpeedMonitor) -> None:
         self._engine = engine
-        self._ds = ds
         self.monitor = monitor
         self._rank0 = engine.global_rank == 0
         self._memory_breakdown = ds.get("memory_breakdown") is True
+        # The batch sizes are fixed for the engine's life; None when the config gives none.
+        accumulation = engine.gradient_accumulation_steps()
+        self._micro_batch = micro_batch_size(ds, accumulation, engine.world_size)
+        self._samples_per_step = (None if self._micro_batch is None
+                                  else self._micro_batch * accumulation * engine.world_size)
         self._timers: Optional[WallClockBreakdown] = None
         self._timer_snapshot: dict[str, float] = {}
         self._io_wait_mark = 0.0
@@ -96,9 +100,8 @@ class DeepSpeedReports:
         if boundary and every and engine.global_steps % every == 0:
             self._print([f"step={engine.global_steps}, skipped={engine.skipped_steps}, lr={engine.get_lr()}, "
                          f"mom={engine.get_mom()}"])
-            samples = self._samples_per_step()
-            if self._throughput is not None and samples is not None:
-                self._print([self._throughput.line(engine.global_steps, samples)])
+            if self._throughput is not None and self._samples_per_step is not None:
+                self._print([self._throughput.line(engine.global_steps, self._samples_per_step)])
         events: list[Event] = []
         if boundary and self.monitor.enabled and self._rank0:
             events.append(("Train/Samples/lr", engine.get_lr()[0], engine.global_samples))
@@ -140,8 +143,7 @@ class DeepSpeedReports:
         figures = StepFigures(
             fwd_seconds=window["fwd"] / 1e3, bwd_seconds=window["bwd"] / 1e3, step_seconds=window["step"] / 1e3,
             io_wait_seconds=self._io_wait_seconds() - io_wait_start, world_size=engine.world_size,
-            micro_batch=micro_batch_size(self._ds, engine.gradient_accumulation_steps(), engine.world_size),
-            samples=self._samples_per_step())
+            micro_batch=self._micro_batch, samples=self._samples_per_step)
         text = profile.report(engine.module, engine.global_steps - 1, figures)
         if profile.settings.output_file is None:
             print(text, flush=True)
@@ -175,12 +177,6 @@ class DeepSpeedReports:
         if self._rank0:
             for line in lines:
                 print(f"[Rank 0] {line}", flush=True)
-
-    def _samples_per_step(self) -> Optional[int]:
-        """``train_batch_size()``, or None when the config gives no batch size."""
-        engine = self._engine
-        micro = micro_batch_size(self._ds, engine.gradient_accumulation_steps(), engine.world_size)
-        return None if micro is None else micro * engine.gradient_accumulation_steps() * engine.world_size
 
     def _io_wait_seconds(self) -> float:
         """Seconds the engine has waited on the store: parameters, optimizer state and activations."""

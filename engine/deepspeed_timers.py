@@ -29,12 +29,12 @@ class WallClockBreakdown:
     def timed(self, phase: str) -> Iterator[None]:
         """Add the wall time of the ``with`` body to ``phase``."""
         assert phase in PHASES, phase
-        self._synchronize()
+        synchronize(self._device)
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._synchronize()
+            synchronize(self._device)
             elapsed_ms = (time.perf_counter() - start) * 1e3
             self._micro[phase] += elapsed_ms
             self._window[phase] += elapsed_ms
@@ -54,10 +54,6 @@ class WallClockBreakdown:
         """Milliseconds per phase over the accumulation window that ends now; starts the next one."""
         window, self._window = self._window, dict.fromkeys(PHASES, 0.0)
         return window
-
-    def _synchronize(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
 
 
 class ThroughputMeter:
@@ -80,14 +76,14 @@ class ThroughputMeter:
     def start(self) -> None:
         """A forward begins: start the micro-step's clock unless it runs (after the warm-up)."""
         if self._start is None and self.steps >= self.WARMUP_STEPS:
-            self._synchronize()
+            synchronize(self._device, self._synchronized)
             self._start = time.perf_counter()
 
     def stop(self, boundary: bool) -> None:
         """A ``step()`` call ended; ``boundary``: it was an optimizer step."""
         self.micro_steps += 1
         if self._start is not None:
-            self._synchronize()
+            synchronize(self._device, self._synchronized)
             elapsed = time.perf_counter() - self._start
             self._start = None
             self._step_seconds += elapsed
@@ -109,9 +105,11 @@ class ThroughputMeter:
                      f"MaxMemAllocated={torch.cuda.max_memory_allocated(self._device) / 2**30:.2f}GB")
         return line
 
-    def _synchronize(self) -> None:
-        if self._synchronized and self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
+
+def synchronize(device: torch.device, enabled: bool = True) -> None:
+    """Wait for the work queued on a CUDA ``device`` before a clock is read (nothing elsewhere)."""
+    if enabled and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def window_line(window: dict[str, float], io_wait_ms: float) -> str:
@@ -120,4 +118,4 @@ def window_line(window: dict[str, float], io_wait_ms: float) -> str:
         f" | io_wait: {io_wait_ms:.2f}"
 
 
-__all__ = ["PHASES", "ThroughputMeter", "WallClockBreakdown", "window_line"]
+__all__ = ["PHASES", "ThroughputMeter", "WallClockBreakdown", "synchronize", "window_line"]

@@ -22,8 +22,8 @@ import torch
 import engine
 import tiered
 from deepspeed_fixtures import batch, make_model, param_groups
-from engine.deepspeed_memory import human_bytes
 from engine.deepspeed_monitor import CsvMonitor, DeepSpeedMonitor
+from tiered.offline.render import format_bytes
 
 #: 2 samples a micro-batch, 2 micro-batches a step, one rank: 4 samples a step.
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 3},
@@ -337,6 +337,6 @@ def test_memory_breakdown_and_dump_state_print_memory_and_the_configuration(tmp_
     store = [line for line in lines if line.startswith("[Rank 0] Store: ")]
     assert len(store) == 6
     nvme = stats.store.tiers[tiered.Tier.NVME]
-    budget = f" of {human_bytes(nvme.budget_bytes)}" if nvme.budget_bytes is not None else ""
-    assert f"nvme {human_bytes(nvme.used_bytes)}{budget};" in store[-1]
-    assert nvme.used_bytes > 0 and store[-1].endswith(f"(peak {human_bytes(stats.peak_materialized_bytes)})")
+    budget = f" of {format_bytes(nvme.budget_bytes)}" if nvme.budget_bytes is not None else ""
+    assert f"nvme {format_bytes(nvme.used_bytes)}{budget};" in store[-1]
+    assert nvme.used_bytes > 0 and store[-1].endswith(f"(peak {format_bytes(stats.peak_materialized_bytes)})")
