@@ -1,13 +1,14 @@
 """Run the engine from a DeepSpeed JSON config (examples/ds_config.json).
 
     python examples/deepspeed_config.py          # again: resumes from the checkpoint it saved
-    torchrun --nproc_per_node 2 examples/deepspeed_config.py --save_dir ds-ckpt2
+    tiered launch --num_gpus 2 examples/deepspeed_config.py     # was: deepspeed --num_gpus 2 ...; two ranks
 
 Prints the EngineConfig the DeepSpeed keys map to, shows that a misspelled key, which DeepSpeed
 would silently ignore, is an error naming it, then trains with DeepSpeed's script as written
 (``deepspeed.add_config_arguments``, its loop, ``load_checkpoint`` before it and
-``save_checkpoint`` after), only ``deepspeed`` replaced by ``engine``. Under torchrun the ranks
-join their process group in ``engine.initialize``, as in ``deepspeed.initialize``.
+``save_checkpoint`` after), only ``deepspeed`` replaced by ``engine``. Under ``tiered launch`` (or
+torchrun) the ranks join their process group in ``engine.initialize``, as in ``deepspeed.initialize``,
+and resume the checkpoint whatever world size saved it.
 """
 
 import argparse
@@ -27,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def main(argv: Optional[list[str]] = None) -> None:
     # was: deepspeed.add_config_arguments; adds --deepspeed and --deepspeed_config, which initialize reads
     parser = engine.add_config_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--local_rank", type=int, default=-1, help="passed by the launcher (tiered launch, deepspeed)")
     parser.add_argument("--save_dir", default="ds-ckpt", help="where checkpoints go (and are resumed from)")
     args = parser.parse_args(argv)
     path = args.deepspeed_config = args.deepspeed_config or os.path.join(HERE, "ds_config.json")

@@ -92,13 +92,18 @@ def test_store_example(tmp_path):
     assert "after reopen: ['adam.exp_avg', 'layer0.weight'] True" in out
 
 
-def test_deepspeed_example_maps_and_refuses_a_typo(tmp_path):
+def test_deepspeed_example_maps_and_refuses_a_typo_then_resumes_at_two_ranks(tmp_path):
     out = run_example("deepspeed_config.py", cwd=str(tmp_path))
     assert "param_tier='nvme'" in out and "did you mean 'stage3_prefetch_bucket_size'" in out
     assert "DeepSpeed's loop, epoch 0: 64 steps" in out and "(WarmupLR)" in out  # 256 examples, micro-batches of 4
     assert (tmp_path / "ds-nvme" / "tiered" / "manifest.sqlite").is_file()  # the store under the config's nvme_path
-    out = run_example("deepspeed_config.py", cwd=str(tmp_path))  # resumes from the checkpoint it saved
-    assert "DeepSpeed's loop, epoch 1: 128 steps" in out
+    # The docstring's second command: `deepspeed --num_gpus 2` as `tiered launch`, resuming the one-rank checkpoint.
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "launch", "--num_gpus", "2",
+                           os.path.join(ROOT, "examples", "deepspeed_config.py")], cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("DeepSpeed's loop, epoch 1: 96 steps") == 2  # each rank 32 steps of its half
+    assert (tmp_path / "ds-nvme" / "tiered" / "rank1" / "manifest.sqlite").is_file()  # one store per rank
 
 
 def test_hugging_face_example_trains_exports_and_reloads(tmp_path):
