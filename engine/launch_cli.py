@@ -39,7 +39,6 @@ UNSUPPORTED = {
                                 "OMP_NUM_THREADS (torchrun sets it to 1 when it starts several processes)"),
     "--bind_core_list": (1, "core binding is not done here (see --bind_cores_to_rank)"),
     "--save_pid": (0, "no pid file is written; torchrun's process is the command's own (it execs)"),
-    "--enable_each_rank_log": (1, "per-rank log files: use torchrun directly with --log-dir DIR --redirects 3"),
 }
 
 
@@ -73,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--module", action="store_true", help="the script is a module name (python -m)")
     p.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
     p.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank to the script")
+    p.add_argument("--enable_each_rank_log", default=None, metavar="DIR",
+                   help="each rank's stdout and stderr to files under DIR (torchrun's layout: "
+                   "DIR/<run id>/attempt_0/<local rank>/stdout.log), not the console")
     p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error", "critical"),
                    help="error or critical: do not print the torchrun command")
     p.add_argument("-q", "--quiet", action="store_true", help="do not print the torchrun command")
@@ -125,6 +127,10 @@ def command(argv: Sequence[str], *, cuda_devices: Optional[int] = None,
         plan = plan_launch(request, cuda_devices=cuda_devices, visible_env=env.get("CUDA_VISIBLE_DEVICES"))
         torchrun = torchrun_arguments(plan, args.user_script, args.user_args, module=args.module,
                                       no_python=args.no_python, local_rank_arg=not args.no_local_rank)
+        if args.enable_each_rank_log is not None:
+            if os.path.isfile(args.enable_each_rank_log):
+                raise ValueError(f"--enable_each_rank_log {args.enable_each_rank_log!r} is a file; give a directory")
+            torchrun = ["--log-dir", args.enable_each_rank_log, "--redirects", "3", *torchrun]
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     if plan.visible_devices is not None:

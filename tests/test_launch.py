@@ -100,6 +100,8 @@ def test_command_line_options_before_the_script_are_the_launchers_after_it_the_s
     assert launch.torchrun[-3:] == ["--local_rank=${local_rank}", "--num_gpus", "5"]
     assert launch.plan.nproc_per_node == 2 and "CUDA_VISIBLE_DEVICES" not in launch.env
     assert launch.shown().startswith("torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29700 train.py")
+    logged = command(["--enable_each_rank_log", "logs", "train.py"], cuda_devices=0, environ={})
+    assert logged.torchrun[:4] == ["--log-dir", "logs", "--redirects", "3"]
     gpu = command(["-i", "localhost:2", "train.py"], cuda_devices=4, environ={})
     assert gpu.env["CUDA_VISIBLE_DEVICES"] == "2" and gpu.shown().startswith("CUDA_VISIBLE_DEVICES=2 torchrun")
 
