@@ -65,19 +65,6 @@ class DeepSpeedEngine(Engine):
         #: DeepSpeed's ``model_engine.monitor``: ``monitor.write_events([(name, value, step), ...])``.
         self.monitor = self._reports.monitor
 
-    def __getattr__(self, name: str) -> Any:
-        """What the engine does not have, its model does, as with DeepSpeed's engine
-        (``model_engine.generate(...)``, ``model_engine.parameters()``,
-        ``model_engine.gradient_checkpointing_enable()``). Private names are not forwarded."""
-        model = self.__dict__.get("_model")
-        if model is None or name.startswith("_"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        try:
-            return getattr(model, name)
-        except AttributeError:
-            raise AttributeError(f"neither the engine nor its model ({type(model).__name__}) has an attribute "
-                                 f"{name!r}") from None
-
     # ------------------------------------------------------------------ DeepSpeed's counters
 
     @property

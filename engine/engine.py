@@ -137,6 +137,22 @@ class Engine:
         self._check_open()
         return self._model(*args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """What the engine does not have, its model does, as with DeepSpeed's engine: so
+        ``model = engine.from_pretrained(...)`` (or ``engine.load_checkpoint_and_dispatch``, in
+        accelerate's ``model = load_checkpoint_and_dispatch(...)``) answers ``model.generate(...)``,
+        ``model.parameters()``, ``model.gradient_checkpointing_enable()``. The engine's own names come
+        first (``config`` is the EngineConfig: the model's is ``eng.model.config``); private names
+        are not forwarded."""
+        model = self.__dict__.get("_model")
+        if model is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(f"neither the engine nor its model ({type(model).__name__}) has an attribute "
+                                 f"{name!r}") from None
+
     def train(self, mode: bool = True) -> "Engine":
         """``model.train(mode)``; returns the engine, as DeepSpeed's ``model_engine.train()`` does."""
         self._model.train(mode)

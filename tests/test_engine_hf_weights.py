@@ -487,12 +487,16 @@ def test_load_checkpoint_and_dispatch_as_accelerates_tutorial_writes_it(tmp_path
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     with torch.device("meta"):  # accelerate's init_empty_weights()
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    eng = engine.load_checkpoint_and_dispatch(model, checkpoint=tmp_path / "hf", device_map="auto",
-                                              no_split_module_classes=["GPT2Block"], offload_folder=tmp_path / "off")
+    plain = model
+    model = engine.load_checkpoint_and_dispatch(model, checkpoint=tmp_path / "hf", device_map="auto",
+                                                no_split_module_classes=["GPT2Block"], offload_folder=tmp_path / "off")
     ids = torch.tensor([[5, 6, 7]])
-    with eng, torch.no_grad():
-        assert torch.equal(model(ids).logits, ref(ids).logits)
-        assert eng.config.store.path == str(tmp_path / "off")
+    with model, torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits) and torch.equal(plain(ids).logits, ref(ids).logits)
+        # accelerate's returns the model, so the tutorial goes on with model.generate: the engine hands it on
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False),
+                           ref.generate(ids, max_new_tokens=4, do_sample=False))
+        assert model.config.store.path == str(tmp_path / "off")  # the engine's own names come first
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with engine.load_checkpoint_and_dispatch(model, tmp_path / "hf", offload_folder=tmp_path / "bf16",
