@@ -12,13 +12,13 @@ would not apply it, and a step skipped for an overflow would still advance the L
 
     trainer = EngineTrainer(eng, model=model, args=args, train_dataset=data)
     ...
-    eng.load_checkpoint(engine_checkpoint(ckpt))        # before the Trainer loads optimizer.pt
-    trainer.train(resume_from_checkpoint=ckpt)
+    trainer.train(resume_from_checkpoint=ckpt)          # loads engine_checkpoint(ckpt) first, then the Trainer's
 
-A resume without that first line is refused by ``engine.AdamW.load_state_dict`` (step counts
-without their moments) rather than training on from fresh moments. In one process a plain
-``Trainer(..., optimizers=(eng.optimizer, None), callbacks=[EngineCheckpointCallback(eng)])``
-with ``max_grad_norm=0.0`` trains the same (logging a ``grad_norm`` of 0). Needs ``transformers``.
+In one process a plain ``Trainer(..., optimizers=(eng.optimizer, None),
+callbacks=[EngineCheckpointCallback(eng)])`` with ``max_grad_norm=0.0`` trains the same (logging a
+``grad_norm`` of 0); its resume needs ``eng.load_checkpoint(engine_checkpoint(ckpt))`` first, and
+without it is refused by ``engine.AdamW.load_state_dict`` (step counts without their moments) rather
+than training on from fresh moments. Needs ``transformers``.
 """
 
 from __future__ import annotations
@@ -30,11 +30,18 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.optimization import GreedyLR
 from transformers.trainer_pt_utils import remove_dummy_checkpoint
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
+from torch import nn
+
 from engine.checkpoint_paths import ENGINE_SUBDIR, engine_checkpoint
+from engine.deepspeed_config import DeepSpeedConfig
+from engine.engine import wrap
+from engine.hf_trainer_deepspeed import plan_for_trainer, scheduled_config, training_arguments_source
+from engine.optim_deepspeed import scheduler_from_deepspeed
 from engine.overflow_scheduler import OverflowAwareScheduler
+from tiered import StoreConfig
 
 #: Schedulers the Trainer steps on evaluation metrics rather than after each optimizer step.
 _METRIC_STEPPED = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
@@ -67,10 +74,25 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
     streams the weights (``eng.save_weights``) rather than holding the whole model in memory, the
     logged ``grad_norm`` is the engine's, the engine's fp16 loss scaling (DeepSpeed's ``fp16``
     section) scales the Trainer's backward and holds its LR schedule on skipped steps, and a PEFT
-    model saves its adapter and leaves its frozen base out of the engine's checkpoints."""
+    model saves its adapter and leaves its frozen base out of the engine's checkpoints.
 
-    def __init__(self, eng: Any, *args: Any, **kwargs: Any) -> None:
+    Without ``eng``, the Trainer's DeepSpeed integration: ``EngineTrainer(model=model, args=args)``
+    with ``TrainingArguments(deepspeed=ds_config)`` (or ``deepspeed_config=ds_config``, which needs
+    no ``deepspeed`` package) wraps the model under that config, its ``"auto"`` values filled from
+    the arguments as the Trainer fills them (:mod:`engine.hf_trainer_deepspeed`); the engine is
+    ``trainer.engine``. ``store``: where its store goes (default: under the config's ``nvme_path``,
+    else a temporary directory)."""
+
+    def __init__(self, eng: Any = None, *args: Any, deepspeed_config: Optional[DeepSpeedConfig] = None,
+                 store: Optional[StoreConfig] = None, **kwargs: Any) -> None:
+        if isinstance(eng, nn.Module):  # EngineTrainer(model, args, ...), as Trainer(model, args, ...)
+            args, eng = (eng, *args), None
         model = kwargs.get("model", args[0] if args else None)
+        self._deepspeed_schedule: Optional[dict[str, Any]] = None
+        if eng is None:
+            eng, args, kwargs = self._engine_from_deepspeed(model, args, kwargs, deepspeed_config, store)
+        elif deepspeed_config is not None or store is not None:
+            raise ValueError("EngineTrainer(eng, deepspeed_config=/store=): those build an engine; eng is one already")
         if model is not eng.model:
             raise ValueError("EngineTrainer(eng, model=...): model must be the model eng wraps (eng.model)")
         kwargs.setdefault("optimizers", (eng.optimizer, None))
@@ -93,6 +115,40 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
             self.accelerator.prepare_model(eng.model, device_placement=False, evaluation_mode=True)
             assert getattr(eng.model, "_is_accelerate_prepared", False), "accelerate no longer marks prepared models"
 
+    def _engine_from_deepspeed(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                               deepspeed_config: Optional[DeepSpeedConfig], store: Optional[StoreConfig],
+                               ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        """The engine for ``model`` under the Trainer's DeepSpeed config, and the Trainer's arguments
+        with the ``TrainingArguments`` it then runs with."""
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        source = training_arguments_source(training_args, deepspeed_config)
+        if not isinstance(model, nn.Module) or training_args is None or source is None:
+            raise ValueError("EngineTrainer needs an engine (EngineTrainer(eng, model=eng.model, ...)), or model= and "
+                             "args= with a DeepSpeed config (TrainingArguments(deepspeed=...), or deepspeed_config=) "
+                             "to build one from")
+        plan = plan_for_trainer(model, training_args, source, store=store,
+                                decay_parameter_names=self.get_decay_parameter_names(model),
+                                trainer_optimizer=Trainer.get_optimizer_cls_and_kwargs)
+        eng = wrap(model, optimizer=plan.optimizer, config=plan.config)
+        if "scheduler" in plan.deepspeed_config:
+            self._deepspeed_schedule = plan.deepspeed_config
+        if "args" in kwargs:
+            kwargs = {**kwargs, "args": plan.args}
+        else:
+            args = (args[0], plan.args, *args[2:])
+        return eng, args, kwargs
+
+    def train(self, resume_from_checkpoint: "str | bool | None" = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; resuming from one of its checkpoints (a path, or True for the last
+        under ``output_dir``) first loads the engine's checkpoint saved in it (fp32 masters, moments,
+        step counts), as the Trainer has DeepSpeed load its own, then the Trainer's state."""
+        path = resume_from_checkpoint
+        if path is True:
+            path = get_last_checkpoint(self.args.output_dir)  # None: the Trainer raises, naming the directory
+        if isinstance(path, (str, os.PathLike)) and os.path.isdir(engine_checkpoint(path)):
+            self.engine.load_checkpoint(engine_checkpoint(path))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loss; under the engine's fp16 loss scaling, passed through
         ``eng.with_loss_scale`` so the Trainer's ``backward`` scales it (as DeepSpeed's does)."""
@@ -102,9 +158,15 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         return self.engine.with_loss_scale(result)
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        """The Trainer's LR scheduler; under the engine's loss scaling wrapped in
+        """The Trainer's LR scheduler (the DeepSpeed config's ``scheduler`` section, when the engine was
+        built from one that has it); under the engine's loss scaling wrapped in
         :class:`OverflowAwareScheduler`, so a step skipped for an overflow leaves it where it is (as
         DeepSpeed leaves its scheduler): the Trainer asks accelerate, which sees no overflow."""
+        if self._deepspeed_schedule is not None and self.lr_scheduler is None:
+            # The config's scheduler, as the Trainer has DeepSpeed build it once the step count is known.
+            ds = scheduled_config(self._deepspeed_schedule, self.args, num_training_steps)
+            self.lr_scheduler = scheduler_from_deepspeed(ds, optimizer if optimizer is not None else self.optimizer)
+            self._created_lr_scheduler = True  # rebuilt by the next train(), as the Trainer rebuilds its own
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         if self.engine.loss_scale is not None and not isinstance(scheduler, (OverflowAwareScheduler, *_METRIC_STEPPED)):
             scheduler = self.lr_scheduler = OverflowAwareScheduler(scheduler, self.engine)

@@ -155,11 +155,17 @@ def test_trainer_checkpoints_resume_with_the_engine_checkpoint(tmp_path):
     ckpt = out / "checkpoint-2"
     assert os.path.isfile(os.path.join(engine_checkpoint(ckpt), "metadata.json"))
 
-    for load_engine in (False, True):
+    for load_engine in (False, True, "EngineTrainer"):
         torch.manual_seed(1)  # other initial values: everything must come from the checkpoints
         model = GPT2LMHeadModel(CONFIG)
         eng = wrapped(model, tmp_path / f"b{load_engine}")
         try:
+            if load_engine == "EngineTrainer":  # its train() loads the engine checkpoint itself
+                resumed = EngineTrainer(eng, model=model, args=arguments(out, save_strategy="no", max_grad_norm=CLIP),
+                                        train_dataset=Tokens())
+                resumed.train(resume_from_checkpoint=str(ckpt))
+                assert losses_of(resumed) == whole
+                continue
             # a plain Trainer: max_grad_norm=0.0, its own clipping would find no gradients (refused); the engine clips
             trainer = Trainer(model=model, args=arguments(out, save_strategy="no", max_grad_norm=0.0),
                               train_dataset=Tokens(), optimizers=(eng.optimizer, None))
@@ -482,3 +488,118 @@ def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_pat
             assert (ckpt / name).is_file(), name
         with CheckpointFiles(engine_checkpoint(ckpt)) as files:
             assert files.world_size == 2
+
+
+def hf_deepspeed_config(nvme: str, **sections) -> dict:
+    """A config as Hugging Face's DeepSpeed docs write them: every value the Trainer knows "auto"."""
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+                                  "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
+            **sections}
+
+
+DS_OPTIMIZER = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+DS_SCHEDULER = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                    "warmup_num_steps": "auto", "total_num_steps": "auto"}}
+
+
+def learning_rates_of(trainer: Trainer) -> list[float]:
+    return [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+
+
+def test_engine_trainer_from_a_deepspeed_config_fills_auto_as_the_trainer_does(tmp_path):
+    """EngineTrainer(model=..., args=...) with a DeepSpeed config (deepspeed_config=, as
+    TrainingArguments(deepspeed=...) gives it): its "auto" values filled from the arguments, its
+    optimizer section (one group, weight decay on every parameter) and WarmupDecayLR over the
+    Trainer's step count, clipping at the arguments' norm, the store under its nvme_path. Oracle: the
+    Trainer over a plain copy with what DeepSpeed would have been given, spelled out."""
+    lr = 2e-3  # not DeepSpeed's default warmup_max_lr (1e-3), which an unfilled "auto" would take
+    args = dict(max_grad_norm=CLIP, weight_decay=0.01, warmup_steps=2, learning_rate=lr, adam_beta2=0.99)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    schedule = engine.optim_schedules.WarmupDecayLR(opt, total_num_steps=4, warmup_min_lr=0, warmup_max_lr=lr,
+                                                    warmup_num_steps=2)
+    plain = Trainer(model=ref, args=arguments(tmp_path / "ref", **args), train_dataset=Tokens(),
+                    optimizers=(opt, schedule))
+    plain.train()
+
+    nvme = str(tmp_path / "nvme")
+    ds = hf_deepspeed_config(nvme, optimizer=DS_OPTIMIZER, scheduler=DS_SCHEDULER)
+    trainer = EngineTrainer(model=model, args=arguments(tmp_path / "eng", **args), train_dataset=Tokens(),
+                            deepspeed_config=ds)
+    try:
+        assert trainer.engine.model is model and trainer.engine.config.param_tier == "nvme"
+        trainer.train()
+        assert losses_of(trainer) == losses_of(plain) and len(losses_of(trainer)) == 4
+        assert learning_rates_of(trainer) == learning_rates_of(plain)
+        assert grad_norms_of(trainer) == grad_norms_of(plain) and min(grad_norms_of(plain)) > CLIP
+        assert os.path.isfile(os.path.join(nvme, "tiered", "manifest.sqlite"))
+    finally:
+        trainer.engine.close()
+
+    mismatched = dict(ds, gradient_clipping=1.0)  # set, and not the arguments' 0.5: the Trainer refuses it too
+    with pytest.raises(ValueError, match=r"ds gradient_clipping=1.0 vs hf max_grad_norm=0.5"):
+        EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "x", **args),
+                      deepspeed_config=mismatched)
+    with pytest.raises(ValueError, match="optim='adafactor'.*adamw_torch"):  # no optimizer section: the Trainer's
+        EngineTrainer(GPT2LMHeadModel(CONFIG), arguments(tmp_path / "x", optim="adafactor"),
+                      deepspeed_config=hf_deepspeed_config(nvme))
+    with pytest.raises(ValueError, match="needs an engine"):
+        EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "x"))
+
+
+def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_and_schedule(tmp_path):
+    """No optimizer or scheduler section: the Trainer's own AdamW (no weight decay on biases and
+    norms) and its linear schedule with warmup, as with DeepSpeed; the same losses as the plain
+    Trainer given the same arguments, bit for bit. bf16 in the arguments: the engine trains bf16
+    weights with fp32 masters (DeepSpeed's bf16), not under the Trainer's autocast."""
+    args = dict(max_grad_norm=CLIP, weight_decay=0.1, warmup_steps=1, optim="adamw_torch")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    ref = copy.deepcopy(model)
+    plain = Trainer(model=ref, args=arguments(tmp_path / "ref", **args), train_dataset=Tokens())
+    plain.train()
+    trainer = EngineTrainer(model, arguments(tmp_path / "eng", **args), train_dataset=Tokens(),
+                            deepspeed_config=hf_deepspeed_config(str(tmp_path / "nvme")),
+                            store=store_config(tmp_path))
+    try:
+        groups = trainer.engine.optimizer.param_groups
+        no_decay = [p for n, p in ref.named_parameters() if n not in plain.get_decay_parameter_names(ref)]
+        assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and len(groups[1]["params"]) == len(no_decay) == 18
+        trainer.train()
+        assert losses_of(trainer) == losses_of(plain) and learning_rates_of(trainer) == learning_rates_of(plain)
+        got, want = trainer.engine.state_dict(), ref.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    finally:
+        trainer.engine.close()
+    bf16 = EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "b", bf16=True),
+                         deepspeed_config=hf_deepspeed_config(str(tmp_path / "b" / "nvme"), bf16={"enabled": "auto"}),
+                         store=store_config(tmp_path / "b"))
+    try:
+        assert bf16.engine.config.train_dtype == "bfloat16" and not bf16.args.bf16
+    finally:
+        bf16.engine.close()
+
+
+def test_engine_trainer_takes_the_deepspeed_config_from_training_arguments(tmp_path):
+    """TrainingArguments(deepspeed=...), as `--deepspeed ds_config.json` sets it (transformers needs
+    the deepspeed package to make such arguments): the same run as deepspeed_config=."""
+    pytest.importorskip("deepspeed")
+    runs = []
+    for name, where in (("args", "args"), ("kwarg", "kwarg")):
+        torch.manual_seed(0)
+        ds = hf_deepspeed_config(str(tmp_path / name / "nvme"), optimizer=DS_OPTIMIZER)
+        args = arguments(tmp_path / name, max_grad_norm=CLIP, deepspeed=ds if where == "args" else None)
+        trainer = EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=args, train_dataset=Tokens(),
+                                deepspeed_config=None if where == "args" else ds)
+        try:
+            assert trainer.args.deepspeed is None and not trainer.is_deepspeed_enabled
+            trainer.train()
+            runs.append(losses_of(trainer))
+        finally:
+            trainer.engine.close()
+    assert runs[0] == runs[1] and len(runs[0]) == 4
