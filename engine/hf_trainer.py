@@ -223,8 +223,9 @@ def _check_sharding(deepspeed: Any, fsdp: Any) -> None:
     if deepspeed:
         raise ValueError(
             f"TrainingArguments(deepspeed={deepspeed!r}) would hand the model to DeepSpeed, but the engine already "
-            "shards and offloads it: build the engine's config from that DeepSpeed config instead "
-            "(engine.EngineConfig.from_deepspeed(json.load(open(path)), store=...)) and leave deepspeed unset"
+            "shards and offloads it: give EngineTrainer no engine (EngineTrainer(model=model, args=args) builds it "
+            "from that config), or build the engine's config from it (engine.EngineConfig.from_deepspeed(path, "
+            "store=...)) and leave deepspeed unset"
         )
     if fsdp:
         raise ValueError(

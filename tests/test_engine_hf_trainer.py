@@ -306,7 +306,7 @@ def test_engine_trainer_trains_fp16_with_the_engines_loss_scaling(tmp_path):
             EngineTrainer(eng, model=model, args=arguments(tmp_path / "out", max_grad_norm=CLIP, fp16=True))
         # The Trainer's own sharding would take the model from the engine (a namespace stands in for
         # arguments naming a DeepSpeed config, which need deepspeed installed to be made).
-        with pytest.raises(ValueError, match=r"deepspeed='ds.json'.*EngineConfig.from_deepspeed"):
+        with pytest.raises(ValueError, match=r"deepspeed='ds.json'.*EngineTrainer\(model=model, args=args\) builds it"):
             EngineTrainer(eng, model=model, args=SimpleNamespace(deepspeed="ds.json", fsdp=None))
         with pytest.raises(ValueError, match=r"fsdp=True.*leave fsdp unset"):
             EngineTrainer(eng, model=model, args=arguments(tmp_path / "out", max_grad_norm=CLIP, fsdp="full_shard"))
