@@ -17,12 +17,12 @@ def code_blocks() -> list[str]:
         return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
 
 
-def test_the_page_has_its_eleven_examples():
-    assert len(code_blocks()) == 11
+def test_the_page_has_its_twelve_examples():
+    assert len(code_blocks()) == 12
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's own call
-@pytest.mark.parametrize("index", range(11))
+@pytest.mark.parametrize("index", range(12))
 def test_migrating_example_runs(index, tmp_path, capsys):
     source = code_blocks()[index].replace("/nvme/", f"{tmp_path}/")
     # engine.initialize's block loads before its first save, as DeepSpeed scripts do: (None, None) and a warning
@@ -36,20 +36,23 @@ def test_migrating_example_runs(index, tmp_path, capsys):
         assert os.path.isfile(tmp_path / "initialize-ckpt" / "global_step8" / "metadata.json")
     if index == 2:
         assert re.search(r"loss \d+\.\d+, scale \d+, skipped \d+", out), out
-    if index == 4:
+    if index == 4:  # the Trainer from a DeepSpeed config: WarmupDecayLR's warmup to the arguments' lr
+        lrs = [float(x) for x in re.search(r"^lr \[(.*)\], store True$", out, flags=re.M).group(1).split(", ")]
+        assert len(lrs) == 4 and lrs[0] < max(lrs) == 1e-3, out
+    if index == 5:
         assert len(re.findall(r"loss \d+\.\d+", out)) == 4, out  # accelerate's loop: 4 micro-batches
-    if index == 5:  # accelerate's loop with the engine's loss scaling: the first steps overflow
+    if index == 6:  # accelerate's loop with the engine's loss scaling: the first steps overflow
         assert re.search(r"loss \d+\.\d+, scale \d+, skipped [1-9]\d*, lr ", out), out
-    if index == 6:
+    if index == 7:
         assert "released by the tiered engine" in out and "eng.gathered" in out
-    if index == 7:  # DeepSpeed's safe_get_full_*: a gradient for each of the 4 parameters, then the state
+    if index == 8:  # DeepSpeed's safe_get_full_*: a gradient for each of the 4 parameters, then the state
         assert len(re.findall(r"^\d\.(weight|bias) \d+\.\d+", out, flags=re.M)) == 4, out
         assert "torch.Size([8, 8])" in out, out
-    if index == 8:
+    if index == 9:
         assert re.search(r"tensor\(\[\[ *1, +2, +3,", out), out  # the prompt, then what was generated
-    if index == 9:  # engine.from_pretrained
+    if index == 10:  # engine.from_pretrained
         assert re.search(r"tensor\(\[\[ *1, +2, +3,", out), out
-    if index == 10:  # LoRA over a meta base: the adapter of 2 blocks, lora_A and lora_B each
+    if index == 11:  # LoRA over a meta base: the adapter of 2 blocks, lora_A and lora_B each
         assert re.search(r"loss \d+\.\d+, adapter tensors 4", out), out
     if index == 0:
         assert os.path.isfile(tmp_path / "model.pt") and os.path.isfile(tmp_path / "ckpt" / "step4" / "metadata.json")
