@@ -27,13 +27,12 @@ import os
 from typing import Any, Optional
 
 import torch
+from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.optimization import GreedyLR
 from transformers.trainer_pt_utils import remove_dummy_checkpoint
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
-
-from torch import nn
 
 from engine.checkpoint_paths import ENGINE_SUBDIR, engine_checkpoint
 from engine.deepspeed_config import DeepSpeedConfig
@@ -89,10 +88,20 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
             args, eng = (eng, *args), None
         model = kwargs.get("model", args[0] if args else None)
         self._deepspeed_schedule: Optional[dict[str, Any]] = None
-        if eng is None:
-            eng, args, kwargs = self._engine_from_deepspeed(model, args, kwargs, deepspeed_config, store)
-        elif deepspeed_config is not None or store is not None:
-            raise ValueError("EngineTrainer(eng, deepspeed_config=/store=): those build an engine; eng is one already")
+        if eng is not None:
+            if deepspeed_config is not None or store is not None:
+                raise ValueError("EngineTrainer(eng, deepspeed_config=/store=): those build an engine; eng is one")
+            self._set_up(eng, model, args, kwargs)
+            return
+        eng, args, kwargs = self._engine_from_deepspeed(model, args, kwargs, deepspeed_config, store)
+        try:
+            self._set_up(eng, model, args, kwargs)
+        except BaseException:
+            eng.close()  # the engine this trainer made, refused: its store goes with it
+            raise
+
+    def _set_up(self, eng: Any, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The checks, then the Trainer's own ``__init__`` over ``eng``'s model and optimizer."""
         if model is not eng.model:
             raise ValueError("EngineTrainer(eng, model=...): model must be the model eng wraps (eng.model)")
         kwargs.setdefault("optimizers", (eng.optimizer, None))

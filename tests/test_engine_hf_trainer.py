@@ -541,6 +541,11 @@ def test_engine_trainer_from_a_deepspeed_config_fills_auto_as_the_trainer_does(t
     finally:
         trainer.engine.close()
 
+    with pytest.raises(ValueError, match="fsdp"):  # refused after the engine was made: it is closed again,
+        EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "x", **args, fsdp="full_shard"),
+                      deepspeed_config=ds)
+    EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "x", **args),
+                  deepspeed_config=ds).engine.close()  # so its store under the same nvme_path opens
     mismatched = dict(ds, gradient_clipping=1.0)  # set, and not the arguments' 0.5: the Trainer refuses it too
     with pytest.raises(ValueError, match=r"ds gradient_clipping=1.0 vs hf max_grad_norm=0.5"):
         EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "x", **args),
