@@ -37,6 +37,8 @@ from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 from engine.checkpoint_paths import ENGINE_SUBDIR, engine_checkpoint
 from engine.deepspeed_config import DeepSpeedConfig
 from engine.engine import wrap
+from engine.placement import InitFn
+from engine.weights import StateDictLike
 from engine.hf_trainer_deepspeed import plan_for_trainer, scheduled_config, training_arguments_source
 from engine.optim_deepspeed import scheduler_from_deepspeed
 from engine.overflow_scheduler import OverflowAwareScheduler
@@ -80,20 +82,25 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
     no ``deepspeed`` package) wraps the model under that config, its ``"auto"`` values filled from
     the arguments as the Trainer fills them (:mod:`engine.hf_trainer_deepspeed`); the engine is
     ``trainer.engine``. ``store``: where its store goes (default: under the config's ``nvme_path``,
-    else a temporary directory)."""
+    else a temporary directory); ``state_dict``/``init_fn``: as for ``engine.wrap``, so a model built
+    on the meta device (larger than memory) is filled from its ``save_pretrained`` directory one
+    tensor at a time, where the Trainer's DeepSpeed runs load it under ``zero.Init``."""
 
     def __init__(self, eng: Any = None, *args: Any, deepspeed_config: Optional[DeepSpeedConfig] = None,
-                 store: Optional[StoreConfig] = None, **kwargs: Any) -> None:
+                 store: Optional[StoreConfig] = None, state_dict: Optional[StateDictLike] = None,
+                 init_fn: Optional[InitFn] = None, **kwargs: Any) -> None:
         if isinstance(eng, nn.Module):  # EngineTrainer(model, args, ...), as Trainer(model, args, ...)
             args, eng = (eng, *args), None
         model = kwargs.get("model", args[0] if args else None)
         self._deepspeed_schedule: Optional[dict[str, Any]] = None
         if eng is not None:
-            if deepspeed_config is not None or store is not None:
-                raise ValueError("EngineTrainer(eng, deepspeed_config=/store=): those build an engine; eng is one")
+            if any(x is not None for x in (deepspeed_config, store, state_dict, init_fn)):
+                raise ValueError("EngineTrainer(eng, deepspeed_config=/store=/state_dict=/init_fn=): those build an "
+                                 "engine; eng is one already")
             self._set_up(eng, model, args, kwargs)
             return
-        eng, args, kwargs = self._engine_from_deepspeed(model, args, kwargs, deepspeed_config, store)
+        eng, args, kwargs = self._engine_from_deepspeed(model, args, kwargs, deepspeed_config, store,
+                                                        dict(state_dict=state_dict, init_fn=init_fn))
         try:
             self._set_up(eng, model, args, kwargs)
         except BaseException:
@@ -126,7 +133,7 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
 
     def _engine_from_deepspeed(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                                deepspeed_config: Optional[DeepSpeedConfig], store: Optional[StoreConfig],
-                               ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+                               wrap_kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
         """The engine for ``model`` under the Trainer's DeepSpeed config, and the Trainer's arguments
         with the ``TrainingArguments`` it then runs with."""
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -138,7 +145,7 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         plan = plan_for_trainer(model, training_args, source, store=store,
                                 decay_parameter_names=self.get_decay_parameter_names(model),
                                 trainer_optimizer=Trainer.get_optimizer_cls_and_kwargs)
-        eng = wrap(model, optimizer=plan.optimizer, config=plan.config)
+        eng = wrap(model, optimizer=plan.optimizer, config=plan.config, **wrap_kwargs)
         if "scheduler" in plan.deepspeed_config:
             self._deepspeed_schedule = plan.deepspeed_config
         if "args" in kwargs:

@@ -560,17 +560,21 @@ def test_engine_trainer_from_a_deepspeed_config_fills_auto_as_the_trainer_does(t
 def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_and_schedule(tmp_path):
     """No optimizer or scheduler section: the Trainer's own AdamW (no weight decay on biases and
     norms) and its linear schedule with warmup, as with DeepSpeed; the same losses as the plain
-    Trainer given the same arguments, bit for bit. bf16 in the arguments: the engine trains bf16
-    weights with fp32 masters (DeepSpeed's bf16), not under the Trainer's autocast."""
+    Trainer given the same arguments, bit for bit. The model is built on the meta device and filled
+    from its save_pretrained directory (state_dict=), where DeepSpeed loads it under zero.Init. bf16
+    in the arguments: the engine trains bf16 weights with fp32 masters (DeepSpeed's bf16), not under
+    the Trainer's autocast."""
     args = dict(max_grad_norm=CLIP, weight_decay=0.1, warmup_steps=1, optim="adamw_torch")
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(CONFIG)
-    ref = copy.deepcopy(model)
+    ref = GPT2LMHeadModel(CONFIG)
+    ref.save_pretrained(tmp_path / "hf")
     plain = Trainer(model=ref, args=arguments(tmp_path / "ref", **args), train_dataset=Tokens())
     plain.train()
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(CONFIG)
     trainer = EngineTrainer(model, arguments(tmp_path / "eng", **args), train_dataset=Tokens(),
                             deepspeed_config=hf_deepspeed_config(str(tmp_path / "nvme")),
-                            store=store_config(tmp_path))
+                            store=store_config(tmp_path), state_dict=tmp_path / "hf")
     try:
         groups = trainer.engine.optimizer.param_groups
         no_decay = [p for n, p in ref.named_parameters() if n not in plain.get_decay_parameter_names(ref)]
