@@ -31,7 +31,7 @@ from engine.module_hooks import ForwardScope, ModuleHooks
 from engine.pager import Pager
 from engine.placement import InitFn, Placement, model_device
 from engine.progress import byte_progress
-from engine.rank_agreement import take_rank0_values
+from engine.rank_agreement import rank0_random_state, take_rank0_values
 from engine.saved_activations import SavedActivations, discard_activations
 from engine.scaled_loss import scale_in_backward
 from engine.shard_io import ShardIO
@@ -812,7 +812,10 @@ def wrap_as(
         try:
             bar = byte_progress("wrap: parameters to the store", placement.total_bytes(),
                                 enabled=config.progress and not config.resume, rank=rank)
-            with bar:
+            same_draws = contextlib.nullcontext()
+            if collectives is not None and not config.resume and _has_meta_tensors(model):
+                same_draws = rank0_random_state(collectives, device)  # meta tensors: drawn alike on every rank
+            with bar, same_draws:
                 placement.run(on_placed=bar.advance)
             engine = engine_class(model, config, store, placement, meter, shard_io, optimizer)
             try:
@@ -832,6 +835,10 @@ def wrap_as(
     finally:
         if source is not None:
             source.close()
+
+
+def _has_meta_tensors(model: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
 
 
 def _is_engine_optimizer(optimizer: object) -> bool:

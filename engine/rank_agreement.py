@@ -6,12 +6,17 @@ it broadcasts rank 0's state at construction) would assemble parameters from dif
 without a word. Before placing, the ranks compare a CRC-32 of each materialized parameter and
 buffer; where any differs, rank 0's value is broadcast to all, as DDP and DeepSpeed's
 ``zero.Init`` do, and a warning names what differed. Parameters still on the meta device are
-initialized later on each rank, from its own random state (seed every rank alike, as FSDP asks).
+initialized later, each rank cutting its shard from a whole tensor it draws itself: under
+:func:`rank0_random_state` every rank draws from rank 0's random state, so ranks seeded apart
+(accelerate's ``set_seed(device_specific=True)``) still assemble one model, the one a single
+process seeded as rank 0 would have made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,6 +55,25 @@ def take_rank0_values(model: nn.Module, collectives: Collectives) -> list[str]:
     return names
 
 
+@contextlib.contextmanager
+def rank0_random_state(collectives: Collectives, device: torch.device) -> Iterator[None]:
+    """Inside, every rank's CPU generator (and ``device``'s, on CUDA) continues from rank 0's state;
+    after, each rank has its own back. Where the states already agree (every rank seeded alike),
+    nothing changes: the draws advance each rank's own generator, as in one process."""
+    devices = [device] if device.type == "cuda" else []
+    mine = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+    everyone = collectives.run(collectives.all_gather_object, [bytes(s.numpy()) for s in mine])
+    if all(theirs == everyone[0] for theirs in everyone[1:]):
+        yield
+        return
+    with torch.random.fork_rng(devices=devices):
+        rank0 = [torch.frombuffer(bytearray(state), dtype=torch.uint8) for state in everyone[0]]
+        torch.set_rng_state(rank0[0])
+        for d, state in zip(devices, rank0[1:]):
+            torch.cuda.set_rng_state(state, d)
+        yield
+
+
 def _fingerprint(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], int]:
     data = tensor_bytes(tensor)
     return str(tensor.dtype), tuple(tensor.shape), crc32([data], len(data))
@@ -63,4 +87,4 @@ def _broadcast_from_rank0(tensor: torch.Tensor, collectives: Collectives) -> Non
         data.copy_(staged)
 
 
-__all__ = ["take_rank0_values"]
+__all__ = ["rank0_random_state", "take_rank0_values"]

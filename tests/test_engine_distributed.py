@@ -663,6 +663,14 @@ def _differing_ranks(rank: int, root: str) -> None:
         out[case] = {"warnings": [str(w.message) for w in caught if "differed between the ranks" in str(w.message)],
                      "before": before, "after": eng.state_dict(), "counter": model.counter.clone()}
         eng.close()
+    # On the meta device, seeded apart (accelerate's set_seed(device_specific=True)): each rank draws
+    # every whole parameter and keeps its shard, so both must draw what rank 0's seed gives.
+    torch.manual_seed(100 + rank)
+    with torch.device("meta"):
+        model = TinyGPT(**GPT_SIZES)
+    eng = engine.wrap(model, config=engine_config(pathlib.Path(root) / "meta-store"))
+    out["meta"] = {"after": eng.state_dict(), "next_draw": torch.rand(3)}  # its own generator afterwards
+    eng.close()
     torch.save(out, os.path.join(root, f"rank{rank}.pt"))
 
 
@@ -683,3 +691,12 @@ def test_world2_ranks_whose_models_differ_all_start_from_rank0s(tmp_path):
         assert torch.equal(different["counter"], torch.zeros(3))  # the buffer the rank keeps, rank 0's
         assert same["warnings"] == [] and all(torch.equal(same["after"][k], v) for k, v in same["before"].items())
     assert not torch.equal(ranks[1]["different"]["before"]["wte.weight"], rank0["wte.weight"])  # they did differ
+    torch.manual_seed(100)  # one process seeded as rank 0, on the meta device
+    with torch.device("meta"):
+        model = TinyGPT(**GPT_SIZES)
+    with engine.wrap(model, config=engine_config(tmp_path / "one")) as eng:
+        want = eng.state_dict()
+    for rank, record in enumerate(ranks):
+        assert all(torch.equal(record["meta"]["after"][k], v) for k, v in want.items()), rank
+        torch.manual_seed(100 + rank)
+        assert torch.equal(record["meta"]["next_draw"], torch.rand(3))  # the rank's own stream, back
