@@ -121,6 +121,8 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         _check_mixed_precision(getattr(training_args, "fp16", False))
         if eng.world_size > 1:
             _check_compile(getattr(training_args, "torch_compile", False))
+        if training_args is not None:
+            _check_device(eng.device, training_args.device)
         self.engine = eng
         super().__init__(*args, callbacks=callbacks, **kwargs)
         _check_clipping(self.args.max_grad_norm, eng)
@@ -260,6 +262,19 @@ def _check_compile(torch_compile: bool) -> None:
             "read the engine's released parameters. Pass torch_compile=False (the engine's hooks split dynamo's "
             "graph at every module, so compiling measured no speed-up; docs/training.md), or run one process"
         )
+
+
+def _check_device(engine_device: torch.device, trainer_device: torch.device) -> None:
+    """ValueError when the engine computes elsewhere than the Trainer puts the batches (and the model):
+    the Trainer's ``model.to(args.device)`` cannot move the engine's released parameters."""
+    indices = (engine_device.index, trainer_device.index)
+    same = engine_device.type == trainer_device.type and (None in indices or indices[0] == indices[1])
+    if not same:
+        raise ValueError(
+            f"the engine computes on {engine_device} but the Trainer runs on {trainer_device} (TrainingArguments."
+            f"device): wrap with EngineConfig(compute_device={str(trainer_device)!r}), so the parameters are "
+            "materialized where the Trainer sends the batches, or give EngineTrainer no engine and a DeepSpeed "
+            "config, which places it there")
 
 
 def _check_mixed_precision(fp16: bool) -> None:

@@ -180,6 +180,17 @@ def test_trainer_checkpoints_resume_with_the_engine_checkpoint(tmp_path):
             eng.close()
 
 
+def test_an_engine_computing_elsewhere_than_the_trainer_is_refused():
+    """On a GPU the Trainer moves the model to args.device, which released parameters cannot follow,
+    and sends the batches there: an engine computing elsewhere is refused before that, saying how."""
+    from engine.hf_trainer import _check_device
+
+    _check_device(torch.device("cpu"), torch.device("cpu"))
+    _check_device(torch.device("cuda", 1), torch.device("cuda"))  # "cuda": the current one, whichever it is
+    with pytest.raises(ValueError, match=r"computes on cpu but the Trainer runs on cuda:1.*compute_device='cuda:1'"):
+        _check_device(torch.device("cpu"), torch.device("cuda", 1))
+
+
 def test_the_callback_can_leave_frozen_parameters_out(tmp_path):
     """For a PEFT model, as the Trainer has DeepSpeed save one: the frozen weights stay out."""
     torch.manual_seed(0)
