@@ -91,7 +91,7 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
                  init_fn: Optional[InitFn] = None, **kwargs: Any) -> None:
         if isinstance(eng, nn.Module):  # EngineTrainer(model, args, ...), as Trainer(model, args, ...)
             args, eng = (eng, *args), None
-        model = kwargs.get("model", args[0] if args else None)
+        model = _trainer_argument(args, kwargs, "model", 0)
         self._deepspeed_schedule: Optional[dict[str, Any]] = None
         if eng is not None:
             if any(x is not None for x in (deepspeed_config, store, state_dict, init_fn)):
@@ -116,7 +116,7 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         if not any(isinstance(c, EngineCheckpointCallback) for c in callbacks):
             # A PEFT model's frozen base stays out, as the Trainer has DeepSpeed leave it out.
             callbacks.append(EngineCheckpointCallback(eng, exclude_frozen_parameters=is_peft_model(model)))
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)  # None: the Trainer's defaults
+        training_args = _trainer_argument(args, kwargs, "args", 1)  # None: the Trainer's defaults
         _check_sharding(getattr(training_args, "deepspeed", None), getattr(training_args, "fsdp", None))
         _check_mixed_precision(getattr(training_args, "fp16", False))
         if eng.world_size > 1:
@@ -138,7 +138,7 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
                                wrap_kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
         """The engine for ``model`` under the Trainer's DeepSpeed config, and the Trainer's arguments
         with the ``TrainingArguments`` it then runs with."""
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        training_args = _trainer_argument(args, kwargs, "args", 1)
         source = training_arguments_source(training_args, deepspeed_config)
         if not isinstance(model, nn.Module) or training_args is None or source is None:
             raise ValueError("EngineTrainer needs an engine (EngineTrainer(eng, model=eng.model, ...)), or model= and "
@@ -233,6 +233,11 @@ def is_peft_model(model: Any) -> bool:
     except ImportError:
         return False
     return isinstance(model, PeftModel)
+
+
+def _trainer_argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, position: int) -> Any:
+    """``Trainer.__init__``'s argument ``name`` (its ``position``-th), given by keyword or position."""
+    return kwargs.get(name, args[position] if len(args) > position else None)
 
 
 def _check_sharding(deepspeed: Any, fsdp: Any) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any, Callable, Collection, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional
 
 import torch
 from torch import nn
@@ -85,7 +85,8 @@ def scheduled_config(ds: Mapping[str, Any], args: Any, num_training_steps: int) 
     """``ds`` with the scheduler's ``"auto"`` step counts filled once the Trainer knows how many steps
     it takes (transformers' ``trainer_config_finalize``)."""
     filled = copy.deepcopy(dict(ds))
-    params = filled.get("scheduler", {}).get("params") if isinstance(filled.get("scheduler"), Mapping) else None
+    scheduler = filled.get("scheduler")
+    params = scheduler.get("params") if isinstance(scheduler, dict) else None
     if isinstance(params, dict):
         if params.get("total_num_steps") == "auto":
             params["total_num_steps"] = num_training_steps
@@ -149,5 +150,4 @@ def training_arguments_source(args: Any, explicit: Optional[DeepSpeedConfig]) ->
     return explicit if explicit is not None else (given or None)
 
 
-__all__: Sequence[str] = ["TrainerPlan", "filled_config", "plan_for_trainer", "scheduled_config",
-                          "training_arguments_source"]
+__all__ = ["TrainerPlan", "filled_config", "plan_for_trainer", "scheduled_config", "training_arguments_source"]

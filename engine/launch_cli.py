@@ -17,7 +17,7 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
-from engine.launch_plan import LaunchPlan, LaunchRequest, plan_launch, torchrun_arguments
+from engine.launch_plan import LaunchPlan, LaunchRequest, as_given, plan_launch, torchrun_arguments
 
 #: DeepSpeed's default hostfile, read when it exists and no --hostfile is given (as DeepSpeed does).
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="error or critical: do not print the torchrun command")
     p.add_argument("-q", "--quiet", action="store_true", help="do not print the torchrun command")
     for option, (nargs, _) in UNSUPPORTED.items():
-        p.add_argument(option, nargs=nargs or 0, action=_Unsupported, help=argparse.SUPPRESS)
+        p.add_argument(option, nargs=nargs, action=_Unsupported, help=argparse.SUPPRESS)
     p.add_argument("user_script", help="the training script (or module, or executable)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's arguments")
     return p
@@ -97,7 +97,7 @@ class Launch:
     def shown(self) -> str:
         """The command as a shell line (the script's ``$`` signs as given, not as escaped for torchrun)."""
         prefix = f"CUDA_VISIBLE_DEVICES={self.plan.visible_devices} " if self.plan.visible_devices is not None else ""
-        return prefix + shlex.join(["torchrun", *(a.replace("$$", "$") for a in self.torchrun)])
+        return prefix + shlex.join(["torchrun", *(as_given(a) for a in self.torchrun)])
 
 
 def command(argv: Sequence[str], *, cuda_devices: Optional[int] = None,

@@ -95,10 +95,8 @@ def plan_launch(request: LaunchRequest, *, cuda_devices: int, visible_env: Optio
         raise ValueError(f"--no_ssh needs --node_rank in [0, {len(hosts)}) for the hostfile's hosts "
                          f"{hosts}, got {request.node_rank}")
     slots = pool[hosts[request.node_rank]]
-    return LaunchPlan(nnodes=len(hosts), node_rank=request.node_rank, nproc_per_node=len(slots),
-                      master_addr=request.master_addr or hosts[0],
-                      master_port=request.master_port or DEFAULT_MASTER_PORT,
-                      visible_devices=",".join(slots) if cuda_devices else None)
+    return _node_of_several(request, len(hosts), len(slots), request.master_addr or hosts[0],
+                            ",".join(slots) if cuda_devices else None)
 
 
 def _plan_without_hostfile(request: LaunchRequest, cuda_devices: int, visible_env: Optional[str]) -> LaunchPlan:
@@ -110,9 +108,7 @@ def _plan_without_hostfile(request: LaunchRequest, cuda_devices: int, visible_en
         if request.node_rank >= request.num_nodes:
             raise ValueError(f"--node_rank {request.node_rank} is not below --num_nodes {request.num_nodes}")
         nproc = request.num_gpus if request.num_gpus > 0 else max(cuda_devices, 1)
-        return LaunchPlan(nnodes=request.num_nodes, node_rank=request.node_rank, nproc_per_node=nproc,
-                          master_addr=request.master_addr, master_port=request.master_port or DEFAULT_MASTER_PORT,
-                          visible_devices=None)
+        return _node_of_several(request, request.num_nodes, nproc, request.master_addr, None)
     if cuda_devices == 0:
         if request.include or request.exclude:
             raise ValueError("--include/--exclude choose GPUs, and torch sees none here: "
@@ -126,6 +122,12 @@ def _plan_without_hostfile(request: LaunchRequest, cuda_devices: int, visible_en
     if request.num_gpus > 0:
         slots = slots[: request.num_gpus]
     return _one_node(slots, request, cuda_devices)
+
+
+def _node_of_several(request: LaunchRequest, nnodes: int, nproc: int, master_addr: str,
+                     visible_devices: Optional[str]) -> LaunchPlan:
+    return LaunchPlan(nnodes=nnodes, node_rank=request.node_rank, nproc_per_node=nproc, master_addr=master_addr,
+                      master_port=request.master_port or DEFAULT_MASTER_PORT, visible_devices=visible_devices)
 
 
 def _one_node(slots: list[str], request: LaunchRequest, cuda_devices: int) -> LaunchPlan:
@@ -190,3 +192,8 @@ def torchrun_arguments(plan: LaunchPlan, script: str, script_args: Sequence[str]
 
 def _escaped(arg: str) -> str:
     return arg.replace("$", "$$")
+
+
+def as_given(arg: str) -> str:
+    """One of :func:`torchrun_arguments`' arguments as the user gave it (``$`` signs undoubled)."""
+    return arg.replace("$$", "$")
