@@ -158,7 +158,7 @@ _RESIDENT = ("the engine pages every parameter through the store; hot ones stay 
 
 OFFLOAD_PARAM: Schema = {
     "device": Key(_choice("none", "cpu", "nvme"), MAP, "param_tier: none -> device, cpu -> host, nvme -> nvme"),
-    "nvme_path": Key(_path, MAP, "StoreConfig.nvme_paths (with offload_optimizer.nvme_path)"),
+    "nvme_path": Key(_optional(_path), MAP, "StoreConfig.nvme_paths (with offload_optimizer.nvme_path)"),
     "pin_memory": Key(_bool, ACCEPT, _PINNED),
     "buffer_count": Key(_int(), ACCEPT, _BUFFERS),
     "buffer_size": Key(_int(), ACCEPT, _BUFFERS),
@@ -169,7 +169,7 @@ OFFLOAD_OPTIMIZER: Schema = {
     "device": Key(_choice("none", "cpu", "nvme"), MAP,
                   "optimizer_tier: cpu -> host, nvme -> nvme, none -> host (the optimizer always runs on the "
                   "CPU; the host tier is the closest place for its state)"),
-    "nvme_path": Key(_path, MAP, "StoreConfig.nvme_paths (with offload_param.nvme_path)"),
+    "nvme_path": Key(_optional(_path), MAP, "StoreConfig.nvme_paths (with offload_param.nvme_path)"),
     "pin_memory": Key(_bool, ACCEPT, _PINNED),
     "buffer_count": Key(_int(), ACCEPT, "the step streams groups of optimizer_group_bytes (sub_group_size)"),
     "fast_init": Key(_bool, ACCEPT, "state is created lazily at each shard's first step; nothing to speed up"),
@@ -514,7 +514,8 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
     if optim_device is not None:
         eng["optimizer_tier"] = "nvme" if optim_device == "nvme" else "host"
 
-    paths = [found[k] for k in (f"{z}.offload_param.nvme_path", f"{z}.offload_optimizer.nvme_path") if k in found]
+    paths = [found[k] for k in (f"{z}.offload_param.nvme_path", f"{z}.offload_optimizer.nvme_path")
+             if found.get(k) is not None]
     if paths:
         sto["nvme_paths"] = tuple(dict.fromkeys(os.path.abspath(p) for p in paths))
 

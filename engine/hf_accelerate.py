@@ -13,6 +13,10 @@ accelerate restores the optimizer (which refuses step counts without their momen
     accelerator.save_state("/ckpt/step100")      # accelerate's files + /ckpt/step100/engine
     accelerator.load_state("/ckpt/step100")      # the engine's checkpoint first, then accelerate's
 
+:func:`deepspeed_config_from_accelerate` (from :mod:`engine.hf_accelerate_deepspeed`) gives the
+DeepSpeed config of an ``accelerate config`` file that trains with DeepSpeed, for
+``engine.initialize``.
+
 Needs ``accelerate``.
 """
 
@@ -24,6 +28,7 @@ from accelerate import Accelerator
 from torch.utils.hooks import RemovableHandle
 
 from engine.checkpoint_paths import engine_checkpoint
+from engine.hf_accelerate_deepspeed import deepspeed_config_from_accelerate
 
 
 def register_engine_state(
@@ -46,4 +51,4 @@ def register_engine_state(
     return accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)
 
 
-__all__ = ["register_engine_state"]
+__all__ = ["deepspeed_config_from_accelerate", "register_engine_state"]

@@ -14,13 +14,15 @@ import pytest
 import safetensors.torch
 import torch
 from accelerate import Accelerator
+from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.state import AcceleratorState
+from accelerate.utils import DeepSpeedPlugin, DistributedType
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import engine
-from engine.hf_accelerate import register_engine_state
+from engine.hf_accelerate import deepspeed_config_from_accelerate, register_engine_state
 from engine.released import ReleasedParameterError
 from engine_models import store_config
 from test_engine_distributed import run_ranks
@@ -38,20 +40,26 @@ def examples() -> list[dict[str, torch.Tensor]]:
 
 def train(path: Path, *, wrapped: bool, prepare_model: bool = True, clip_in_loop: bool = False,
           norms: list[float] | None = None, mixed_precision: str = "no", autocast: bool = False,
-          save_model: Path | None = None) -> list[float]:
+          save_model: Path | None = None, accelerate_config: Path | None = None) -> list[float]:
     """Sixteen examples in micro-batches of 2 (split over the ranks) through accelerate's loop; the
     losses. The wrapped model is clipped by ``EngineConfig.max_grad_norm``, or with
     ``clip_in_loop`` by ``eng.clip_grad_norm_`` where the plain loop calls accelerate's
     (which would find no gradients on it); ``norms`` gets what the clipping call returned.
     ``autocast``: the forward in ``accelerator.autocast()`` (for a model left out of prepare).
     ``save_model``: at the end, ``accelerator.save_model`` there, and the wrapped model's
-    ``eng.state_dict()`` as ``expected.safetensors`` beside it (main process)."""
+    ``eng.state_dict()`` as ``expected.safetensors`` beside it (main process).
+    ``accelerate_config``: the wrapped model by ``engine.initialize`` from the DeepSpeed config of
+    that ``accelerate config`` file, and the accumulation and clipping the file sets."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
     AcceleratorState._reset_state()  # accelerate sets it once per process (its own tests reset it so too)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION, mixed_precision=mixed_precision)
+    accumulation = 1 if accelerate_config is not None else ACCUMULATION
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation, mixed_precision=mixed_precision)
     eng = None
-    if wrapped:
+    if wrapped and accelerate_config is not None:
+        ds_config = deepspeed_config_from_accelerate(accelerator, accelerate_config)
+        eng, optimizer, _, _ = engine.initialize(model=model, optimizer=engine.AdamW(lr=LR), config=ds_config)
+    elif wrapped:
         eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
             store=store_config(path), param_tier="nvme", optimizer_tier="nvme",
             max_grad_norm=None if clip_in_loop else CLIP))
@@ -113,6 +121,87 @@ def test_accelerates_mixed_precision_reaches_a_wrapped_model(tmp_path):
     assert train(tmp_path / "autocast", wrapped=True, prepare_model=False, mixed_precision="bf16",
                  autocast=True) == want
     assert train(tmp_path / "fp32", wrapped=True, prepare_model=False, mixed_precision="bf16") != want
+
+
+def accelerate_file(path: Path, *, mixed_precision: str = "no", distributed_type: str = "DEEPSPEED",
+                    **answers) -> Path:
+    """An ``accelerate config`` file as accelerate writes it (its own ClusterConfig), with the
+    DeepSpeed answers ``answers``."""
+    ClusterConfig(compute_environment="LOCAL_MACHINE", distributed_type=DistributedType(distributed_type),
+                  mixed_precision=mixed_precision, use_cpu=False, debug=False, num_processes=2,
+                  deepspeed_config=answers).to_yaml_file(str(path))
+    return path
+
+
+def test_accelerates_deepspeed_config_trains_as_the_engine_config_it_describes(tmp_path):
+    """The ZeRO-3 NVMe answers of ``accelerate config`` (accumulation 2, clipping 0.5) through
+    deepspeed_config_from_accelerate and engine.initialize: the losses of the engine configured by
+    hand with that accumulation, clipping and tiers, bit for bit; the store under the nvme path."""
+    nvme = tmp_path / "nvme"
+    path = accelerate_file(tmp_path / "zero3.yaml", zero_stage=3, offload_param_device="nvme",
+                           offload_param_nvme_path=str(nvme), offload_optimizer_device="nvme",
+                           offload_optimizer_nvme_path=str(nvme), gradient_accumulation_steps=ACCUMULATION,
+                           gradient_clipping=CLIP, zero3_init_flag=True, zero3_save_16bit_model=True)
+    want = train(tmp_path / "engine", wrapped=True, prepare_model=False)
+    assert train(tmp_path / "ds", wrapped=True, prepare_model=False, accelerate_config=path) == want
+    assert any((nvme / "tiered").iterdir())
+
+
+def engine_config_of(accelerator: Accelerator, source, tmp_path: Path) -> engine.EngineConfig:
+    ds_config = deepspeed_config_from_accelerate(accelerator, source)
+    return engine.EngineConfig.from_deepspeed(ds_config, store=store_config(tmp_path))
+
+
+def test_accelerates_deepspeed_answers_map_as_accelerate_maps_them(tmp_path):
+    """The file's mixed_precision, unless the Accelerator has its own; a deepspeed_config_file with
+    its optimizer section; a DeepSpeedPlugin; "auto" accumulation and clipping filled as prepare
+    fills them; a file's accumulation against the Accelerator's own: DeepSpeed's, with accelerate's
+    warning; refusals naming the problem."""
+    AcceleratorState._reset_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    try:
+        nvme = dict(zero_stage=3, offload_param_device="nvme", offload_param_nvme_path=str(tmp_path))
+        bf16 = engine_config_of(accelerator, accelerate_file(tmp_path / "bf16.yaml", mixed_precision="bf16", **nvme),
+                                tmp_path)
+        assert (bf16.train_dtype, bf16.param_tier, bf16.max_grad_norm) == ("bfloat16", "nvme", 1.0)
+        assert bf16.gradient_accumulation_steps == 1 and accelerator.gradient_accumulation_steps == 3
+        fp16 = engine_config_of(accelerator, accelerate_file(tmp_path / "fp16.yaml", mixed_precision="fp16", **nvme),
+                                tmp_path)
+        assert fp16.train_dtype == "float16" and fp16.cast_forward_inputs and fp16.loss_scaling is not None
+        plugin = engine_config_of(accelerator, DeepSpeedPlugin(zero_stage=3, offload_optimizer_device="nvme",
+                                                               offload_optimizer_nvme_path=str(tmp_path)), tmp_path)
+        assert (plugin.train_dtype, plugin.optimizer_tier, plugin.param_tier) == (None, "nvme", "device")
+
+        ds_file = tmp_path / "ds.json"
+        ds_file.write_text(json.dumps({"gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                                       "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+                                       "zero_optimization": {"stage": 3}}))
+        from_file = deepspeed_config_from_accelerate(
+            accelerator, accelerate_file(tmp_path / "file.yaml", deepspeed_config_file=str(ds_file)))
+        assert from_file["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4}}
+        assert (from_file["gradient_accumulation_steps"], from_file["gradient_clipping"]) == (1, 1.0)
+        assert "steps_per_print" not in from_file  # accelerate's float("inf"): DeepSpeed's line off
+
+        with pytest.raises(ValueError, match=r"does not train with DeepSpeed \(distributed_type: MULTI_GPU\)"):
+            deepspeed_config_from_accelerate(accelerator, accelerate_file(tmp_path / "ddp.yaml",
+                                                                          distributed_type="MULTI_GPU"))
+        with pytest.raises(ValueError, match="answers accelerate's DeepSpeedPlugin does not take: zero_stages"):
+            deepspeed_config_from_accelerate(accelerator, accelerate_file(tmp_path / "typo.yaml", zero_stages=3))
+        with pytest.raises(ValueError, match="'fp8' is not supported"):
+            deepspeed_config_from_accelerate(accelerator, accelerate_file(tmp_path / "fp8.yaml", mixed_precision="fp8",
+                                                                          **nvme))
+        with pytest.warns(UserWarning, match="the Accelerator has 3, the DeepSpeed config 2. Using DeepSpeed's"):
+            deepspeed_config_from_accelerate(accelerator, accelerate_file(tmp_path / "two.yaml",
+                                                                          gradient_accumulation_steps=2, **nvme))
+        assert accelerator.gradient_accumulation_steps == 2
+        with pytest.raises(ValueError, match="names no nvme_path"):  # accelerate's "none": no path given
+            engine.initialize(model=torch.nn.Linear(2, 2), config=deepspeed_config_from_accelerate(
+                accelerator, DeepSpeedPlugin(zero_stage=3, offload_param_device="nvme")))
+        AcceleratorState._reset_state()
+        bf16_accelerator = Accelerator(cpu=True, mixed_precision="bf16")  # its own precision wins over the file's
+        assert engine_config_of(bf16_accelerator, tmp_path / "fp16.yaml", tmp_path).train_dtype == "bfloat16"
+    finally:
+        AcceleratorState._reset_state()
 
 
 def _two_ranks(rank: int, root: str) -> None:
