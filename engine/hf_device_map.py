@@ -5,9 +5,9 @@ device_map="auto", max_memory={0: "20GiB", "cpu": "60GiB"}, offload_folder="offl
 :func:`load_checkpoint_and_dispatch` here.
 
 There is no device map to compute: every weight lives in the store and is fetched to the one
-compute device just before its module runs. So ``device_map`` only names that device, ``max_memory``
-becomes the store's budget per tier (the compute device's entry, ``"cpu"``, ``"disk"``), and
-``offload_folder`` the store's directory.
+compute device just before its module runs. So ``device_map`` only names that device (a dict map:
+its one GPU, else the CPU), ``max_memory`` becomes the store's budget per tier (the compute
+device's entry, ``"cpu"``, ``"disk"``), and ``offload_folder`` the store's directory.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def accelerate_config(
 ) -> EngineConfig:
     """``config`` with accelerate's arguments applied, or a new EngineConfig whose store is
     ``offload_folder`` when ``config`` is None. ``ValueError`` for neither (or both) of ``config``
-    and ``offload_folder``, a device map given as a dict, or a size or key ``max_memory`` cannot
+    and ``offload_folder``, a device map over several GPUs, or a size or key ``max_memory`` cannot
     have."""
     if config is None:
         if offload_folder is None:
@@ -104,17 +104,40 @@ def _compute_device(device_map: Any, cuda_available: bool) -> Optional[str]:
     if device_map is None:
         return None
     if isinstance(device_map, Mapping):
-        raise ValueError("a device_map dict places each module on a device, but the engine keeps "
-                         "every weight in the store and fetches it to one compute device just in time; pass "
-                         "device_map='auto' (or a device) and max_memory= for the store's budgets")
+        return _device_of_map(device_map)
     if isinstance(device_map, str) and device_map in SPREAD_MAPS:
         return f"cuda:{local_rank()}" if cuda_available else "cpu"
-    if isinstance(device_map, int) and not isinstance(device_map, bool):
-        return f"cuda:{device_map}"
+    return _device(device_map, f"device_map={device_map!r} is neither one of {SPREAD_MAPS} nor a device")
+
+
+def _device_of_map(device_map: Mapping[Any, Any]) -> str:
+    """The compute device of a device map given as a dict (module name -> a device, ``"cpu"`` or
+    ``"disk"``; ``{"": 0}`` as PEFT scripts write it, or what ``infer_auto_device_map`` returns):
+    the one accelerator it names, else the CPU. Modules it offloads to ``"cpu"`` or ``"disk"`` are
+    in the store's tiers like every other; modules on several accelerators are a ValueError (one
+    device per process here)."""
+    if not device_map:
+        raise ValueError("device_map={} names no device: pass device_map='auto', a device, or {'': device}")
+    devices = {"cpu" if where == "disk" else _device(where, f"device_map[{name!r}]={where!r} is not a device, "
+                                                            "'cpu' or 'disk'")
+               for name, where in device_map.items()}
+    accelerators = sorted(devices - {"cpu"})
+    if len(accelerators) > 1:
+        raise ValueError(f"the device_map spreads the model over {', '.join(accelerators)}, but the engine computes "
+                         "on one device per process, fetching every weight from its store just in time: map "
+                         "everything to one device ({'': 0}), or pass device_map='auto' under torchrun, which "
+                         "starts one process per GPU")
+    return accelerators[0] if accelerators else "cpu"
+
+
+def _device(where: Any, problem: str) -> str:
+    """``where`` (an accelerator index, a device string or a ``torch.device``) as a device string."""
+    if isinstance(where, int) and not isinstance(where, bool):
+        return f"cuda:{where}"
     try:
-        return str(torch.device(device_map))
+        return str(torch.device(where))
     except (RuntimeError, TypeError):
-        raise ValueError(f"device_map={device_map!r} is neither one of {SPREAD_MAPS} nor a device") from None
+        raise ValueError(problem) from None
 
 
 def _budgets(store: StoreConfig, max_memory: Mapping[Any, Any], compute_device: Optional[str]) -> StoreConfig:

@@ -454,8 +454,9 @@ def test_from_pretrained_takes_accelerates_big_model_arguments(tmp_path):
         engine.from_pretrained(tmp_path / "hf", device_map="auto")
     with pytest.raises(ValueError, match="both name the store"):
         engine.from_pretrained(tmp_path / "hf", config=engine_config(tmp_path / "x"), offload_folder=tmp_path / "y")
-    with pytest.raises(ValueError, match="a device_map dict"):
-        engine.from_pretrained(tmp_path / "hf", offload_folder=tmp_path / "z", device_map={"": 0})
+    with pytest.raises(ValueError, match="spreads the model over cuda:0, cuda:1"):
+        engine.from_pretrained(tmp_path / "hf", offload_folder=tmp_path / "z",
+                               device_map={"transformer.h.0": 0, "transformer.h.1": 1, "lm_head": "disk"})
     with pytest.raises(ValueError, match=r"'20 gigs' is not a size"):
         engine.from_pretrained(tmp_path / "hf", offload_folder=tmp_path / "z", max_memory={"cpu": "20 gigs"})
     with pytest.raises(ValueError, match="unknown key 'mps:0'"):
@@ -476,6 +477,19 @@ def test_accelerates_sizes_and_device_maps():
     assert _compute_device("cuda:1", cuda_available=True) == "cuda:1" and _compute_device(None, True) is None
     with pytest.raises(ValueError, match="neither one of"):
         _compute_device("everywhere", cuda_available=True)
+    # A dict: its one accelerator ({"": 0}, infer_auto_device_map's maps), else the CPU; offloaded modules
+    # ("cpu", "disk") are in the store like the rest.
+    assert _compute_device({"": 0}, cuda_available=True) == "cuda:0"
+    assert _compute_device({"": "cpu"}, cuda_available=True) == "cpu"
+    assert _compute_device({"wte": 1, "h.0": "cuda:1", "h.1": "cpu", "lm_head": "disk"}, True) == "cuda:1"
+    assert _compute_device({"h.0": torch.device("cuda", 2), "h.1": "disk"}, True) == "cuda:2"
+    assert _compute_device({"h.0": "cpu", "h.1": "disk"}, cuda_available=True) == "cpu"
+    with pytest.raises(ValueError, match=r"spreads the model over cuda:0, cuda:1"):
+        _compute_device({"h.0": 0, "h.1": "cuda:1"}, cuda_available=True)
+    with pytest.raises(ValueError, match=r"device_map\['h.1'\]='somewhere' is not a device"):
+        _compute_device({"h.0": 0, "h.1": "somewhere"}, cuda_available=True)
+    with pytest.raises(ValueError, match="names no device"):
+        _compute_device({}, cuda_available=True)
 
 
 def test_load_checkpoint_and_dispatch_as_accelerates_tutorial_writes_it(tmp_path):
