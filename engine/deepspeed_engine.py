@@ -18,7 +18,6 @@ engine's: ``model_engine(batch)``, ``backward``, ``step``, ``device``, ``local_r
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -30,7 +29,7 @@ from engine.checkpoint_paths import holds_checkpoint, resolve_checkpoint, tagged
 from engine.deepspeed_config import micro_batch_size
 from engine.deepspeed_monitor import DeepSpeedMonitor
 from engine.deepspeed_reports import DeepSpeedReports
-from engine.engine import Engine
+from engine.deepspeed_store import ScratchStoreEngine
 from tiered import Tier
 
 #: Where the client state carries :attr:`DeepSpeedEngine.global_steps` for a plain torch optimizer
@@ -44,18 +43,17 @@ ONE_FILE = 1 << 62
 OFFLOAD_STATES = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(ScratchStoreEngine):
     """An :class:`~engine.Engine` whose checkpoint calls take and return what DeepSpeed's do. Made
     by ``engine.initialize``; ``deepspeed_config`` is the DeepSpeed config it was made from,
     ``scratch_dir`` the temporary store directory it removes when it closes (None: it keeps its store)
     and ``monitor`` the config's monitors (:mod:`engine.deepspeed_monitor`; None: none), which it
     closes with itself."""
 
-    def __init__(self, *args: Any, deepspeed_config: Mapping[str, Any], scratch_dir: Optional[str] = None,
+    def __init__(self, *args: Any, deepspeed_config: Mapping[str, Any],
                  monitor: Optional[DeepSpeedMonitor] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deepspeed_config = dict(deepspeed_config)
-        self._scratch_dir = scratch_dir
         #: Optimizer steps of a plain torch optimizer (``engine.AdamW`` counts its own in the store).
         self._torch_steps = 0
         #: Store keys ``offload_states`` moved out of the device tier, for ``reload_states``.
@@ -220,8 +218,6 @@ class DeepSpeedEngine(Engine):
     def _shutdown(self) -> None:
         super()._shutdown()
         self._reports.close()
-        if self._scratch_dir is not None:  # the store is closed: nothing reads its files again
-            shutil.rmtree(self._scratch_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ DeepSpeed's checkpoint calls
 

@@ -1,7 +1,8 @@
-"""Where ``engine.initialize`` keeps its store when the script names none, as DeepSpeed scripts do
-not: under the config's ``nvme_path`` when something is offloaded to NVMe, otherwise in a temporary
-directory that lives as long as the engine (DeepSpeed keeps CPU-offloaded state in memory only, so
-such a run has nothing on disk worth keeping)."""
+"""Where ``engine.initialize`` and ``EngineTrainer`` keep the store when the script names none, as
+DeepSpeed scripts do not: under the config's ``nvme_path`` when something is offloaded to NVMe,
+otherwise in a temporary directory that lives as long as the engine, which removes it
+(:class:`ScratchStoreEngine`; DeepSpeed keeps CPU-offloaded state in memory only, so such a run has
+nothing on disk worth keeping)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Mapping, Optional
 
 from engine.config import EngineConfig
 from engine.deepspeed_config import deepspeed_settings
+from engine.engine import Engine
 from tiered import StoreConfig
 
 #: The store's subdirectory of each ``nvme_path``: DeepSpeed's own swap folders stay apart from it.
@@ -42,6 +44,21 @@ class DefaultStore:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
 
+class ScratchStoreEngine(Engine):
+    """An :class:`~engine.Engine` whose store lives in ``scratch_dir``, a temporary directory
+    (:attr:`DefaultStore.scratch`) it removes once it has closed the store; None: it keeps its
+    store, as any engine does."""
+
+    def __init__(self, *args: Any, scratch_dir: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._scratch_dir = scratch_dir
+
+    def _shutdown(self) -> None:
+        super()._shutdown()
+        if self._scratch_dir is not None:  # the store is closed: nothing reads its files again
+            shutil.rmtree(self._scratch_dir, ignore_errors=True)
+
+
 def default_store(ds: Mapping[str, Any]) -> DefaultStore:
     """The store for the DeepSpeed config ``ds`` when ``engine.initialize`` gets no ``store=``:
     ``<nvme_path>/tiered`` (swap files striped over each ``nvme_path``'s ``tiered`` folder), or a
@@ -64,4 +81,4 @@ def default_store(ds: Mapping[str, Any]) -> DefaultStore:
     return DefaultStore(StoreConfig(path=scratch, flush_on_close=False), scratch=scratch)
 
 
-__all__ = ["SUBDIR", "DefaultStore", "default_store"]
+__all__ = ["SUBDIR", "DefaultStore", "ScratchStoreEngine", "default_store"]

@@ -23,7 +23,9 @@ than training on from fresh moments. Needs ``transformers``.
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 from typing import Any, Optional
 
 import torch
@@ -36,7 +38,8 @@ from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from engine.checkpoint_paths import ENGINE_SUBDIR, engine_checkpoint
 from engine.deepspeed_config import DeepSpeedConfig
-from engine.engine import wrap
+from engine.deepspeed_store import ScratchStoreEngine
+from engine.engine import wrap_as
 from engine.placement import InitFn
 from engine.weights import StateDictLike
 from engine.hf_trainer_deepspeed import plan_for_trainer, scheduled_config, training_arguments_source
@@ -82,9 +85,10 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
     no ``deepspeed`` package) wraps the model under that config, its ``"auto"`` values filled from
     the arguments as the Trainer fills them (:mod:`engine.hf_trainer_deepspeed`); the engine is
     ``trainer.engine``. ``store``: where its store goes (default: under the config's ``nvme_path``,
-    else a temporary directory); ``state_dict``/``init_fn``: as for ``engine.wrap``, so a model built
-    on the meta device (larger than memory) is filled from its ``save_pretrained`` directory one
-    tensor at a time, where the Trainer's DeepSpeed runs load it under ``zero.Init``."""
+    else a temporary directory, removed when the engine closes); ``state_dict``/``init_fn``: as for
+    ``engine.wrap``, so a model built on the meta device (larger than memory) is filled from its
+    ``save_pretrained`` directory one tensor at a time, where the Trainer's DeepSpeed runs load it
+    under ``zero.Init``."""
 
     def __init__(self, eng: Any = None, *args: Any, deepspeed_config: Optional[DeepSpeedConfig] = None,
                  store: Optional[StoreConfig] = None, state_dict: Optional[StateDictLike] = None,
@@ -147,7 +151,13 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         plan = plan_for_trainer(model, training_args, source, store=store,
                                 decay_parameter_names=self.get_decay_parameter_names(model),
                                 trainer_optimizer=Trainer.get_optimizer_cls_and_kwargs)
-        eng = wrap(model, optimizer=plan.optimizer, config=plan.config, **wrap_kwargs)
+        try:
+            eng = wrap_as(functools.partial(ScratchStoreEngine, scratch_dir=plan.scratch), model,
+                          optimizer=plan.optimizer, config=plan.config, **wrap_kwargs)
+        except BaseException:
+            if plan.scratch is not None:
+                shutil.rmtree(plan.scratch, ignore_errors=True)
+            raise
         if "scheduler" in plan.deepspeed_config:
             self._deepspeed_schedule = plan.deepspeed_config
         if "args" in kwargs:

@@ -40,6 +40,9 @@ class TrainerPlan:
     optimizer: AdamW
     deepspeed_config: dict[str, Any]
     args: Any
+    #: The temporary directory the store lives in, for an engine that removes it when it closes
+    #: (None: the store is under the config's ``nvme_path`` or where ``store=`` put it).
+    scratch: Optional[str] = None
 
 
 def filled_config(ds: Mapping[str, Any], args: Any) -> dict[str, Any]:
@@ -105,23 +108,29 @@ def plan_for_trainer(model: nn.Module, args: Any, ds_source: DeepSpeedConfig, *,
     if ds.get("steps_per_print") == math.inf:
         del ds["steps_per_print"]  # how the Trainer's DeepSpeed setup silences DeepSpeed's own log lines
     default = default_store(ds) if store is None else None
-    # The scheduler's step counts are known in train(); a stand-in count lets the rest be checked now.
-    checked = scheduled_config(ds, args, max(args.max_steps, 1))
-    config = EngineConfig.from_deepspeed(checked, store=default.config if default is not None else store)
-    if default is not None:
-        config = default.apply(config)
-    # The Trainer runs the accumulation window and calls the clipping (eng.clip_grad_norm_).
-    config = config.replace(gradient_accumulation_steps=1)
-    if config.compute_device is None and args.device.type != "cpu":
-        config = config.replace(compute_device=str(args.device))  # where the Trainer puts its batches
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if "optimizer" in ds:
-        optimizer = optimizer_from_deepspeed(ds, trainable)
-    else:
-        optimizer = _trainer_adamw(model, args, decay_parameter_names, trainer_optimizer)
-    run_args = dataclasses.replace(args, deepspeed=None, fp16=False, bf16=False,
-                                   max_grad_norm=config.max_grad_norm or 0.0)
-    return TrainerPlan(config=config, optimizer=optimizer, deepspeed_config=ds, args=run_args)
+    try:
+        # The scheduler's step counts are known in train(); a stand-in count lets the rest be checked now.
+        checked = scheduled_config(ds, args, max(args.max_steps, 1))
+        config = EngineConfig.from_deepspeed(checked, store=default.config if default is not None else store)
+        if default is not None:
+            config = default.apply(config)
+        # The Trainer runs the accumulation window and calls the clipping (eng.clip_grad_norm_).
+        config = config.replace(gradient_accumulation_steps=1)
+        if config.compute_device is None and args.device.type != "cpu":
+            config = config.replace(compute_device=str(args.device))  # where the Trainer puts its batches
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if "optimizer" in ds:
+            optimizer = optimizer_from_deepspeed(ds, trainable)
+        else:
+            optimizer = _trainer_adamw(model, args, decay_parameter_names, trainer_optimizer)
+        run_args = dataclasses.replace(args, deepspeed=None, fp16=False, bf16=False,
+                                       max_grad_norm=config.max_grad_norm or 0.0)
+    except BaseException:
+        if default is not None:
+            default.remove()
+        raise
+    return TrainerPlan(config=config, optimizer=optimizer, deepspeed_config=ds, args=run_args,
+                       scratch=default.scratch if default is not None else None)
 
 
 def _trainer_adamw(model: nn.Module, args: Any, decay: Collection[str],

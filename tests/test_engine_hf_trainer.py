@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -603,6 +604,32 @@ def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_
         assert bf16.engine.config.train_dtype == "bfloat16" and not bf16.args.bf16
     finally:
         bf16.engine.close()
+
+
+def test_engine_trainer_removes_the_temporary_store_it_made(tmp_path, monkeypatch):
+    """A config that offloads nothing to NVMe: the store in a temporary directory, removed when the
+    engine closes, or when the set-up is refused before or after the engine was made."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where mkdtemp puts the store
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "gradient_clipping": "auto"}
+    trainer = EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "a", max_steps=1),
+                            train_dataset=Tokens(), deepspeed_config=ds)
+    try:
+        store = trainer.engine.config.store.path
+        assert os.path.dirname(store) == str(scratch)
+        trainer.train()
+        assert os.path.isfile(os.path.join(store, "manifest.sqlite"))
+    finally:
+        trainer.engine.close()
+    assert os.listdir(scratch) == []
+    with pytest.raises(ValueError, match="fsdp"):  # refused after the engine was made
+        EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "b", fsdp="full_shard"),
+                      deepspeed_config=ds)
+    with pytest.raises(ValueError, match="optim='adafactor'"):  # before it was made
+        EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "c", optim="adafactor"),
+                      deepspeed_config=ds)
+    assert os.listdir(scratch) == []
 
 
 def test_engine_trainer_takes_the_deepspeed_config_from_training_arguments(tmp_path):
