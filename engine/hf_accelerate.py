@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from torch.utils.hooks import RemovableHandle
 
 from engine.checkpoint_paths import engine_checkpoint
-from engine.hf_accelerate_deepspeed import deepspeed_config_from_accelerate
+from engine.hf_accelerate_deepspeed import ALONE_WITHOUT_GPU, deepspeed_config_from_accelerate
 
 
 def register_engine_state(
@@ -37,9 +37,17 @@ def register_engine_state(
     """Make ``accelerator.save_state`` / ``load_state`` save and load ``eng``'s checkpoint (shards,
     fp32 masters, moments, step counts, loss scale) in ``<dir>/engine``.
     ``exclude_frozen_parameters``: leave frozen parameters out of it (a PEFT model's base weights).
-    Returns the two hooks' handles (``handle.remove()`` unregisters)."""
+    Returns the two hooks' handles (``handle.remove()`` unregisters). ``ValueError`` when the
+    accelerator runs another number of processes than ``eng`` is sharded over (one of them was
+    made outside the launcher's process group), saying which."""
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"register_engine_state takes an accelerate.Accelerator, got {type(accelerator).__name__}")
+    if accelerator.num_processes != eng.world_size:
+        why = (ALONE_WITHOUT_GPU if accelerator.num_processes < eng.world_size else
+               "the model was wrapped before the Accelerator joined the launcher's processes: make the "
+               "Accelerator first, then engine.wrap, so that each rank keeps its shard and the gradients are averaged")
+        raise ValueError(f"the Accelerator runs {accelerator.num_processes} process(es) but the engine is sharded "
+                         f"over {eng.world_size}: {why}")
 
     def save(models: list, weights: list, output_dir: str) -> None:
         eng.save_checkpoint(engine_checkpoint(output_dir), overwrite=True,

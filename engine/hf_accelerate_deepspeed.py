@@ -38,6 +38,10 @@ _IGNORED = ("deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_inc
             "deepspeed_exclusion_filter", "deepspeed_moe_layer_cls_names")
 #: What accelerate's ``prepare`` fills ``"auto"`` clipping with.
 _CLIPPING = 1.0
+#: Why an Accelerator under a launcher can see one process, and the fix.
+ALONE_WITHOUT_GPU = ("without a GPU, accelerate joins the launcher's processes only when told to run on the CPU: "
+                     "make it Accelerator(cpu=True), or set ACCELERATE_USE_CPU=1 (what `accelerate launch --cpu` "
+                     "does); otherwise each process trains alone, on every batch")
 
 
 def deepspeed_config_from_accelerate(
@@ -59,6 +63,10 @@ def deepspeed_config_from_accelerate(
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"deepspeed_config_from_accelerate takes an accelerate.Accelerator first, "
                         f"got {type(accelerator).__name__}")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != launched:
+        raise ValueError(f"the launcher started {launched} processes but the Accelerator runs as one of "
+                         f"{accelerator.num_processes}: {ALONE_WITHOUT_GPU}")
     if isinstance(config, DeepSpeedPlugin):
         plugin, precision = copy.deepcopy(config), None
     elif config is None or isinstance(config, (str, os.PathLike)):
@@ -118,4 +126,4 @@ def _settle_accumulation(ds: dict[str, Any], accelerator: Accelerator) -> None:
     ds["gradient_accumulation_steps"] = 1
 
 
-__all__ = ["deepspeed_config_from_accelerate"]
+__all__ = ["ALONE_WITHOUT_GPU", "deepspeed_config_from_accelerate"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import safetensors.torch
@@ -152,11 +153,12 @@ def engine_config_of(accelerator: Accelerator, source, tmp_path: Path) -> engine
     return engine.EngineConfig.from_deepspeed(ds_config, store=store_config(tmp_path))
 
 
-def test_accelerates_deepspeed_answers_map_as_accelerate_maps_them(tmp_path):
+def test_accelerates_deepspeed_answers_map_as_accelerate_maps_them(tmp_path, monkeypatch):
     """The file's mixed_precision, unless the Accelerator has its own; a deepspeed_config_file with
     its optimizer section; a DeepSpeedPlugin; "auto" accumulation and clipping filled as prepare
     fills them; a file's accumulation against the Accelerator's own: DeepSpeed's, with accelerate's
-    warning; refusals naming the problem."""
+    warning; refusals naming the problem, an Accelerator that does not see the launcher's processes
+    among them."""
     AcceleratorState._reset_state()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
     try:
@@ -197,6 +199,12 @@ def test_accelerates_deepspeed_answers_map_as_accelerate_maps_them(tmp_path):
         with pytest.raises(ValueError, match="names no nvme_path"):  # accelerate's "none": no path given
             engine.initialize(model=torch.nn.Linear(2, 2), config=deepspeed_config_from_accelerate(
                 accelerator, DeepSpeedPlugin(zero_stage=3, offload_param_device="nvme")))
+        monkeypatch.setenv("WORLD_SIZE", "2")  # a launcher's two processes, and an Accelerator that sees one
+        with pytest.raises(ValueError, match=r"started 2 processes but the Accelerator runs as one of 1: .*cpu=True"):
+            deepspeed_config_from_accelerate(accelerator, tmp_path / "bf16.yaml")
+        monkeypatch.delenv("WORLD_SIZE")
+        with pytest.raises(ValueError, match=r"runs 1 process\(es\) but the engine is sharded over 2: .*cpu=True"):
+            register_engine_state(accelerator, SimpleNamespace(world_size=2))
         AcceleratorState._reset_state()
         bf16_accelerator = Accelerator(cpu=True, mixed_precision="bf16")  # its own precision wins over the file's
         assert engine_config_of(bf16_accelerator, tmp_path / "fp16.yaml", tmp_path).train_dtype == "bfloat16"
@@ -213,6 +221,14 @@ def _two_ranks(rank: int, root: str) -> None:
               # save_state / load_state with register_engine_state: the engine's checkpoint is collective
               "saved": checkpointed_run(root_path, seed=0, save_after=2)}
     losses["resumed"] = checkpointed_run(root_path, seed=1, save_after=2, resume_from=str(root_path / "state"))
+    AcceleratorState._reset_state()
+    try:  # an engine wrapped before the Accelerator joined the processes, unsharded
+        register_engine_state(Accelerator(cpu=True), SimpleNamespace(world_size=1))
+        losses["wrapped_first"] = ""
+    except ValueError as exc:
+        losses["wrapped_first"] = str(exc)
+    finally:
+        AcceleratorState._reset_state()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
     with engine.wrap(model, config=engine.EngineConfig(store=store_config(root_path / f"ddp{rank}"))):
@@ -239,6 +255,7 @@ def test_two_ranks_train_as_distributed_data_parallel(tmp_path):
         assert res["engine"][:2] == res["ddp"][:2]  # before the first step: bit for bit
         assert res["resumed"] == res["saved"][2:] and len(res["saved"]) == 4
         assert "DistributedDataParallel cannot wrap" in res["refused"]
+        assert "runs 2 process(es) but the engine is sharded over 1: the model was wrapped" in res["wrapped_first"]
         assert "prepare only the optimizer" in res["refused"]
     assert results[0]["ddp"] != results[1]["ddp"]  # each rank trained on its own batches
     # accelerator.save_model at the end: the whole trained model in accelerate's file, from rank 0
