@@ -120,6 +120,12 @@ def _any(v: Any) -> Any:
     return v
 
 
+def _fp32_or_null(v: Any) -> Optional[str]:
+    if v is None or (isinstance(v, str) and v.lower() in ("fp32", "float32")):
+        return v
+    raise _Bad('only "fp32" or null: the engine reduces and accumulates gradients in fp32')
+
+
 def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda v: None if v is None else check(v)
 
@@ -179,6 +185,11 @@ OFFLOAD_OPTIMIZER: Schema = {
     "super_offload": Key(_bool, DEFAULT_ONLY, "SuperOffload (Grace Hopper) is not supported", False),
     "cpuadam_cores_perc": Key(_number(0.0, 1.0), ACCEPT, "used only with super_offload, which is off"),
 }
+
+#: ``stage3_`` keys DeepSpeed's ZeRO config also takes by their field names, without the prefix.
+_STAGE3_UNPREFIXED = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+                      "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+                      "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
 
 ZERO: Schema = {
     "stage": Key(_int(), MAP, "1, 2 or 3, each run as ZeRO-3: the engine shards parameters, gradients and optimizer "
@@ -344,6 +355,19 @@ CHECKPOINT: Schema = {
                           "every rank's tag is always checked: different tags are an error"),
     "load_universal": Key(_bool, ACCEPT, "a checkpoint loads at any world size without conversion"),
     "use_node_local_storage": Key(_bool, DEFAULT_ONLY, "every rank must reach every rank's checkpoint file", False),
+    "parallel_write": Key(_mapping_or_none, ACCEPT, "every rank writes its own shard files; the setting is for "
+                          "pipeline stages, which are not here"),
+}
+
+DATA_TYPES: Schema = {
+    "grad_accum_dtype": Key(_fp32_or_null, ACCEPT, "gradients accumulate into their fp32 shards; fp32 (or null) only"),
+}
+
+TORCH_AUTOCAST: Schema = {
+    "enabled": Key(_bool, DEFAULT_ONLY, "the forward is not autocast for you: run it under torch.autocast(...) in "
+                   "the script, or train in bf16 (the bf16 section)", False),
+    "dtype": Key(_any, ACCEPT, "used only with enabled, which is off"),
+    "lower_precision_safe_modules": Key(_any, ACCEPT, "used only with enabled, which is off"),
 }
 
 TOP: Schema = {
@@ -380,7 +404,11 @@ TOP: Schema = {
     "prescale_gradients": Key(_bool, DEFAULT_ONLY, "gradient prescaling is not supported", False),
     "gradient_predivide_factor": Key(_number(), DEFAULT_ONLY, "gradient predivision is not supported", 1.0),
     "sparse_gradients": Key(_bool, DEFAULT_ONLY, "sparse gradients are not supported", False),
-    "communication_data_type": Key(_any, DEFAULT_ONLY, "choosing the collectives' dtype is not supported", None),
+    "communication_data_type": Key(_fp32_or_null, ACCEPT, "gradients are reduce-scattered in fp32 into their fp32 "
+                                   "shards; fp32 (or null) only"),
+    "seq_parallel_communication_data_type": Key(_any, ACCEPT, "used only with sequence parallelism, which is not here"),
+    "data_types": DATA_TYPES,
+    "torch_autocast": TORCH_AUTOCAST,
 }
 
 
@@ -410,7 +438,7 @@ def deepspeed_settings(ds_config: DeepSpeedConfig) -> tuple[dict[str, Any], list
     """Walk the config against the schema: (values of the keys present, by dotted path; problems)."""
     found: dict[str, Any] = {}
     problems: list[str] = []
-    _walk(load_deepspeed_config(ds_config), TOP, "", found, problems)
+    _walk(_stage3_names(load_deepspeed_config(ds_config), problems), TOP, "", found, problems)
     return found, problems
 
 
@@ -454,6 +482,22 @@ def _warn_unreported(found: Mapping[str, Any], produced: Collection[str]) -> Non
 
 
 # ---------------------------------------------------------------------------------------- internals
+
+
+def _stage3_names(ds: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """``ds`` with the ``zero_optimization`` keys DeepSpeed also takes without their ``stage3_``
+    prefix (``prefetch_bucket_size``, ...) under their prefixed names; both given is a problem."""
+    zero = ds.get("zero_optimization")
+    if not isinstance(zero, Mapping):
+        return ds
+    renamed: dict[str, Any] = {}
+    for key, value in zero.items():
+        name = f"stage3_{key}" if key in _STAGE3_UNPREFIXED else key
+        if name != key and name in zero:
+            problems.append(f"zero_optimization.{key}: given twice, as {key} and as {name}; keep one")
+            continue
+        renamed[name] = value
+    return {**ds, "zero_optimization": renamed}
 
 
 def _walk(section: Mapping[str, Any], schema: Schema, path: str, found: dict[str, Any], problems: list[str]) -> None:
