@@ -4,8 +4,9 @@
 ``tiered launch --num_gpus 2 train.py --deepspeed --deepspeed_config ds.json``: DeepSpeed's options,
 and every process gets ``--local_rank=<n>`` before the script's own arguments, as DeepSpeed's
 launcher passes it (DeepSpeed scripts declare it with argparse; torchrun alone does not pass it).
-The command prints the torchrun command line it maps to, then becomes that torchrun (``exec``), so
-signals, per-rank failures and the exit status are torchrun's.
+The command prints the torchrun command line it maps to and runs it (torchrun's own ``main``, in
+this process), so signals and per-rank failures are handled as torchrun handles them; the exit
+status is the first failed rank's, as from DeepSpeed's launcher (torchrun alone exits 1).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ UNSUPPORTED = {
     "--bind_cores_to_rank": (0, "core binding is not done here: run `numactl` inside the script's command, or set "
                                 "OMP_NUM_THREADS (torchrun sets it to 1 when it starts several processes)"),
     "--bind_core_list": (1, "core binding is not done here (see --bind_cores_to_rank)"),
-    "--save_pid": (0, "no pid file is written; torchrun's process is the command's own (it execs)"),
+    "--save_pid": (0, "no pid file is written; torchrun runs in the command's own process"),
 }
 
 
@@ -139,10 +140,28 @@ def command(argv: Sequence[str], *, cuda_devices: Optional[int] = None,
 
 
 def main(argv: Sequence[str]) -> int:
-    """Print the torchrun command for ``argv`` and exec it; never returns (exit status 2 for refused options)."""
+    """Print the torchrun command for ``argv`` and run it in this process. The exit status is 0
+    when every process succeeded, else the first failed rank's own (128 + N for one killed by
+    signal N), as DeepSpeed's launcher returns it; 2 for refused options."""
     launch = command(argv)
     if not launch.quiet:
         print(f"tiered launch: {launch.shown()}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "torch.distributed.run", *launch.torchrun], launch.env)
-    raise AssertionError("execve returned")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    os.environ.clear()
+    os.environ.update(launch.env)
+    try:
+        torchrun(launch.torchrun)
+    except ChildFailedError as failed:
+        print(failed, file=sys.stderr)  # torchrun's table: each failed rank, its exit code and error file
+        return rank_exit_status(failed.get_first_failure()[1].exitcode)
+    return 0
+
+
+def rank_exit_status(exitcode: int) -> int:
+    """A failed process's exit status as a shell reports it: its own code, or 128 + N when signal N
+    ended it (torch reports that as -N); never 0, since it failed."""
+    if exitcode > 0:
+        return exitcode
+    return 128 - exitcode if exitcode < 0 else 1

@@ -117,6 +117,12 @@ def test_deepspeed_options_without_a_counterpart_are_refused_with_what_to_do(opt
     assert option[0] in err and reason in err
 
 
+def test_a_failed_rank_s_exit_status_is_the_launch_s():
+    from engine.launch_cli import rank_exit_status
+
+    assert [rank_exit_status(code) for code in (3, 1, -9, -15, 0)] == [3, 1, 137, 143, 1]
+
+
 def test_refused_plans_exit_with_the_reason(capsys, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("\n".join(HOSTS))
@@ -146,7 +152,7 @@ def test_a_launch_starts_the_ranks_with_their_local_rank_and_fails_when_one_fail
     done = subprocess.run([sys.executable, "-m", "engine.cli", "launch", "--num_gpus", "2", "recorder.py",
                            "--tag", "$x ${local_rank}"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert done.returncode != 0, done.stdout + done.stderr      # rank 1 exited with 3
+    assert done.returncode == 3, done.stdout + done.stderr      # rank 1's own exit status, as DeepSpeed's launcher
     assert "tiered launch: torchrun --nproc-per-node 2 --standalone recorder.py" in done.stderr
     assert "exitcode  : 3" in done.stderr
     for rank in (0, 1):
