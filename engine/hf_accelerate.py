@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from torch.utils.hooks import RemovableHandle
 
 from engine.checkpoint_paths import engine_checkpoint
-from engine.hf_accelerate_deepspeed import ALONE_WITHOUT_GPU, deepspeed_config_from_accelerate
+from engine.hf_accelerate_deepspeed import ALONE_WITHOUT_GPU, check_engine_accelerator, deepspeed_config_from_accelerate
 
 
 def register_engine_state(
@@ -42,6 +42,7 @@ def register_engine_state(
     made outside the launcher's process group), saying which."""
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"register_engine_state takes an accelerate.Accelerator, got {type(accelerator).__name__}")
+    check_engine_accelerator(accelerator)
     if accelerator.num_processes != eng.world_size:
         why = (ALONE_WITHOUT_GPU if accelerator.num_processes < eng.world_size else
                "the model was wrapped before the Accelerator joined the launcher's processes: make the "

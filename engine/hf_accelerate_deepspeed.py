@@ -63,6 +63,7 @@ def deepspeed_config_from_accelerate(
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"deepspeed_config_from_accelerate takes an accelerate.Accelerator first, "
                         f"got {type(accelerator).__name__}")
+    check_engine_accelerator(accelerator)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != launched:
         raise ValueError(f"the launcher started {launched} processes but the Accelerator runs as one of "
@@ -90,6 +91,16 @@ def deepspeed_config_from_accelerate(
     if ds.get("steps_per_print") == float("inf"):
         del ds["steps_per_print"]  # accelerate's way to keep DeepSpeed's progress line off; off here too
     return ds
+
+
+def check_engine_accelerator(accelerator: Accelerator) -> None:
+    """``ValueError`` when ``accelerator`` runs DeepSpeed itself: its ``prepare`` and ``backward``
+    would hand the model to DeepSpeed's engine, which does not exist here."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise ValueError("this Accelerator runs DeepSpeed itself (launched with an accelerate config that trains with "
+                         "DeepSpeed, or given a deepspeed_plugin): its prepare and backward would look for DeepSpeed's "
+                         "engine. Launch with `tiered launch` or torchrun (or an accelerate config without DeepSpeed) "
+                         "and read that config with deepspeed_config_from_accelerate(accelerator, file or plugin)")
 
 
 def _plugin_of_file(path: Union[str, "os.PathLike[str]", None]) -> tuple[DeepSpeedPlugin, Optional[str]]:
@@ -126,4 +137,4 @@ def _settle_accumulation(ds: dict[str, Any], accelerator: Accelerator) -> None:
     ds["gradient_accumulation_steps"] = 1
 
 
-__all__ = ["ALONE_WITHOUT_GPU", "deepspeed_config_from_accelerate"]
+__all__ = ["ALONE_WITHOUT_GPU", "check_engine_accelerator", "deepspeed_config_from_accelerate"]

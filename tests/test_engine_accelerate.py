@@ -212,6 +212,28 @@ def test_accelerates_deepspeed_answers_map_as_accelerate_maps_them(tmp_path, mon
         AcceleratorState._reset_state()
 
 
+def test_an_accelerator_running_deepspeed_is_refused(monkeypatch):
+    """An Accelerator with DeepSpeed (an accelerate config that trains with it, or a deepspeed_plugin)
+    would hand prepare's model and backward to DeepSpeed: refused, saying how to launch instead."""
+    pytest.importorskip("deepspeed")  # accelerate makes a DeepSpeed Accelerator only with it installed
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    # Such an Accelerator sets ACCELERATE_USE_DEEPSPEED=true for the process and points transformers at
+    # its config (stage 2 here, so no model is built under zero.Init meanwhile); both are undone after.
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    AcceleratorState._reset_state()
+    try:
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+        assert accelerator.distributed_type == DistributedType.DEEPSPEED
+        with pytest.raises(ValueError, match="runs DeepSpeed itself.*tiered launch"):
+            deepspeed_config_from_accelerate(accelerator, DeepSpeedPlugin(zero_stage=3))
+        with pytest.raises(ValueError, match="runs DeepSpeed itself"):
+            register_engine_state(accelerator, SimpleNamespace(world_size=1))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # its distributed type is DeepSpeed's too
+        unset_hf_deepspeed_config()
+
+
 def _two_ranks(rank: int, root: str) -> None:
     root_path = Path(root)
     losses = {"ddp": train(root_path / f"plain{rank}", wrapped=False),
