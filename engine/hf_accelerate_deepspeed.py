@@ -25,7 +25,7 @@ import warnings
 from typing import Any, Optional, Union
 
 from accelerate import Accelerator
-from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.commands.config.config_args import default_config_file, load_config_from_file
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 
 #: The ``deepspeed_config`` answers ``DeepSpeedPlugin`` takes as its own fields.
@@ -105,8 +105,11 @@ def check_engine_accelerator(accelerator: Accelerator) -> None:
 
 def _plugin_of_file(path: Union[str, "os.PathLike[str]", None]) -> tuple[DeepSpeedPlugin, Optional[str]]:
     """The ``DeepSpeedPlugin`` of an accelerate config file's DeepSpeed answers, and its precision."""
-    cluster = load_config_from_file(None if path is None else os.fspath(path))
-    where = "accelerate's default config file" if path is None else os.fspath(path)
+    if path is None and not os.path.isfile(default_config_file):
+        raise FileNotFoundError(f"accelerate's default config file {default_config_file} does not exist: run "
+                                "`accelerate config`, or name the config file")
+    where = f"accelerate's default config file {default_config_file}" if path is None else os.fspath(path)
+    cluster = load_config_from_file(default_config_file if path is None else os.fspath(path))
     if cluster.distributed_type != DistributedType.DEEPSPEED:
         raise ValueError(f"{where} does not train with DeepSpeed (distributed_type: "
                          f"{getattr(cluster.distributed_type, 'value', cluster.distributed_type)}): it has no "

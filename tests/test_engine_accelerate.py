@@ -187,6 +187,11 @@ def test_accelerates_deepspeed_answers_map_as_accelerate_maps_them(tmp_path, mon
         with pytest.raises(ValueError, match=r"does not train with DeepSpeed \(distributed_type: MULTI_GPU\)"):
             deepspeed_config_from_accelerate(accelerator, accelerate_file(tmp_path / "ddp.yaml",
                                                                           distributed_type="MULTI_GPU"))
+        monkeypatch.setattr("engine.hf_accelerate_deepspeed.default_config_file", str(tmp_path / "none.yaml"))
+        with pytest.raises(FileNotFoundError, match="none.yaml does not exist: run `accelerate config`"):
+            deepspeed_config_from_accelerate(accelerator)  # accelerate's default file, absent
+        monkeypatch.setattr("engine.hf_accelerate_deepspeed.default_config_file", str(tmp_path / "bf16.yaml"))
+        assert deepspeed_config_from_accelerate(accelerator)["bf16"] == {"enabled": True}
         with pytest.raises(ValueError, match="answers accelerate's DeepSpeedPlugin does not take: zero_stages"):
             deepspeed_config_from_accelerate(accelerator, accelerate_file(tmp_path / "typo.yaml", zero_stages=3))
         with pytest.raises(ValueError, match="'fp8' is not supported"):
