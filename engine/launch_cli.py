@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tiered launch", allow_abbrev=False,
         description="Start a training script on this node's GPUs (or N CPU processes) with DeepSpeed's launcher "
-        "options, through torchrun; each process gets --local_rank=<n> as DeepSpeed's launcher passes it.",
+        "options, through torchrun; each process gets --local_rank=<n> as DeepSpeed's launcher passes it. The "
+        "exit status is the first failed rank's own, as DeepSpeed's launcher returns it.",
     )
     p.add_argument("-H", "--hostfile", default=None, help=f"'<host> slots=<n>' lines (default: {DEFAULT_HOSTFILE} "
                    "when it exists); with several hosts, run the command on each node with --no_ssh --node_rank")
