@@ -20,13 +20,14 @@ Needs ``accelerate``; not ``deepspeed``.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 from typing import Any, Optional, Union
 
 from accelerate import Accelerator
 from accelerate.commands.config.config_args import default_config_file, load_config_from_file
-from accelerate.utils import DeepSpeedPlugin, DistributedType
+from accelerate.utils import DeepSpeedPlugin, DistributedType, DummyOptim, DummyScheduler
 
 #: The ``deepspeed_config`` answers ``DeepSpeedPlugin`` takes as its own fields.
 _PLUGIN_FIELDS = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
@@ -47,6 +48,9 @@ ALONE_WITHOUT_GPU = ("without a GPU, accelerate joins the launcher's processes o
 def deepspeed_config_from_accelerate(
     accelerator: Accelerator,
     config: Union[str, "os.PathLike[str]", DeepSpeedPlugin, None] = None,
+    *,
+    optimizer: Optional[DummyOptim] = None,
+    scheduler: Optional[DummyScheduler] = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config ``accelerator.prepare`` would build for ``config``: an ``accelerate
     config`` file that trains with DeepSpeed (YAML or JSON; None: accelerate's default file, the
@@ -57,8 +61,12 @@ def deepspeed_config_from_accelerate(
     a model it does not prepare; the config returned says 1); ``"auto"`` clipping is 1.0; the
     precision is the accelerator's when it has one, else the file's ``mixed_precision``
     (``fp16``/``bf16`` sections, fp16 with ``auto_cast``). Batch sizes stay ``"auto"`` (the data
-    loader accelerate prepares sets them). A file for another distributed type, or with answers
-    accelerate does not write, is a ``ValueError``; so is ``fp8``.
+    loader accelerate prepares sets them). ``optimizer``/``scheduler``: the script's
+    ``DummyOptim``/``DummyScheduler`` for a config file with ``optimizer``/``scheduler`` sections,
+    whose ``"auto"`` values they fill as ``prepare`` fills them (lr and weight decay; the warmup
+    from 0 to that lr, its steps, the total steps per process); pass ``optimizer.params`` to
+    ``engine.initialize(model_parameters=...)``. A file for another distributed type, or with
+    answers accelerate does not write, is a ``ValueError``; so is ``fp8``.
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"deepspeed_config_from_accelerate takes an accelerate.Accelerator first, "
@@ -86,6 +94,7 @@ def deepspeed_config_from_accelerate(
         if isinstance(offload, dict) and offload.get("nvme_path") == "none":
             offload["nvme_path"] = None  # accelerate's word for a path not given, DeepSpeed's null
     _settle_accumulation(ds, accelerator)
+    _fill_from_dummies(ds, accelerator, optimizer, scheduler)
     if ds.get("gradient_clipping", "auto") == "auto":
         ds["gradient_clipping"] = _CLIPPING
     if ds.get("steps_per_print") == float("inf"):
@@ -123,6 +132,39 @@ def _plugin_of_file(path: Union[str, "os.PathLike[str]", None]) -> tuple[DeepSpe
                              **{k: answers[k] for k in _PLUGIN_FIELDS if k in answers})
     precision = getattr(cluster.mixed_precision, "value", cluster.mixed_precision)
     return plugin, precision
+
+
+def _fill_from_dummies(ds: dict[str, Any], accelerator: Accelerator, optimizer: Optional[DummyOptim],
+                       scheduler: Optional[DummyScheduler]) -> None:
+    """The ``"auto"`` values of the optimizer and scheduler sections, from accelerate's stand-ins for
+    them, as ``prepare`` fills them; a stand-in without its section is refused, as by ``prepare``."""
+    for given, section, kind in ((optimizer, "optimizer", DummyOptim), (scheduler, "scheduler", DummyScheduler)):
+        if given is None:
+            continue
+        if not isinstance(given, kind):
+            raise TypeError(f"{section}= takes accelerate's {kind.__name__}, got {type(given).__name__}")
+        if section not in ds:
+            raise ValueError(f"a {kind.__name__} stands for the config's {section} section, but the config has none")
+    fills: dict[str, Any] = {}
+    if optimizer is not None:
+        fills.update({"optimizer.params.lr": optimizer.lr, "optimizer.params.weight_decay": optimizer.weight_decay})
+    if scheduler is not None and scheduler.lr_scheduler_callable is None:
+        stood_for = scheduler.optimizer  # a DummyOptim (its lr) or a torch optimizer (its defaults' lr)
+        defaults = getattr(stood_for, "defaults", None)
+        peak = defaults["lr"] if defaults is not None else getattr(stood_for, "lr", None)
+        fills.update({"scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": peak,
+                      "scheduler.params.warmup_num_steps": max(1, scheduler.warmup_num_steps)})
+        if scheduler.total_num_steps is not None:
+            total = scheduler.total_num_steps
+            fills["scheduler.params.total_num_steps"] = (total if accelerator.split_batches
+                                                         else math.ceil(total / accelerator.num_processes))
+    for path, value in fills.items():
+        *parents, key = path.split(".")
+        node: Any = ds
+        for parent in parents:
+            node = node.get(parent) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(key) == "auto":
+            node[key] = value
 
 
 def _settle_accumulation(ds: dict[str, Any], accelerator: Accelerator) -> None:

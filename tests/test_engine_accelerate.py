@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.state import AcceleratorState
-from accelerate.utils import DeepSpeedPlugin, DistributedType
+from accelerate.utils import DeepSpeedPlugin, DistributedType, DummyOptim, DummyScheduler
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -213,6 +213,41 @@ def test_accelerates_deepspeed_answers_map_as_accelerate_maps_them(tmp_path, mon
         AcceleratorState._reset_state()
         bf16_accelerator = Accelerator(cpu=True, mixed_precision="bf16")  # its own precision wins over the file's
         assert engine_config_of(bf16_accelerator, tmp_path / "fp16.yaml", tmp_path).train_dtype == "bfloat16"
+    finally:
+        AcceleratorState._reset_state()
+
+
+def test_accelerates_stand_ins_fill_the_optimizer_and_scheduler_sections(tmp_path):
+    """accelerate's DeepSpeed scripts stand a DummyOptim and a DummyScheduler in for a config file's
+    optimizer and scheduler sections, whose "auto" values prepare fills from them: filled so here,
+    and engine.initialize builds that AdamW and WarmupDecayLR over the DummyOptim's parameters."""
+    ds_file = tmp_path / "ds.json"
+    ds_file.write_text(json.dumps({
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.95]}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                          "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+        "zero_optimization": {"stage": 3}}))
+    path = accelerate_file(tmp_path / "file.yaml", deepspeed_config_file=str(ds_file))
+    AcceleratorState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    try:
+        model = torch.nn.Linear(4, 4)
+        optimizer = DummyOptim(model.parameters(), lr=2e-3, weight_decay=0.01)
+        scheduler = DummyScheduler(optimizer, total_num_steps=8, warmup_num_steps=2)
+        ds_config = deepspeed_config_from_accelerate(accelerator, path, optimizer=optimizer, scheduler=scheduler)
+        assert ds_config["optimizer"]["params"] == {"lr": 2e-3, "weight_decay": 0.01, "betas": [0.9, 0.95]}
+        assert ds_config["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 2e-3,
+                                                    "warmup_num_steps": 2, "total_num_steps": 8}
+        eng, built, _, schedule = engine.initialize(model=model, model_parameters=optimizer.params,
+                                                    config=ds_config, store=store_config(tmp_path))
+        with eng:
+            group = built.param_groups[0]
+            assert (group["weight_decay"], group["betas"], type(schedule).__name__) == (0.01, (0.9, 0.95),
+                                                                                         "WarmupDecayLR")
+            assert len(group["params"]) == 2 and schedule.base_lrs == [2e-3]
+        with pytest.raises(ValueError, match="DummyOptim stands for the config's optimizer section, but"):
+            deepspeed_config_from_accelerate(accelerator, accelerate_file(tmp_path / "bare.yaml", zero_stage=3),
+                                             optimizer=optimizer)
     finally:
         AcceleratorState._reset_state()
 
