@@ -27,7 +27,8 @@ from typing import Any, Optional, Union
 
 from accelerate import Accelerator
 from accelerate.commands.config.config_args import default_config_file, load_config_from_file
-from accelerate.utils import DeepSpeedPlugin, DistributedType, DummyOptim, DummyScheduler
+from accelerate.utils import DeepSpeedPlugin, DistributedType
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # accelerate.utils has them only beside deepspeed
 
 #: The ``deepspeed_config`` answers ``DeepSpeedPlugin`` takes as its own fields.
 _PLUGIN_FIELDS = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",

@@ -17,7 +17,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.state import AcceleratorState
-from accelerate.utils import DeepSpeedPlugin, DistributedType, DummyOptim, DummyScheduler
+from accelerate.utils import DeepSpeedPlugin, DistributedType
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # accelerate.utils has them only beside deepspeed
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
