@@ -434,6 +434,22 @@ def load_deepspeed_config(ds_config: DeepSpeedConfig) -> dict[str, Any]:
     raise TypeError(f"a DeepSpeed config is a dict or a path to a JSON file, got {type(ds_config).__name__}")
 
 
+def fill_auto(ds: dict[str, Any], path: str, value: Any) -> Any:
+    """Replace the ``"auto"`` at the dotted ``path`` of ``ds`` (the Hugging Face integrations'
+    placeholder, which they fill from their own arguments) by ``value``, in place. Returns what was
+    there: ``"auto"``, the value the config set, or None where the path is absent."""
+    *parents, key = path.split(".")
+    node: Any = ds
+    for parent in parents:
+        node = node.get(parent) if isinstance(node, Mapping) else None
+    if not isinstance(node, dict) or key not in node:
+        return None
+    found = node[key]
+    if isinstance(found, str) and found == "auto":
+        node[key] = value
+    return found
+
+
 def deepspeed_settings(ds_config: DeepSpeedConfig) -> tuple[dict[str, Any], list[str]]:
     """Walk the config against the schema: (values of the keys present, by dotted path; problems)."""
     found: dict[str, Any] = {}

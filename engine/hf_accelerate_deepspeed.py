@@ -30,6 +30,8 @@ from accelerate.commands.config.config_args import default_config_file, load_con
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # accelerate.utils has them only beside deepspeed
 
+from engine.deepspeed_config import fill_auto
+
 #: The ``deepspeed_config`` answers ``DeepSpeedPlugin`` takes as its own fields.
 _PLUGIN_FIELDS = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
                   "offload_param_device", "offload_optimizer_nvme_path", "offload_param_nvme_path",
@@ -160,12 +162,7 @@ def _fill_from_dummies(ds: dict[str, Any], accelerator: Accelerator, optimizer: 
             fills["scheduler.params.total_num_steps"] = (total if accelerator.split_batches
                                                          else math.ceil(total / accelerator.num_processes))
     for path, value in fills.items():
-        *parents, key = path.split(".")
-        node: Any = ds
-        for parent in parents:
-            node = node.get(parent) if isinstance(node, dict) else None
-        if isinstance(node, dict) and node.get(key) == "auto":
-            node[key] = value
+        fill_auto(ds, path, value)
 
 
 def _settle_accumulation(ds: dict[str, Any], accelerator: Accelerator) -> None:

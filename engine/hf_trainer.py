@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 from typing import Any, Optional
 
 import torch
@@ -151,12 +150,13 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         plan = plan_for_trainer(model, training_args, source, store=store,
                                 decay_parameter_names=self.get_decay_parameter_names(model),
                                 trainer_optimizer=Trainer.get_optimizer_cls_and_kwargs)
+        default = plan.default_store
         try:
-            eng = wrap_as(functools.partial(ScratchStoreEngine, scratch_dir=plan.scratch), model,
-                          optimizer=plan.optimizer, config=plan.config, **wrap_kwargs)
+            eng = wrap_as(functools.partial(ScratchStoreEngine, scratch_dir=default.scratch if default else None),
+                          model, optimizer=plan.optimizer, config=plan.config, **wrap_kwargs)
         except BaseException:
-            if plan.scratch is not None:
-                shutil.rmtree(plan.scratch, ignore_errors=True)
+            if default is not None:
+                default.remove()
             raise
         if "scheduler" in plan.deepspeed_config:
             self._deepspeed_schedule = plan.deepspeed_config

@@ -23,8 +23,8 @@ from torch import nn
 
 from engine.adamw import AdamW
 from engine.config import EngineConfig
-from engine.deepspeed_config import DeepSpeedConfig, load_deepspeed_config
-from engine.deepspeed_store import default_store
+from engine.deepspeed_config import DeepSpeedConfig, fill_auto, load_deepspeed_config
+from engine.deepspeed_store import DefaultStore, default_store
 from engine.optim_deepspeed import optimizer_from_deepspeed
 from tiered import StoreConfig
 
@@ -40,9 +40,9 @@ class TrainerPlan:
     optimizer: AdamW
     deepspeed_config: dict[str, Any]
     args: Any
-    #: The temporary directory the store lives in, for an engine that removes it when it closes
-    #: (None: the store is under the config's ``nvme_path`` or where ``store=`` put it).
-    scratch: Optional[str] = None
+    #: Where the config put the store when no ``store=`` was given (its ``scratch`` directory, if
+    #: any, is the engine's to remove when it closes); None with ``store=``.
+    default_store: Optional[DefaultStore] = None
 
 
 def filled_config(ds: Mapping[str, Any], args: Any) -> dict[str, Any]:
@@ -53,16 +53,9 @@ def filled_config(ds: Mapping[str, Any], args: Any) -> dict[str, Any]:
     mismatches: list[str] = []
 
     def fill(path: str, value: Any, name: Optional[str] = None) -> None:
-        *parents, key = path.split(".")
-        node: Any = filled
-        for parent in parents:
-            node = node.get(parent) if isinstance(node, Mapping) else None
-        if not isinstance(node, dict) or key not in node:
-            return
-        if node[key] == "auto":
-            node[key] = value
-        elif name is not None and node[key] is not None and node[key] != value:
-            mismatches.append(f"- ds {path}={node[key]} vs hf {name}={value}")
+        found = fill_auto(filled, path, value)
+        if name is not None and found is not None and found != "auto" and found != value:
+            mismatches.append(f"- ds {path}={found} vs hf {name}={value}")
 
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
@@ -88,13 +81,8 @@ def scheduled_config(ds: Mapping[str, Any], args: Any, num_training_steps: int) 
     """``ds`` with the scheduler's ``"auto"`` step counts filled once the Trainer knows how many steps
     it takes (transformers' ``trainer_config_finalize``)."""
     filled = copy.deepcopy(dict(ds))
-    scheduler = filled.get("scheduler")
-    params = scheduler.get("params") if isinstance(scheduler, dict) else None
-    if isinstance(params, dict):
-        if params.get("total_num_steps") == "auto":
-            params["total_num_steps"] = num_training_steps
-        if params.get("warmup_num_steps") == "auto":
-            params["warmup_num_steps"] = max(1, args.get_warmup_steps(num_training_steps))
+    fill_auto(filled, "scheduler.params.total_num_steps", num_training_steps)
+    fill_auto(filled, "scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)))
     return filled
 
 
@@ -130,7 +118,7 @@ def plan_for_trainer(model: nn.Module, args: Any, ds_source: DeepSpeedConfig, *,
             default.remove()
         raise
     return TrainerPlan(config=config, optimizer=optimizer, deepspeed_config=ds, args=run_args,
-                       scratch=default.scratch if default is not None else None)
+                       default_store=default)
 
 
 def _trainer_adamw(model: nn.Module, args: Any, decay: Collection[str],
