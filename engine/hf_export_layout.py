@@ -30,11 +30,13 @@ def hub_layout(model: nn.Module, tensors: list[tuple[TensorSpec, Reader]]) -> li
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            PrefixChange, WeightConverter, apply_converters, apply_renamings, dot_natural_key,
-        )
+        from transformers.core_model_loading import PrefixChange, WeightConverter, dot_natural_key
     except ImportError:
         return tensors
+    try:
+        from transformers.core_model_loading import apply_converters, apply_renamings
+    except ImportError:  # transformers 5 releases before these helpers (5.17 among them): the same steps
+        apply_converters, apply_renamings = _apply_converters, _apply_renamings
     if not isinstance(model, PreTrainedModel):
         return tensors
     # As transformers' revert_weight_conversion: the model's own conversions, without the legacy
@@ -84,3 +86,20 @@ def hub_layout(model: nn.Module, tensors: list[tuple[TensorSpec, Reader]]) -> li
 
 
 __all__ = ["hub_layout"]
+
+
+def _apply_renamings(name: str, weight_renamings: list[Any]) -> str:
+    """``name`` through every renaming in turn (transformers' ``apply_renamings``)."""
+    for renaming in weight_renamings:
+        name, _ = renaming.rename_source_key(name)
+    return name
+
+
+def _apply_converters(name: str, weight_converters: list[Any]) -> tuple[str, Any]:
+    """``name`` through the first converter that matches it, and the source pattern that matched
+    (None: no converter did); transformers' ``apply_converters``."""
+    for converter in weight_converters:
+        renamed, pattern = converter.rename_source_key(name)
+        if pattern is not None:
+            return renamed, pattern
+    return name, None
