@@ -96,8 +96,10 @@ class Engine:
         self._optimizer = optimizer
         self._accumulation = GradientAccumulation(config.gradient_accumulation_steps)
         self._input_cast: Optional[InputCast] = None
-        if config.cast_forward_inputs:
-            self._input_cast = InputCast(model, getattr(torch, config.train_dtype))  # type: ignore[arg-type]
+        cast_to = getattr(torch, config.train_dtype) if config.cast_forward_inputs else None  # type: ignore[arg-type]
+        move_to = self._device if self._device.type != "cpu" else None  # inputs on the CPU stay there
+        if cast_to is not None or move_to is not None:
+            self._input_cast = InputCast(model, cast_to, move_to)
         self._training: Optional[Training] = None
         self._optimizer_hooks: Optional[TorchOptimizerHooks] = None
         try:  # an optimizer that does not fit the model: the model gets its hooks back off

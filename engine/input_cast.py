@@ -1,27 +1,36 @@
-"""Casting a model's floating-point forward inputs to the training dtype (``cast_forward_inputs``).
+"""The root module's forward inputs, moved to the compute device and cast to the training dtype.
+
+The engine computes on ``EngineConfig.compute_device`` (``engine.initialize`` picks
+``cuda:<local rank>`` for a model built on the CPU, as DeepSpeed moves it), so a script that feeds
+the batch it loaded on the CPU would meet the first kernel with tensors on two devices. FSDP2's
+root pre-forward and accelerate's ``AlignDevicesHook`` move the inputs instead, and so does a
+forward pre-hook on the root module here: every tensor among the positional and keyword arguments
+(inside tuples, lists and dicts too) goes to the compute device when that is an accelerator.
 
 With ``train_dtype="float16"`` (or bfloat16) wrap casts the parameters; a caller's fp32 inputs
 then meet fp16 weights and the first matmul raises. DeepSpeed's ``fp16.auto_cast`` and FSDP2's
-``MixedPrecisionPolicy(cast_forward_inputs=True)`` cast the inputs instead: a forward pre-hook on
-the root module casts every floating tensor among the positional and keyword arguments (inside
-tuples, lists and dicts too); integer tensors (token ids), other objects and tensors already in
-the dtype pass unchanged.
+``MixedPrecisionPolicy(cast_forward_inputs=True)`` cast the inputs instead: with
+``cast_forward_inputs`` the same hook casts every floating tensor to the training dtype; integer
+tensors (token ids), other objects and tensors already in the dtype pass unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 
 class InputCast:
-    """The root module's forward pre-hook; :meth:`remove` takes it off."""
+    """The root module's forward pre-hook moving tensor inputs to ``device`` (None: where they are)
+    and casting floating ones to ``dtype`` (None: as they are); :meth:`remove` takes it off."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        assert dtype.is_floating_point, dtype
+    def __init__(self, model: nn.Module, dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:
+        assert dtype is None or dtype.is_floating_point, dtype
+        assert dtype is not None or device is not None, "a hook that changes nothing"
         self.dtype = dtype
+        self.device = device
         self._handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -29,7 +38,8 @@ class InputCast:
 
     def _cast(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return value.to(self.dtype) if value.is_floating_point() and value.dtype != self.dtype else value
+            dtype = self.dtype if self.dtype is not None and value.is_floating_point() else None
+            return value.to(device=self.device, dtype=dtype)  # the same tensor when nothing changes
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple keeps its type
             return type(value)(*(self._cast(v) for v in value))
         if isinstance(value, (tuple, list)):

@@ -142,6 +142,19 @@ def _cuda_config(tmp_path, tier: str) -> engine.EngineConfig:
     )
 
 
+def test_inputs_on_the_cpu_reach_a_model_computing_on_the_gpu(tmp_path):
+    """A model built on the CPU, wrapped to compute on the GPU, takes the batch a script loaded on the
+    CPU (FSDP2 moves the root's inputs too): the plain GPU model's output."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ref = copy.deepcopy(model).cuda()
+    eng = engine.wrap(model, config=_cuda_config(tmp_path, "nvme"))
+    x = gpt_tokens(seed=0)
+    out = model(x)
+    eng.close()
+    assert x.device.type == "cpu" and out.is_cuda and torch.equal(out, ref(x.cuda()))
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_training_on_the_gpu_matches_torch_adamw(tmp_path, tier):
     """Forward and backward on the GPU, AdamW on the CPU (as the engine runs it): the oracle steps

@@ -1,5 +1,5 @@
 """EngineConfig.cast_forward_inputs: fp32 inputs meet fp16 weights. The oracle is the same wrapped
-model called with the inputs cast by hand."""
+model called with the inputs cast by hand. And the root's inputs moved to the compute device."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import engine
+from engine.input_cast import InputCast
 from engine_models import engine_config
 
 
@@ -76,3 +77,31 @@ def test_config_needs_a_train_dtype(tmp_path):
         engine_config(tmp_path).replace(cast_forward_inputs=True)
     with pytest.raises(ValueError, match="cast_forward_inputs must be True or False"):
         engine_config(tmp_path).replace(train_dtype="float16", cast_forward_inputs=1)
+
+
+class Devices(nn.Module):
+    """Returns where each of its inputs arrived."""
+
+    def forward(self, ids: torch.Tensor, pair: Pair, extra: dict, *, bias: torch.Tensor) -> list[torch.device]:
+        return [ids.device, pair.x.device, pair.scale.device, extra["shift"].device, bias.device]
+
+
+def test_inputs_move_to_the_compute_device_with_their_dtypes_kept():
+    """The move the engine makes when it computes on an accelerator (tests/test_cuda.py runs it on a
+    GPU): every tensor, nested ones too, goes to the device; dtypes stay unless a cast is asked."""
+    model = Devices()
+    hook = InputCast(model, None, torch.device("meta"))  # a device this machine is sure to have
+    args, kwargs = inputs(torch.float32)
+    assert model(*args, **kwargs) == [torch.device("meta")] * 5
+    assert args[0].device.type == "cpu"  # the caller's tensors stay where they were
+    hook.remove()
+    both = InputCast(Identity(), torch.float16, torch.device("meta"))
+    ids, x = both._cast((torch.arange(3), torch.ones(2)))
+    assert (ids.device.type, ids.dtype, x.device.type, x.dtype) == ("meta", torch.int64, "meta", torch.float16)
+    both.remove()
+    assert not model._forward_pre_hooks
+
+
+class Identity(nn.Module):
+    def forward(self, *args):
+        return args
