@@ -163,7 +163,8 @@ _RESIDENT = ("the engine pages every parameter through the store; hot ones stay 
              "device/host tiers by the recorded access order (Belady eviction)")
 
 OFFLOAD_PARAM: Schema = {
-    "device": Key(_choice("none", "cpu", "nvme"), MAP, "param_tier: none -> device, cpu -> host, nvme -> nvme"),
+    "device": Key(_choice("none", "cpu", "nvme"), MAP, "param_tier: none -> device (engine.initialize's own store "
+                  "gives that tier room for every shard), cpu -> host, nvme -> nvme"),
     "nvme_path": Key(_optional(_path), MAP, "StoreConfig.nvme_paths (with offload_optimizer.nvme_path)"),
     "pin_memory": Key(_bool, ACCEPT, _PINNED),
     "buffer_count": Key(_int(), ACCEPT, _BUFFERS),

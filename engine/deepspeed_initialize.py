@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
+from engine.collectives import group_rank_and_world
 from engine.config import EngineConfig
 from engine.deepspeed_config import (
     INITIALIZE_REPORTS, DeepSpeedConfig, config_from_deepspeed, load_deepspeed_config, micro_batch_size,
@@ -119,7 +120,8 @@ def _initialize(
     """:func:`initialize` after the config is loaded, the process group joined and the store chosen."""
     if default is not None:
         engine_config = default.apply(config_from_deepspeed(EngineConfig, ds, store=default.config,
-                                                            reports=INITIALIZE_REPORTS))
+                                                            reports=INITIALIZE_REPORTS),
+                                       model, group_rank_and_world(None)[2])
     else:
         store_config = store if isinstance(store, StoreConfig) else StoreConfig(path=os.fspath(store))
         engine_config = config_from_deepspeed(EngineConfig, ds, store=store_config, reports=INITIALIZE_REPORTS)

@@ -13,9 +13,12 @@ import shutil
 import tempfile
 from typing import Any, Mapping, Optional
 
+from torch import nn
+
 from engine.config import EngineConfig
 from engine.deepspeed_config import deepspeed_settings
 from engine.engine import Engine
+from engine.memory_estimate import estimate_memory
 from tiered import StoreConfig
 
 #: The store's subdirectory of each ``nvme_path``: DeepSpeed's own swap folders stay apart from it.
@@ -33,10 +36,19 @@ class DefaultStore:
     config: StoreConfig
     scratch: Optional[str]
 
-    def apply(self, engine_config: EngineConfig) -> EngineConfig:
+    def apply(self, engine_config: EngineConfig, model: nn.Module, world_size: int) -> EngineConfig:
         """``engine_config`` (mapped from the DeepSpeed config, which points the swap files at each
-        ``nvme_path``) with the swap files in this store's directories instead."""
-        return engine_config.replace(store=engine_config.store.replace(nvme_paths=self.config.nvme_paths))
+        ``nvme_path``) with the swap files in this store's directories instead. Parameters the
+        config does not offload (``offload_param.device: "none"``) stay on the accelerator in
+        DeepSpeed: the device tier gets a budget of ``model``'s parameter shards on one of
+        ``world_size`` ranks (a script naming its own store sets ``device_bytes`` itself)."""
+        store = engine_config.store.replace(nvme_paths=self.config.nvme_paths)
+        if engine_config.param_tier == "device" and store.device_bytes == 0:
+            estimate = estimate_memory(model, engine_config, world_size=world_size, training=False)
+            shards = sum(part.nbytes for part in estimate.parts if part.tier == "device")
+            # A step writes a group's new shards before their old ones go: room for one group more.
+            store = store.replace(device_bytes=shards + min(shards, engine_config.optimizer_group_bytes))
+        return engine_config.replace(store=store)
 
     def remove(self) -> None:
         """Delete the scratch directory, if there is one (the store must be closed)."""

@@ -101,7 +101,7 @@ def plan_for_trainer(model: nn.Module, args: Any, ds_source: DeepSpeedConfig, *,
         checked = scheduled_config(ds, args, max(args.max_steps, 1))
         config = EngineConfig.from_deepspeed(checked, store=default.config if default is not None else store)
         if default is not None:
-            config = default.apply(config)
+            config = default.apply(config, model, args.world_size)
         # The Trainer runs the accumulation window and calls the clipping (eng.clip_grad_norm_).
         config = config.replace(gradient_accumulation_steps=1)
         if config.compute_device is None and args.device.type != "cpu":

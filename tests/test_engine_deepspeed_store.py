@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import engine
+import tiered
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,7 +95,26 @@ def test_with_nothing_on_nvme_the_store_is_a_temporary_directory_removed_at_clos
     eng, _, _, _ = engine.initialize(model=model, config=ds)
     eng.unwrap()
     assert scratch_dirs(str(tmp_path)) == []
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), make_model().parameters()))
+    assert all(torch.equal(p.cpu(), q) for p, q in zip(model.parameters(), make_model().parameters()))
+
+
+def test_parameters_not_offloaded_stay_whole_in_the_device_tier(tmp_path, monkeypatch):
+    """``offload_param.device: "none"`` keeps the parameters on the accelerator in DeepSpeed: the
+    default store's device tier gets room for every parameter shard and a step's new ones, so none
+    is evicted; a store the script names keeps its own budgets (none here: refused, saying so)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ds = ds_config({"device": "none"}, {"device": "cpu"})
+    eng, _, _, _ = engine.initialize(model=make_model(), config=ds)
+    try:
+        assert train_steps(eng, 3) == pytest.approx(plain_losses(3), rel=1e-6)
+        device = eng.store.stats().tiers[tiered.Tier.DEVICE]
+        shards = sum(p.numel() * 4 for p in make_model().parameters())
+        assert eng.config.store.device_bytes == 2 * shards and device.used_bytes == shards
+        assert device.evictions == 0
+    finally:
+        eng.destroy()
+    with pytest.raises(ValueError, match="param_tier is 'device' but the store's device_bytes is 0"):
+        engine.initialize(model=make_model(), config=ds, store=str(tmp_path / "named"))
 
 
 def test_a_refused_config_leaves_no_directory_behind(tmp_path, monkeypatch):
@@ -119,7 +139,7 @@ def test_a_script_that_never_closes_leaves_no_directory_behind(tmp_path):
         eng.step()
         print(eng.config.store.path)
     """)
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": ROOT}
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith(str(tmp_path / "tiered-store-")), done.stdout
@@ -163,9 +183,9 @@ def test_zero_inference_script_generates_what_the_plain_model_does(tmp_path):
     try:
         ds_engine.module.eval()
         assert ds_engine.optimizer is None
-        assert torch.equal(generate(ds_engine.module, PROMPTS.to(ds_engine.device)), expected)
+        assert torch.equal(generate(ds_engine.module, PROMPTS.to(ds_engine.device)).cpu(), expected)
         # DeepSpeed's engine hands what it lacks to the model: model_engine.generate(...) and the rest
-        assert torch.equal(generate(ds_engine, PROMPTS), expected)
+        assert torch.equal(generate(ds_engine, PROMPTS.to(ds_engine.device)).cpu(), expected)
         assert sum(p.numel() for p in ds_engine.parameters()) == sum(p.numel() for p in tiny_gpt2().parameters())
         with pytest.raises(AttributeError, match="neither the engine nor its model .GPT2LMHeadModel. has an attribute"):
             ds_engine.no_such_method()
