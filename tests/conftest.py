@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import types
-from typing import Callable
+from typing import Callable, Iterator, Mapping
 
 import pytest
 import torch
@@ -43,6 +44,31 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def ranks_env(world: int, env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """``env`` for a job of ``world`` ranks: CUDA hidden where this machine has fewer GPUs than ranks,
+    since NCCL wants a GPU per rank; the ranks then run on the CPU over gloo, as in CI."""
+    if torch.cuda.device_count() >= world:
+        return dict(env)
+    return {**env, "CUDA_VISIBLE_DEVICES": ""}
+
+
+@contextlib.contextmanager
+def ranks_started_here(world: int) -> Iterator[None]:
+    """Processes started inside (``torch.multiprocessing`` spawns copy ``os.environ``) get
+    :func:`ranks_env`; this process's own CUDA is untouched."""
+    hidden = ranks_env(world, {})
+    saved = {key: os.environ.get(key) for key in hidden}
+    os.environ.update(hidden)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture

@@ -42,7 +42,8 @@ def examples() -> list[dict[str, torch.Tensor]]:
 
 def train(path: Path, *, wrapped: bool, prepare_model: bool = True, clip_in_loop: bool = False,
           norms: list[float] | None = None, mixed_precision: str = "no", autocast: bool = False,
-          save_model: Path | None = None, accelerate_config: Path | None = None) -> list[float]:
+          save_model: Path | None = None, accelerate_config: Path | None = None,
+          compute_device: str | None = None) -> list[float]:
     """Sixteen examples in micro-batches of 2 (split over the ranks) through accelerate's loop; the
     losses. The wrapped model is clipped by ``EngineConfig.max_grad_norm``, or with
     ``clip_in_loop`` by ``eng.clip_grad_norm_`` where the plain loop calls accelerate's
@@ -51,7 +52,8 @@ def train(path: Path, *, wrapped: bool, prepare_model: bool = True, clip_in_loop
     ``save_model``: at the end, ``accelerator.save_model`` there, and the wrapped model's
     ``eng.state_dict()`` as ``expected.safetensors`` beside it (main process).
     ``accelerate_config``: the wrapped model by ``engine.initialize`` from the DeepSpeed config of
-    that ``accelerate config`` file, and the accumulation and clipping the file sets."""
+    that ``accelerate config`` file, and the accumulation and clipping the file sets.
+    ``compute_device``: the wrapped model's EngineConfig.compute_device (default: the model's, the CPU)."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
     AcceleratorState._reset_state()  # accelerate sets it once per process (its own tests reset it so too)
@@ -64,7 +66,7 @@ def train(path: Path, *, wrapped: bool, prepare_model: bool = True, clip_in_loop
     elif wrapped:
         eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
             store=store_config(path), param_tier="nvme", optimizer_tier="nvme",
-            max_grad_norm=None if clip_in_loop else CLIP))
+            max_grad_norm=None if clip_in_loop else CLIP, compute_device=compute_device))
         optimizer = eng.optimizer
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -144,7 +146,9 @@ def test_accelerates_deepspeed_config_trains_as_the_engine_config_it_describes(t
                            offload_param_nvme_path=str(nvme), offload_optimizer_device="nvme",
                            offload_optimizer_nvme_path=str(nvme), gradient_accumulation_steps=ACCUMULATION,
                            gradient_clipping=CLIP, zero3_init_flag=True, zero3_save_16bit_model=True)
-    want = train(tmp_path / "engine", wrapped=True, prepare_model=False)
+    # where engine.initialize computes: the GPU where there is one
+    want = train(tmp_path / "engine", wrapped=True, prepare_model=False,
+                 compute_device="cuda" if torch.cuda.is_available() else None)
     assert train(tmp_path / "ds", wrapped=True, prepare_model=False, accelerate_config=path) == want
     assert any((nvme / "tiered").iterdir())
 

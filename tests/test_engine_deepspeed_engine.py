@@ -322,9 +322,12 @@ def test_steps_per_print_prints_deepspeeds_progress_line_every_n_steps(tmp_path,
         lines = capsys.readouterr().out.splitlines()
         assert lines[0::2] == expected
         assert [line.split(",")[0] for line in expected] == ["[Rank 0] step=2", "[Rank 0] step=4"]
-        assert lines[1] == "[Rank 0] micro_step=4/global_step=2, RunningAvgSamplesPerSec=-, CurrSamplesPerSec=-"
+        # On an accelerator DeepSpeed's line ends with its memory figures
+        memory = r", MemAllocated=\d+\.\d\dGB, MaxMemAllocated=\d+\.\d\dGB" if eng.device.type == "cuda" else ""
+        assert re.fullmatch(r"\[Rank 0\] micro_step=4/global_step=2, RunningAvgSamplesPerSec=-, CurrSamplesPerSec=-"
+                            + memory, lines[1]), lines[1]
         timed = re.fullmatch(r"\[Rank 0\] micro_step=8/global_step=4, RunningAvgSamplesPerSec=(\d+\.\d\d), "
-                             r"CurrSamplesPerSec=(\d+\.\d\d)", lines[3])
+                             r"CurrSamplesPerSec=(\d+\.\d\d)" + memory, lines[3])
         assert timed and min(map(float, timed.groups())) > 0 and len(lines) == 4
     finally:
         eng.close()

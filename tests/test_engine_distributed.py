@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_models import TinyGPT, engine_config, gpt_tokens
+from conftest import ranks_started_here
 from torch import nn
 
 import engine
@@ -62,7 +63,8 @@ def run_ranks(fn: Callable[..., None], *args: Any, world: int = WORLD, join: boo
     """Run ``fn(rank, *args)`` in ``world`` fresh processes with torchrun's environment variables,
     joined into one gloo group (env init); with ``join=False`` ``fn`` joins it itself, as a
     DeepSpeed script leaves it to ``deepspeed.initialize``."""
-    mp.start_processes(_entry, args=(world, free_port(), fn, args, join), nprocs=world, start_method="spawn")
+    with ranks_started_here(world):
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, join), nprocs=world, start_method="spawn")
 
 
 class one_thread:

@@ -498,13 +498,14 @@ def test_load_checkpoint_and_dispatch_as_accelerates_tutorial_writes_it(tmp_path
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf", max_shard_size="20KB")  # sharded
-    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"  # where "auto" computes, and the oracle too
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").to(device)
     with torch.device("meta"):  # accelerate's init_empty_weights()
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
     plain = model
     model = engine.load_checkpoint_and_dispatch(model, checkpoint=tmp_path / "hf", device_map="auto",
                                                 no_split_module_classes=["GPT2Block"], offload_folder=tmp_path / "off")
-    ids = torch.tensor([[5, 6, 7]])
+    ids = torch.tensor([[5, 6, 7]], device=device)
     with model, torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits) and torch.equal(plain(ids).logits, ref(ids).logits)
         # accelerate's returns the model, so the tutorial goes on with model.generate: the engine hands it on
@@ -516,7 +517,7 @@ def test_load_checkpoint_and_dispatch_as_accelerates_tutorial_writes_it(tmp_path
     with engine.load_checkpoint_and_dispatch(model, tmp_path / "hf", offload_folder=tmp_path / "bf16",
                                              dtype=torch.bfloat16) as eng:  # cast as the weights are placed
         assert eng.state_dict()["lm_head.weight"].dtype == torch.bfloat16
-        assert torch.equal(eng.state_dict()["lm_head.weight"], ref.lm_head.weight.to(torch.bfloat16))
+        assert torch.equal(eng.state_dict()["lm_head.weight"].cpu(), ref.lm_head.weight.to("cpu", torch.bfloat16))
 
 
 def test_from_pretrained_puts_a_new_head_on_a_base_checkpoint_as_transformers_does(tmp_path):

@@ -3,10 +3,11 @@
 
 Measured in a subprocess from /proc/self/status: VmHWM (peak resident set) at the end minus VmRSS
 just before wrap (after importing torch and running a tiny warm-up step of plain torch, so torch's
-own kernels and thread pools are in the baseline). The bound is docs/training.md's: the host budget
-plus the engine's fixed overhead (store staging buffers, the optimizer step's three groups,
-gradient puts in flight, materialized parameters, and a runtime allowance), which is also what
-``engine.estimate_memory`` reports as ``host_rss_bound``.
+own kernels and thread pools are in the baseline; with CUDA present, after creating CUDA's context,
+over 100 MiB of host memory that pinning the store's host buffers would create). The bound is
+docs/training.md's: the host budget plus the engine's fixed overhead (store staging buffers, the
+optimizer step's three groups, gradient puts in flight, materialized parameters, and a runtime
+allowance), which is also what ``engine.estimate_memory`` reports as ``host_rss_bound``.
 
 glibc's malloc raises its mmap threshold dynamically and then keeps freed chunks of paged
 parameters and step buffers in its heaps; the subprocess pins the threshold
@@ -38,6 +39,9 @@ CHILD = textwrap.dedent("""
                 out[key] = int(value.split()[0]) * 1024
         return out
 
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        torch.empty(1).pin_memory()
     torch.manual_seed(0)
     x, y = torch.randint(0, 512, (1, 16)), torch.randint(0, 512, (1, 16))
     warm = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_embd=256, n_head=4))

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import ranks_env
 
 from engine.train_cli import main as train_main
 
@@ -100,7 +101,8 @@ def test_deepspeed_example_maps_and_refuses_a_typo_then_resumes_at_two_ranks(tmp
     # The docstring's second command: `deepspeed --num_gpus 2` as `tiered launch`, resuming the one-rank checkpoint.
     proc = subprocess.run([sys.executable, "-m", "engine.cli", "launch", "--num_gpus", "2",
                            os.path.join(ROOT, "examples", "deepspeed_config.py")], cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=240, env={**os.environ, "TMPDIR": str(tmp_path)})
+                          capture_output=True, text=True, timeout=240,
+                          env=ranks_env(2, {**os.environ, "TMPDIR": str(tmp_path)}))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("DeepSpeed's loop, epoch 1: 96 steps") == 2  # each rank 32 steps of its half
     assert (tmp_path / "ds-nvme" / "tiered" / "rank1" / "manifest.sqlite").is_file()  # one store per rank
@@ -132,7 +134,7 @@ def test_torchrun_example_trains_on_two_ranks(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          os.path.join(ROOT, "examples", "torchrun_two_ranks.py"), "--dir", str(tmp_path / "run"), "--steps", "2"],
         cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
-        env={**os.environ, "TMPDIR": str(tmp_path)},  # torchrun's own temporary directories go here, not /tmp
+        env=ranks_env(2, {**os.environ, "TMPDIR": str(tmp_path)}),  # torchrun's own temporary directories go here
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step 1: loss" in proc.stdout

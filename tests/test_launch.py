@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import ranks_env
 from torch.distributed.elastic.utils.api import macros
 
 from engine.launch_cli import command
@@ -151,7 +152,7 @@ def test_a_launch_starts_the_ranks_with_their_local_rank_and_fails_when_one_fail
     (tmp_path / "recorder.py").write_text(RECORDER)
     done = subprocess.run([sys.executable, "-m", "engine.cli", "launch", "--num_gpus", "2", "recorder.py",
                            "--tag", "$x ${local_rank}"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
+                          env=ranks_env(2, {**os.environ, "TMPDIR": str(tmp_path)}))
     assert done.returncode == 3, done.stdout + done.stderr      # rank 1's own exit status, as DeepSpeed's launcher
     assert "tiered launch: torchrun --nproc-per-node 2 --standalone recorder.py" in done.stderr
     assert "exitcode  : 3" in done.stderr
