@@ -47,7 +47,8 @@ class EngineConfig:
     #: Groups of the step whose master + moments are read while backward runs (12 bytes per element
     #: each, held until the step; docs/training.md); 0 reads all state in the step.
     optimizer_prefetch_groups: int = 1
-    #: Where parameters are materialized for compute; None uses the device the model is on.
+    #: Where parameters are materialized for compute; None uses the device the model is on. On an
+    #: accelerator the model's forward inputs are moved there too.
     compute_device: Optional[str] = None
     #: Dtype floating parameters are trained in ("float32", "bfloat16", "float16"), for wrap to cast
     #: them to before they go to the store (fp32 master weights are kept either way); None keeps the

@@ -85,9 +85,6 @@ def hub_layout(model: nn.Module, tensors: list[tuple[TensorSpec, Reader]]) -> li
     return out
 
 
-__all__ = ["hub_layout"]
-
-
 def _apply_renamings(name: str, weight_renamings: list[Any]) -> str:
     """``name`` through every renaming in turn (transformers' ``apply_renamings``)."""
     for renaming in weight_renamings:
@@ -103,3 +100,6 @@ def _apply_converters(name: str, weight_converters: list[Any]) -> tuple[str, Any
         if pattern is not None:
             return renamed, pattern
     return name, None
+
+
+__all__ = ["hub_layout"]
