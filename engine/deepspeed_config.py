@@ -163,8 +163,8 @@ _RESIDENT = ("the engine pages every parameter through the store; hot ones stay 
              "device/host tiers by the recorded access order (Belady eviction)")
 
 OFFLOAD_PARAM: Schema = {
-    "device": Key(_choice("none", "cpu", "nvme"), MAP, "param_tier: none -> device (engine.initialize's own store "
-                  "gives that tier room for every shard), cpu -> host, nvme -> nvme"),
+    "device": Key(_choice("none", "cpu", "nvme"), MAP, "param_tier: none -> device, cpu -> host, nvme -> nvme "
+                  "(engine.initialize's own store gives the device or host tier room for what goes there)"),
     "nvme_path": Key(_optional(_path), MAP, "StoreConfig.nvme_paths (with offload_optimizer.nvme_path)"),
     "pin_memory": Key(_bool, ACCEPT, _PINNED),
     "buffer_count": Key(_int(), ACCEPT, _BUFFERS),
@@ -175,7 +175,8 @@ OFFLOAD_PARAM: Schema = {
 OFFLOAD_OPTIMIZER: Schema = {
     "device": Key(_choice("none", "cpu", "nvme"), MAP,
                   "optimizer_tier: cpu -> host, nvme -> nvme, none -> host (the optimizer always runs on the "
-                  "CPU; the host tier is the closest place for its state)"),
+                  "CPU; the host tier is the closest place for its state, and engine.initialize's own store "
+                  "gives that tier room for it)"),
     "nvme_path": Key(_optional(_path), MAP, "StoreConfig.nvme_paths (with offload_param.nvme_path)"),
     "pin_memory": Key(_bool, ACCEPT, _PINNED),
     "buffer_count": Key(_int(), ACCEPT, "the step streams groups of optimizer_group_bytes (sub_group_size)"),

@@ -121,7 +121,8 @@ def _initialize(
     if default is not None:
         engine_config = default.apply(config_from_deepspeed(EngineConfig, ds, store=default.config,
                                                             reports=INITIALIZE_REPORTS),
-                                       model, group_rank_and_world(None)[2])
+                                       model, group_rank_and_world(None)[2],
+                                       training=optimizer is not None or ds.get("optimizer") is not None)
     else:
         store_config = store if isinstance(store, StoreConfig) else StoreConfig(path=os.fspath(store))
         engine_config = config_from_deepspeed(EngineConfig, ds, store=store_config, reports=INITIALIZE_REPORTS)

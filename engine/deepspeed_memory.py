@@ -42,6 +42,16 @@ def memory_lines(label: str, device: torch.device, stats: EngineStats) -> list[s
 def machine_memory() -> Optional[tuple[int, float]]:
     """Bytes of the machine's memory in use (total less available) and their percentage, from
     ``/proc/meminfo``; None where there is none."""
+    sizes = memory_sizes()
+    if sizes is None:
+        return None
+    total, available = sizes
+    return total - available, 100.0 * (total - available) / total
+
+
+def memory_sizes() -> Optional[tuple[int, int]]:
+    """The machine's memory and the part of it available to new allocations, in bytes, from
+    ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``); None where there is none."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             fields = {name: int(value.split()[0]) * 1024 for name, value in
@@ -51,7 +61,7 @@ def machine_memory() -> Optional[tuple[int, float]]:
     total, available = fields.get("MemTotal"), fields.get("MemAvailable")
     if not total or available is None:
         return None
-    return total - available, 100.0 * (total - available) / total
+    return total, available
 
 
 def configuration_lines(name: str, config: Any) -> list[str]:

@@ -2,7 +2,8 @@
 DeepSpeed scripts do not: under the config's ``nvme_path`` when something is offloaded to NVMe,
 otherwise in a temporary directory that lives as long as the engine, which removes it
 (:class:`ScratchStoreEngine`; DeepSpeed keeps CPU-offloaded state in memory only, so such a run has
-nothing on disk worth keeping)."""
+nothing on disk worth keeping). Its budgets follow what DeepSpeed keeps in memory under the config
+(:func:`deepspeed_budgets`, which ``tiered estimate --ds-config`` uses too)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,20 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import warnings
 from typing import Any, Mapping, Optional
 
 from torch import nn
 
 from engine.config import EngineConfig
 from engine.deepspeed_config import deepspeed_settings
+from engine.deepspeed_memory import memory_sizes
 from engine.engine import Engine
 from engine.memory_estimate import estimate_memory
 from tiered import StoreConfig
+from tiered.offline.render import format_bytes
+
+MiB = 1 << 20
 
 #: The store's subdirectory of each ``nvme_path``: DeepSpeed's own swap folders stay apart from it.
 SUBDIR = "tiered"
@@ -36,24 +42,70 @@ class DefaultStore:
     config: StoreConfig
     scratch: Optional[str]
 
-    def apply(self, engine_config: EngineConfig, model: nn.Module, world_size: int) -> EngineConfig:
+    def apply(self, engine_config: EngineConfig, model: nn.Module, world_size: int, *,
+              training: bool = True) -> EngineConfig:
         """``engine_config`` (mapped from the DeepSpeed config, which points the swap files at each
-        ``nvme_path``) with the swap files in this store's directories instead. Parameters the
-        config does not offload (``offload_param.device: "none"``) stay on the accelerator in
-        DeepSpeed: the device tier gets a budget of ``model``'s parameter shards on one of
-        ``world_size`` ranks (a script naming its own store sets ``device_bytes`` itself)."""
-        store = engine_config.store.replace(nvme_paths=self.config.nvme_paths)
-        if engine_config.param_tier == "device" and store.device_bytes == 0:
-            estimate = estimate_memory(model, engine_config, world_size=world_size, training=False)
-            shards = sum(part.nbytes for part in estimate.parts if part.tier == "device")
-            # A step writes a group's new shards before their old ones go: room for one group more.
-            store = store.replace(device_bytes=shards + min(shards, engine_config.optimizer_group_bytes))
-        return engine_config.replace(store=store)
+        ``nvme_path``) with the swap files in this store's directories instead, and the budgets
+        :func:`deepspeed_budgets` gives for ``model`` on one of ``world_size`` ranks (``training``:
+        with the optimizer's state). A script naming its own store sets its budgets itself."""
+        config = engine_config.replace(store=engine_config.store.replace(nvme_paths=self.config.nvme_paths))
+        return config.replace(store=deepspeed_budgets(config, model, world_size, training=training))
 
     def remove(self) -> None:
         """Delete the scratch directory, if there is one (the store must be closed)."""
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+#: The most of the memory available on the machine that the host tiers of its ranks' default stores
+#: take together; the rest is left to the processes, their activations and the system.
+HOST_SHARE = 0.8
+#: A host budget no estimate reaches, to learn what the engine would put in that tier.
+UNBOUNDED = 1 << 62
+
+
+def deepspeed_budgets(config: EngineConfig, model: nn.Module, world_size: int, *, training: bool) -> StoreConfig:
+    """``config.store`` with device and host budgets for what DeepSpeed keeps in memory under the
+    DeepSpeed config ``config`` was mapped from, sized with :func:`engine.estimate_memory` for
+    ``model`` on one of ``world_size`` ranks (``training``: with the optimizer's state).
+    Parameters not offloaded (``offload_param.device: "none"``) stay on the accelerator: a device
+    tier without a budget gets room for every shard. What is offloaded to ``"cpu"`` stays in host
+    memory: the host tier gets room for all the engine puts there during a step, when that is more
+    than its budget, up to :data:`HOST_SHARE` of the memory available on the machine (shared by
+    its ranks), with a warning when that is less; the rest goes to the nvme tier."""
+    store = config.store
+    if config.param_tier == "device" and store.device_bytes == 0:
+        estimate = estimate_memory(model, config, world_size=world_size, training=False)
+        shards = sum(part.nbytes for part in estimate.parts if part.tier == "device")
+        # A step writes a group's new shards before their old ones go: room for one group more.
+        store = store.replace(device_bytes=shards + min(shards, config.optimizer_group_bytes))
+    if "host" in (config.param_tier, config.optimizer_tier):
+        unbounded = config.replace(store=store.replace(host_bytes=UNBOUNDED))
+        wanted = estimate_memory(model, unbounded, world_size=world_size, training=training).during_step.host
+        if wanted > store.host_bytes:
+            store = store.replace(host_bytes=_host_budget(wanted, store.host_bytes, store.path))
+    return store
+
+
+def _host_budget(wanted: int, default: int, path: str) -> int:
+    """``wanted`` bytes for this rank's host tier, or, when the machine has less available, this
+    rank's share of :data:`HOST_SHARE` of it (never below ``default``), with a warning naming the
+    difference and where it goes."""
+    sizes = memory_sizes()
+    if sizes is None:
+        return wanted
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun's processes on this machine
+    share = int(sizes[1] * HOST_SHARE / ranks) // MiB * MiB
+    if wanted <= share:
+        return wanted
+    budget = max(share, default)
+    warnings.warn(
+        f"the DeepSpeed config keeps {format_bytes(wanted)} of this rank's state in host memory (\"cpu\" "
+        f"offload), more than its share of the {format_bytes(sizes[1])} this machine has available; the "
+        f"store's host tier gets {format_bytes(budget)} and the rest goes to its nvme tier under {path}: "
+        "name an nvme_path on a fast disk, or pass engine.initialize(store=...) with your own budgets",
+        stacklevel=2)
+    return budget
 
 
 class ScratchStoreEngine(Engine):
@@ -93,4 +145,4 @@ def default_store(ds: Mapping[str, Any]) -> DefaultStore:
     return DefaultStore(StoreConfig(path=scratch, flush_on_close=False), scratch=scratch)
 
 
-__all__ = ["SUBDIR", "DefaultStore", "ScratchStoreEngine", "default_store"]
+__all__ = ["HOST_SHARE", "SUBDIR", "DefaultStore", "ScratchStoreEngine", "deepspeed_budgets", "default_store"]

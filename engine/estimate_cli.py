@@ -37,11 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "one (needs transformers; the model is built from it on the meta device)")
     add_demo_size_arguments(p)
     p.add_argument("--ds-config", metavar="PATH", help="take tiers and settings from a DeepSpeed JSON config "
-                   "(EngineConfig.from_deepspeed); the budget flags below still set the store's budgets")
+                   "(EngineConfig.from_deepspeed), and the device and host budgets engine.initialize's own store "
+                   "gives it unless the flags below set them")
     p.add_argument("--dir", default=".", help="where the swap files would go: its free space is checked "
                    "(default: the current directory)")
-    p.add_argument("--host-mib", type=int, default=None, help="host memory budget (MiB; default 1024)")
-    p.add_argument("--device-mib", type=int, default=0, help="device memory budget (MiB; default 0)")
+    p.add_argument("--host-mib", type=int, default=None, help="host memory budget (MiB; default 1024, or "
+                   "--ds-config's)")
+    p.add_argument("--device-mib", type=int, default=None, help="device memory budget (MiB; default 0, or "
+                   "--ds-config's)")
     p.add_argument("--nvme-gib", type=float, default=None, help="nvme budget (GiB; default: the free disk space)")
     p.add_argument("--prefetch-mib", type=int, default=None, help="prefetch window (MiB; default 256)")
     p.add_argument("--param-tier", choices=("device", "host", "nvme"), default=None)
@@ -74,6 +77,8 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
         config = _config(args)
     except (ValueError, OSError, ImportError) as exc:
         parser.error(str(exc))
+    if args.ds_config is not None:
+        config = _initialize_budgets(config, model, args)
     from engine.memory_estimate import estimate_memory
     from tiered.offline.render import format_bytes
 
@@ -132,13 +137,23 @@ def _model(args: argparse.Namespace) -> nn.Module:
             return transformers.AutoModel.from_config(config)
 
 
+def _initialize_budgets(config: EngineConfig, model: nn.Module, args: argparse.Namespace) -> EngineConfig:
+    """``config`` with the budgets engine.initialize's own store would give it, where no flag sets them."""
+    from engine.deepspeed_store import deepspeed_budgets
+
+    budgets = deepspeed_budgets(config, model, args.world_size, training=not args.inference)
+    return config.replace(store=config.store.replace(
+        device_bytes=budgets.device_bytes if args.device_mib is None else config.store.device_bytes,
+        host_bytes=budgets.host_bytes if args.host_mib is None else config.store.host_bytes))
+
+
 def _config(args: argparse.Namespace) -> EngineConfig:
     device = args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"--device {device!r} is not a device: {exc}") from exc
-    store_fields: dict[str, Any] = {"path": os.path.abspath(args.dir), "device_bytes": args.device_mib * MiB}
+    store_fields: dict[str, Any] = {"path": os.path.abspath(args.dir), "device_bytes": (args.device_mib or 0) * MiB}
     if args.host_mib is not None:
         store_fields["host_bytes"] = args.host_mib * MiB
     if args.nvme_gib is not None:

@@ -195,6 +195,28 @@ def test_cli_reads_a_hugging_face_config_and_a_deepspeed_config(tmp_path):
         assert [p["tier"] for p in got["parts"]] == ["nvme", "host", "host"]  # offload_optimizer: cpu
 
 
+def test_cli_gives_a_deepspeed_config_the_budgets_engine_initialize_gives_it(tmp_path, monkeypatch):
+    """With --ds-config and no budget flags, the device and host tiers get what engine.initialize's
+    own store gives them: offload_optimizer "cpu" keeps all the optimizer state in host memory, past
+    the 1 GiB default, and offload_param "none" keeps the parameters on the device."""
+    import engine.deepspeed_store as deepspeed_store
+
+    monkeypatch.setattr(deepspeed_store, "memory_sizes", lambda: (64 << 30, 32 << 30))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
+                                                    "offload_optimizer": {"device": "cpu"}}}))
+    big = ("--demo", "--layers", "8", "--embd", "1024", "--heads", "8", "--vocab", "1024", "--seq", "16")
+    code, text = run_cli(*big, "--ds-config", str(ds), "--dir", str(tmp_path), "--json")
+    got = json.loads(text)
+    params, grads, states = got["parts"]
+    assert (params["tier"], grads["tier"], states["tier"]) == ("device", "host", "host")
+    assert grads["nbytes"] + 2 * states["nbytes"] > 1 << 30  # more than the host tier's default budget
+    assert got["during_step"] == {"device": params["nbytes"], "host": grads["nbytes"] + 2 * states["nbytes"],
+                                  "nvme": 0}  # nothing spilled
+    code, text = run_cli(*big, "--ds-config", str(ds), "--dir", str(tmp_path), "--json", "--host-mib", "64")
+    assert json.loads(text)["during_step"]["host"] == 64 << 20  # a flag's budget stands
+
+
 @pytest.mark.parametrize("args, message", [
     (("--demo", "--world-size", "0"), "--world-size must be >= 1"),
     (("--demo", "--device", "banana"), "is not a device"),
