@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from engine_models import TinyGPT, engine_config, gpt_tokens
 from conftest import ranks_started_here
+from engine_models import TinyGPT, engine_config, gpt_tokens
 from torch import nn
 
 import engine
