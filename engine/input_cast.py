@@ -16,6 +16,7 @@ tensors (token ids), other objects and tensors already in the dtype pass unchang
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import torch
@@ -44,8 +45,13 @@ class InputCast:
             return type(value)(*(self._cast(v) for v in value))
         if isinstance(value, (tuple, list)):
             return type(value)(self._cast(v) for v in value)
-        if isinstance(value, dict):
+        if type(value) is dict:
             return {k: self._cast(v) for k, v in value.items()}
+        if isinstance(value, dict):  # OrderedDict, a transformers ModelOutput: a copy of the same type
+            moved = copy.copy(value)
+            for k, v in value.items():
+                moved[k] = self._cast(v)
+            return moved
         return value
 
     def remove(self) -> None:

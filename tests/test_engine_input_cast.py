@@ -3,6 +3,7 @@ model called with the inputs cast by hand. And the root's inputs moved to the co
 
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 import pytest
@@ -98,6 +99,10 @@ def test_inputs_move_to_the_compute_device_with_their_dtypes_kept():
     both = InputCast(Identity(), torch.float16, torch.device("meta"))
     ids, x = both._cast((torch.arange(3), torch.ones(2)))
     assert (ids.device.type, ids.dtype, x.device.type, x.dtype) == ("meta", torch.int64, "meta", torch.float16)
+    ordered = collections.OrderedDict(x=torch.ones(2), n=3)
+    moved = both._cast(ordered)  # a dict subclass keeps its type, and the caller's is not changed
+    assert type(moved) is collections.OrderedDict and moved["x"].is_meta and moved["n"] == 3
+    assert not ordered["x"].is_meta
     both.remove()
     assert not model._forward_pre_hooks
 
