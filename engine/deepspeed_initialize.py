@@ -37,7 +37,7 @@ from engine.deepspeed_config import (
 )
 from engine.deepspeed_engine import DeepSpeedEngine
 from engine.deepspeed_monitor import DeepSpeedMonitor, enabled_monitors
-from engine.deepspeed_store import DefaultStore, default_store
+from engine.deepspeed_store import DefaultStore, default_store, removed_on_failure
 from engine.distributed_init import init_distributed, local_rank
 from engine.engine import wrap_as
 from engine.optim_deepspeed import optimizer_from_deepspeed, scheduler_from_deepspeed
@@ -101,13 +101,9 @@ def initialize(
     ds = load_deepspeed_config(config)
     _join_process_group(dist_init_required)  # before the config: the batch sizes involve the world size
     default = default_store(ds) if store is None else None
-    try:
+    with removed_on_failure(default):
         eng, loader, scheduler = _initialize(model, optimizer, model_parameters, training_data, lr_scheduler,
                                              collate_fn, ds, store, default, init_fn, state_dict)
-    except BaseException:
-        if default is not None:
-            default.remove()
-        raise
     return eng, eng.optimizer, loader, scheduler
 
 

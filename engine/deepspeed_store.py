@@ -8,12 +8,13 @@ nothing on disk worth keeping). Its budgets follow what DeepSpeed keeps in memor
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import shutil
 import tempfile
 import warnings
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from torch import nn
 
@@ -57,10 +58,22 @@ class DefaultStore:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def removed_on_failure(default: Optional[DefaultStore]) -> Iterator[None]:
+    """Run the block; when it raises, remove ``default``'s scratch directory first (None: there is
+    no default store to remove), so a refused set-up leaves nothing behind."""
+    try:
+        yield
+    except BaseException:
+        if default is not None:
+            default.remove()
+        raise
+
+
 #: The most of the memory available on the machine that the host tiers of its ranks' default stores
 #: take together; the rest is left to the processes, their activations and the system.
 HOST_SHARE = 0.8
-#: A host budget no estimate reaches, to learn what the engine would put in that tier.
+#: A budget no estimate reaches, to learn what the engine would put in a tier.
 UNBOUNDED = 1 << 62
 
 
@@ -74,16 +87,16 @@ def deepspeed_budgets(config: EngineConfig, model: nn.Module, world_size: int, *
     than its budget, up to :data:`HOST_SHARE` of the memory available on the machine (shared by
     its ranks), with a warning when that is less; the rest goes to the nvme tier."""
     store = config.store
+    # What each tier would hold with no budget in the way (one pass over the model's parameters).
+    unbounded = config.replace(store=store.replace(device_bytes=UNBOUNDED, host_bytes=UNBOUNDED))
+    wanted = estimate_memory(model, unbounded, world_size=world_size, training=training).during_step
     if config.param_tier == "device" and store.device_bytes == 0:
-        estimate = estimate_memory(model, config, world_size=world_size, training=False)
-        shards = sum(part.nbytes for part in estimate.parts if part.tier == "device")
         # A step writes a group's new shards before their old ones go: room for one group more.
-        store = store.replace(device_bytes=shards + min(shards, config.optimizer_group_bytes))
+        store = store.replace(device_bytes=wanted.device + min(wanted.device, config.optimizer_group_bytes))
     if "host" in (config.param_tier, config.optimizer_tier):
-        unbounded = config.replace(store=store.replace(host_bytes=UNBOUNDED))
-        wanted = estimate_memory(model, unbounded, world_size=world_size, training=training).during_step.host
-        if wanted > store.host_bytes:
-            store = store.replace(host_bytes=_host_budget(wanted, store.host_bytes, store.path))
+        host = wanted.host + max(0, wanted.device - store.device_bytes)  # what the device tier cannot hold
+        if host > store.host_bytes:
+            store = store.replace(host_bytes=_host_budget(host, store.host_bytes, store.path))
     return store
 
 
@@ -145,4 +158,5 @@ def default_store(ds: Mapping[str, Any]) -> DefaultStore:
     return DefaultStore(StoreConfig(path=scratch, flush_on_close=False), scratch=scratch)
 
 
-__all__ = ["HOST_SHARE", "SUBDIR", "DefaultStore", "ScratchStoreEngine", "deepspeed_budgets", "default_store"]
+__all__ = ["HOST_SHARE", "SUBDIR", "DefaultStore", "ScratchStoreEngine", "deepspeed_budgets", "default_store",
+           "removed_on_failure"]

@@ -37,7 +37,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from engine.checkpoint_paths import ENGINE_SUBDIR, engine_checkpoint
 from engine.deepspeed_config import DeepSpeedConfig
-from engine.deepspeed_store import ScratchStoreEngine
+from engine.deepspeed_store import ScratchStoreEngine, removed_on_failure
 from engine.engine import wrap_as
 from engine.placement import InitFn
 from engine.weights import StateDictLike
@@ -151,13 +151,9 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
                                 decay_parameter_names=self.get_decay_parameter_names(model),
                                 trainer_optimizer=Trainer.get_optimizer_cls_and_kwargs)
         default = plan.default_store
-        try:
+        with removed_on_failure(default):
             eng = wrap_as(functools.partial(ScratchStoreEngine, scratch_dir=default.scratch if default else None),
                           model, optimizer=plan.optimizer, config=plan.config, **wrap_kwargs)
-        except BaseException:
-            if default is not None:
-                default.remove()
-            raise
         if "scheduler" in plan.deepspeed_config:
             self._deepspeed_schedule = plan.deepspeed_config
         if "args" in kwargs:

@@ -24,7 +24,7 @@ from torch import nn
 from engine.adamw import AdamW
 from engine.config import EngineConfig
 from engine.deepspeed_config import DeepSpeedConfig, fill_auto, load_deepspeed_config
-from engine.deepspeed_store import DefaultStore, default_store
+from engine.deepspeed_store import DefaultStore, default_store, removed_on_failure
 from engine.optim_deepspeed import optimizer_from_deepspeed
 from tiered import StoreConfig
 
@@ -96,7 +96,7 @@ def plan_for_trainer(model: nn.Module, args: Any, ds_source: DeepSpeedConfig, *,
     if ds.get("steps_per_print") == math.inf:
         del ds["steps_per_print"]  # how the Trainer's DeepSpeed setup silences DeepSpeed's own log lines
     default = default_store(ds) if store is None else None
-    try:
+    with removed_on_failure(default):
         # The scheduler's step counts are known in train(); a stand-in count lets the rest be checked now.
         checked = scheduled_config(ds, args, max(args.max_steps, 1))
         config = EngineConfig.from_deepspeed(checked, store=default.config if default is not None else store)
@@ -113,10 +113,6 @@ def plan_for_trainer(model: nn.Module, args: Any, ds_source: DeepSpeedConfig, *,
             optimizer = _trainer_adamw(model, args, decay_parameter_names, trainer_optimizer)
         run_args = dataclasses.replace(args, deepspeed=None, fp16=False, bf16=False,
                                        max_grad_norm=config.max_grad_norm or 0.0)
-    except BaseException:
-        if default is not None:
-            default.remove()
-        raise
     return TrainerPlan(config=config, optimizer=optimizer, deepspeed_config=ds, args=run_args,
                        default_store=default)
 
