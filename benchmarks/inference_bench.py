@@ -10,6 +10,9 @@ printed.
 
     python benchmarks/inference_bench.py --dir /nvme/scratch --repeats 5 --json inf.json --plot inf.png
 
+``--device cuda`` computes on the GPU for every contender (accelerate's ``execution_device``, the
+engine's ``compute_device``, the reference model moved there); the weights still come from the disk.
+
 The engine is timed two ways: one forward with nothing prefetched (``eng.drop_prefetched()`` first),
 and per forward over ``--loop`` forwards back to back (a forward-only loop prefetches the next
 forward's first weights while the current one ends, and a weight needed first and last, the tied
@@ -128,10 +131,22 @@ class ReadFloor:
             buffer.close()
 
 
-def timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
+def timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, torch.Tensor]:
+    """Seconds ``fn`` takes, its kernels on ``device`` included."""
     start = time.perf_counter()
     out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start, out
+
+
+def loop_forwards(model: torch.nn.Module, ids: torch.Tensor, expected: torch.Tensor, count: int,
+                  contender: Contender) -> torch.Tensor:
+    """``count`` forwards back to back, each output compared with ``expected``; returns the last."""
+    for _ in range(count):
+        out = model(ids).logits
+        contender.equal &= bool(torch.equal(out, expected))
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -142,33 +157,36 @@ def run(args: argparse.Namespace) -> dict:
     from engine.layout import param_key
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    device = torch.device(args.device)
     reference = build_model(args.layers, args.embd, args.seed)
     nbytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     ids = torch.randint(0, reference.config.vocab_size, (args.batch, args.tokens),
-                        generator=torch.Generator().manual_seed(1))
+                        generator=torch.Generator().manual_seed(1)).to(device)
     print(f"model: GPT-2 style, {args.layers} layers x {args.embd}, {nbytes / 1e9:.2f} GB fp32; "
-          f"input {tuple(ids.shape)}")
+          f"input {tuple(ids.shape)}; computing on {device}")
 
     workdir = scratch_dir(args.dir, "tiered-inference-")
     load_before = os.getloadavg()
     try:
+        offloaded = copy.deepcopy(reference)
+        wrapped_model = copy.deepcopy(reference)
+        reference.to(device)
         with torch.inference_mode():
             expected = reference(ids).logits
 
         memory = Contender("in memory (compute only)")
 
-        offloaded = copy.deepcopy(reference)
         acc_dir = os.path.join(workdir, "accelerate")
-        accelerate.disk_offload(offloaded, acc_dir, execution_device=torch.device("cpu"))
+        accelerate.disk_offload(offloaded, acc_dir, execution_device=device)
         acc = Contender("accelerate disk_offload, cold")
 
-        wrapped_model = copy.deepcopy(reference)
         store_cfg = tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=args.host_mib * MiB)
         if args.io_threads:
             store_cfg = store_cfg.replace(io_threads=args.io_threads)
         eng = engine.wrap(
             wrapped_model,
-            config=engine.EngineConfig(store=store_cfg, param_tier="nvme", prefetch_bytes=args.prefetch_mib * MiB),
+            config=engine.EngineConfig(store=store_cfg, param_tier="nvme", prefetch_bytes=args.prefetch_mib * MiB,
+                                       compute_device=args.device),
         )
         ours = Contender("tiered engine, nvme, one forward from nothing prefetched")
         ours.note = (f"host budget {args.host_mib} MiB, prefetch {args.prefetch_mib} MiB, "
@@ -191,22 +209,22 @@ def run(args: argparse.Namespace) -> dict:
                     continue
                 with torch.inference_mode():
                     if what == "memory":
-                        seconds, out = timed(lambda: reference(ids).logits)
+                        seconds, out = timed(lambda: reference(ids).logits, device)
                     elif what == "accelerate":
                         acc.note = drop_page_cache(files_under(acc_dir))
-                        seconds, out = timed(lambda: offloaded(ids).logits)
+                        seconds, out = timed(lambda: offloaded(ids).logits, device)
                     elif what == "tiered":
                         eng.drop_prefetched()
                         read_before = eng.stats().store.bytes_read
-                        seconds, out = timed(lambda: wrapped_model(ids).logits)
+                        seconds, out = timed(lambda: wrapped_model(ids).logits, device)
                         cold_reads.append(eng.stats().store.bytes_read - read_before)
                     else:
                         eng.drop_prefetched()
-                        outs = []
-                        seconds, _ = timed(lambda: outs.extend(wrapped_model(ids).logits for _ in range(args.loop)))
+                        # Each output is checked as it comes (a large batch's logits, ten times over, would not
+                        # fit a GPU), as a user's loop consumes each forward's result before the next.
+                        seconds, out = timed(lambda: loop_forwards(wrapped_model, ids, expected, args.loop, contender),
+                                             device)
                         seconds /= args.loop
-                        out = outs[-1]
-                        contender.equal &= all(bool(torch.equal(o, expected)) for o in outs)
                     if what in ("tiered", "loop"):
                         eng.drop_prefetched()  # waits for the next forward's prefetch: nothing runs into the others
                 contender.seconds.append(seconds)
@@ -221,6 +239,8 @@ def run(args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             for _ in range(2):
                 wrapped_model(ids)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             steady_seconds = (time.perf_counter() - start) / 2
             after, usage_after = eng.stats(), resource.getrusage(resource.RUSAGE_SELF)
         read_per_forward = (after.store.bytes_read - before.store.bytes_read) / 2
@@ -244,6 +264,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "model_bytes": nbytes,
         "input_shape": list(ids.shape),
+        "device": str(device),
         "repeats": args.repeats,
         "loop": args.loop,
         "store_read_gbps": read_gbps,
@@ -316,6 +337,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "of the compute (docs/tuning.md section 3); 256 MiB leaves room for one")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--io-threads", type=int, default=0, help="the store's io_threads (0: StoreConfig's default)")
+    p.add_argument("--device", default="cpu",
+                   help="where every contender computes: cpu, or cuda (the weights still come from the disk)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loop", type=int, default=10,
                    help="forwards back to back for the engine's loop timing (the first starts from nothing "
@@ -325,6 +348,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1 or args.loop < 1:
         p.error(f"--repeats and --loop must be >= 1, got {args.repeats} and {args.loop}")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available on this machine")
     result = run(args)
     write_json(result, args.json)
     if args.plot:

@@ -8,6 +8,9 @@ timed.
 
     python benchmarks/train_bench.py --dir /nvme/scratch --steps 6 --json train.json --plot train.png
 
+``--device cuda`` computes on the GPU: the in-memory model and its AdamW live there, FSDP2 runs on
+NCCL with its CPU offload (pinned), and the engine gets ``compute_device="cuda"``.
+
 The target (issue 7): tiered / in-memory <= 1.3 for a compute-bound size on a 2-core machine.
 """
 
@@ -46,9 +49,10 @@ class Run:
         return statistics.median(self.seconds[1:] or self.seconds)
 
 
-def train(run: Run, steps: int, data: BigramStream, step_fn: Callable[[torch.Tensor, torch.Tensor], float]) -> None:
+def train(run: Run, steps: int, data: BigramStream, step_fn: Callable[[torch.Tensor, torch.Tensor], float],
+          device: torch.device) -> None:
     for i in range(steps):
-        x, y = data.batch(i)
+        x, y = (t.to(device) for t in data.batch(i))
         start = time.perf_counter()
         run.losses.append(step_fn(x, y))
         run.seconds.append(time.perf_counter() - start)
@@ -56,6 +60,7 @@ def train(run: Run, steps: int, data: BigramStream, step_fn: Callable[[torch.Ten
 
 
 def in_memory(model: torch.nn.Module, args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """An unsharded model (already where it computes) and torch's AdamW over its parameters."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -71,9 +76,10 @@ def in_memory(model: torch.nn.Module, args: argparse.Namespace) -> Callable[[tor
 def fsdp2(model: GPT, args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], float]:
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+    pin = torch.device(args.device).type == "cuda"  # FSDP2 pins its CPU shards by default; pinning needs CUDA
     for block in model.blocks:
-        fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=pin))
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=pin))
     return in_memory(model, args)
 
 
@@ -89,7 +95,7 @@ def tiered_engine(model: GPT, args: argparse.Namespace, path: str):
         optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay),
         config=engine.EngineConfig(store=store, param_tier="nvme", optimizer_tier="nvme",
                                    prefetch_bytes=args.prefetch_mib * MiB,
-                                   optimizer_group_bytes=args.group_mib * MiB),
+                                   optimizer_group_bytes=args.group_mib * MiB, compute_device=args.device),
     )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -118,11 +124,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--io-threads", type=int, default=0, help="the store's io_threads (0: StoreConfig's default)")
     p.add_argument("--group-mib", type=int, default=64, help="the optimizer step's group size (optimizer_group_bytes)")
     p.add_argument("--skip", default="", help="comma list of contenders to skip: memory,fsdp2")
+    p.add_argument("--device", default="cpu", help="where every contender computes: cpu, or cuda")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error(f"--steps must be >= 2 (the first is a warm-up), got {args.steps}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # NCCL's rank binds to one numbered device
     skip = {s for s in args.skip.split(",") if s}
 
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_embd=args.embd,
@@ -132,7 +144,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     data = BigramStream(cfg.vocab_size, cfg.seq_len, args.batch)
     n = cfg.num_params
     print(f"model: {n / 1e6:.1f} M params; params + grads + AdamW states {16 * n / 1e9:.2f} GB in fp32; "
-          f"{args.batch} x {args.seq} tokens per step; torch threads {torch.get_num_threads()}")
+          f"{args.batch} x {args.seq} tokens per step; torch threads {torch.get_num_threads()}; computing on {device}")
 
     runs: list[Run] = []
     load_before = os.getloadavg()
@@ -140,24 +152,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if "memory" not in skip:
             run = Run("in memory, torch.optim.AdamW")
-            train(run, args.steps, data, in_memory(copy.deepcopy(base), args))
+            train(run, args.steps, data, in_memory(copy.deepcopy(base).to(device), args), device)
             runs.append(run)
         if "fsdp2" not in skip:
             import torch.distributed as dist
 
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29517")
-            dist.init_process_group("gloo", rank=0, world_size=1)
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, rank=0, world_size=1)
             try:
-                run = Run("FSDP2 + CPUOffloadPolicy, gloo")
-                train(run, args.steps, data, fsdp2(copy.deepcopy(base), args))
+                run = Run(f"FSDP2 + CPUOffloadPolicy, {backend}")
+                train(run, args.steps, data, fsdp2(copy.deepcopy(base), args), device)
                 runs.append(run)
             finally:
                 dist.destroy_process_group()
         run = Run("tiered, params + optimizer on nvme")
         eng, step = tiered_engine(copy.deepcopy(base), args, os.path.join(workdir, "store"))
         try:
-            train(run, args.steps, data, step)
+            train(run, args.steps, data, step, device)
             run.note = json.dumps({k: v for k, v in dataclasses.asdict(eng.stats()).items()
                                    if isinstance(v, (int, float))})
         finally:
@@ -175,7 +190,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"| {r.name} | {r.median:.3f} | {min(timed):.3f} | {max(timed):.3f} | "
               f"{r.median / reference.median:.2f} | {diff:.2e} |")
     result = {
-        "params": n, "tokens_per_step": args.batch * args.seq, "steps": args.steps,
+        "params": n, "tokens_per_step": args.batch * args.seq, "steps": args.steps, "device": str(device),
         "runs": [dataclasses.asdict(r) | {"median": r.median} for r in runs],
         "target": "tiered / in memory <= 1.3",
     }
