@@ -16,7 +16,7 @@ import tiered
 from tiered.io import AlignedBuffer, BlockRead, BlockWrite, IOEngine, ResultPool, open_file
 from tiered.io.crc import CRC32_IMPL, crc32
 from tiered.io.mailbox import Mailbox
-from tiered.spans import new_result
+from tiered.spans import DIRECT_RESULT_BYTES, new_result
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -114,6 +114,22 @@ def test_new_result_is_aligned_for_large_cpu_results_and_plain_otherwise():
     assert spans[0].view is None and small.shape == (3,)
     empty, spans = new_result((0, 4), torch.float32, "cpu", pool)
     assert spans == [] and empty.shape == (0, 4)
+
+
+def test_results_from_a_mebibyte_come_from_the_pool():
+    # torch.empty memory of a few MiB is faulted in afresh on every allocation (benchmarks/result_memory.py).
+    assert DIRECT_RESULT_BYTES == MiB
+    pool = ResultPool(capacity=4 * MiB)
+    first, spans = new_result((MiB // 4,), torch.float32, "cpu", pool)
+    assert spans[0].view is not None and first.data_ptr() % 4096 == 0
+    address = first.data_ptr()
+    del first, spans
+    gc.collect()
+    again, _ = new_result((MiB // 4,), torch.float32, "cpu", pool)
+    assert again.data_ptr() == address and pool.hits == 1  # the freed mapping, already faulted in
+    below, spans = new_result((MiB // 4 - 1,), torch.float32, "cpu", pool)
+    assert spans[0].view is None and pool.misses == 1
+    pool.close()
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 300 * KiB, 3 * MiB + 7])
