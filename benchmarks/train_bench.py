@@ -8,6 +8,8 @@ timed.
 
     python benchmarks/train_bench.py --dir /nvme/scratch --steps 6 --json train.json --plot train.png
 
+``--tier host`` keeps the engine's parameters and optimizer state in host memory instead (give
+``--host-mib`` room for them), the placement FSDP2's CPU offload has.
 ``--device cuda`` computes on the GPU: the in-memory model and its AdamW live there, FSDP2 runs on
 NCCL with its CPU offload (pinned), and the engine gets ``compute_device="cuda"``.
 
@@ -93,7 +95,7 @@ def tiered_engine(model: GPT, args: argparse.Namespace, path: str):
     eng = engine.wrap(
         model,
         optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay),
-        config=engine.EngineConfig(store=store, param_tier="nvme", optimizer_tier="nvme",
+        config=engine.EngineConfig(store=store, param_tier=args.tier, optimizer_tier=args.tier,
                                    prefetch_bytes=args.prefetch_mib * MiB,
                                    optimizer_group_bytes=args.group_mib * MiB, compute_device=args.device),
     )
@@ -125,6 +127,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--group-mib", type=int, default=64, help="the optimizer step's group size (optimizer_group_bytes)")
     p.add_argument("--skip", default="", help="comma list of contenders to skip: memory,fsdp2")
     p.add_argument("--device", default="cpu", help="where every contender computes: cpu, or cuda")
+    p.add_argument("--tier", default="nvme", choices=("nvme", "host"),
+                   help="where the engine keeps parameters and optimizer state (host: raise --host-mib to hold them)")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
@@ -169,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 runs.append(run)
             finally:
                 dist.destroy_process_group()
-        run = Run("tiered, params + optimizer on nvme")
+        run = Run(f"tiered, params + optimizer on {args.tier}")
         eng, step = tiered_engine(copy.deepcopy(base), args, os.path.join(workdir, "store"))
         try:
             train(run, args.steps, data, step, device)
