@@ -22,5 +22,5 @@ def test_every_tier_and_size_has_both_kinds_of_result(tmp_path, benchmark_script
     assert {(r["tier"], r["size_mib"], r["results"]) for r in rows} == {
         (tier, size, kind) for tier in ("host", "nvme") for size in (1, 2) for kind in (module.POOL, module.HEAP)}
     assert all(len(r["gbps"]) == 2 and min(r["gbps"]) > 0 for r in rows)
-    assert "| host | 1 | pooled results (default) |" in capsys.readouterr().out
+    assert "| host | 1 | pooled mapping |" in capsys.readouterr().out
     assert os.listdir(scratch) == []

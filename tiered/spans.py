@@ -17,11 +17,11 @@ from tiered.io.results import ResultPool
 
 #: CPU results of a get at least this large get page-aligned memory of their own (see new_result):
 #: recycled, already faulted in, and read into with O_DIRECT in place. torch.empty's memory of this
-#: size is faulted in afresh on every allocation (with torch 2.13 here, 256 faults per MiB each
-#: time), so host-tier gets of 4-16 MiB into new tensors ran at 2.1-3.5 GB/s from torch's memory
-#: against 4.5-8.6 from the pool. Smaller results stay on torch's heap: one mapping each would cost
-#: more than the copy.
-DIRECT_RESULT_BYTES = 1024 * 1024
+#: size may be faulted in afresh on every allocation (with torch 2.13 on the project's VM, 256
+#: faults per 4 MiB get); benchmarks/result_memory.py measured pooled gets of 4 and 16 MiB at
+#: 1.08-1.78 times torch's memory's speed on two machines, while at 1 MiB one machine's heap
+#: reuse beat the pool (docs/architecture.md, "Get results").
+DIRECT_RESULT_BYTES = 4 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
