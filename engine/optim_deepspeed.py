@@ -59,7 +59,8 @@ ADAM_PARAMS = {
     "eps": Key(_number(), MAP, "AdamW eps"),
     "weight_decay": Key(_number(), MAP, "AdamW weight_decay (DeepSpeed's default 0; 0.01 with torch_adam)"),
     "adam_w_mode": Key(_bool, MAP, "must be true for type Adam: L2-regularized Adam is not supported"),
-    "torch_adam": Key(_bool, ACCEPT, "chooses DeepSpeed's Adam implementation; the engine always uses torch's math"),
+    "torch_adam": Key(_bool, MAP, "true: torch's single-tensor AdamW math (bit for bit torch.optim.AdamW); "
+                                   "false, DeepSpeed's default (its own fused Adam): torch's fused AdamW kernel"),
     "bias_correction": Key(_bool, DEFAULT_ONLY, "Adam without bias correction is not supported", True),
     "amsgrad": Key(_bool, DEFAULT_ONLY, "AMSGrad is not supported", False),
 }
@@ -116,10 +117,12 @@ def optimizer_from_deepspeed(ds_config: DeepSpeedConfig, model_parameters: Optio
         raise ValueError(f"optimizer: must be an object, got {section!r}")
     params, problems = _optimizer_settings(section, "optimizer")
     _raise(problems)
-    decay = TORCH_WEIGHT_DECAY if params.pop("torch_adam", False) else DEEPSPEED_WEIGHT_DECAY
-    params.setdefault("weight_decay", decay)
+    torch_adam = params.pop("torch_adam", False)
+    params.setdefault("weight_decay", TORCH_WEIGHT_DECAY if torch_adam else DEEPSPEED_WEIGHT_DECAY)
     params.pop("adam_w_mode", None)
-    optimizer = AdamW(model_parameters, **params)
+    # Without torch_adam DeepSpeed steps with its own fused Adam (DeepSpeedCPUAdam where the state is
+    # offloaded); torch's fused CPU kernel is the counterpart for the engine's step on the host.
+    optimizer = AdamW(model_parameters, **params, fused=None if torch_adam else True)
     autos = _auto_params(section, "optimizer")
     if autos:
         used = ", ".join(f"{k}={optimizer.defaults[k]!r}" for k in autos if k in optimizer.defaults)

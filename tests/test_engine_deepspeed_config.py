@@ -345,17 +345,21 @@ def test_optimizer_from_deepspeed():
     assert [g["weight_decay"] for g in grouped.param_groups] == [0.1, 0.0] and grouped.param_groups[1]["lr"] == 3e-4
 
 
-@pytest.mark.parametrize("section,weight_decay", [
-    ({"type": "Adam", "params": {"lr": 1e-4}}, 0.0),  # DeepSpeed's Adam is AdamW mode, weight decay 0
-    ({"type": "adamw", "params": {"torch_adam": True}}, 0.01),  # torch.optim.AdamW's default
-    ({"type": "Adam", "params": {"adam_w_mode": True, "bias_correction": True, "amsgrad": False}}, 0.0),
+@pytest.mark.parametrize("section,weight_decay,fused", [
+    # DeepSpeed's Adam is AdamW mode, weight decay 0, stepped by its own fused kernel: torch's fused one here
+    ({"type": "Adam", "params": {"lr": 1e-4}}, 0.0, True),
+    ({"type": "adamw", "params": {"torch_adam": True}}, 0.01, None),  # torch.optim.AdamW's defaults
+    ({"type": "adamw", "params": {"torch_adam": False}}, 0.0, True),
+    ({"type": "Adam", "params": {"adam_w_mode": True, "bias_correction": True, "amsgrad": False}}, 0.0, True),
 ])
-def test_optimizer_defaults_follow_deepspeed(section, weight_decay):
-    assert optimizer_from_deepspeed({"optimizer": section}).param_groups[0]["weight_decay"] == weight_decay
+def test_optimizer_defaults_follow_deepspeed(section, weight_decay, fused):
+    group = optimizer_from_deepspeed({"optimizer": section}).param_groups[0]
+    assert (group["weight_decay"], group["fused"]) == (weight_decay, fused)
 
 
 def test_no_optimizer_section_gives_torch_defaults():
-    assert optimizer_from_deepspeed(ZERO3).param_groups[0]["weight_decay"] == 0.01
+    group = optimizer_from_deepspeed(ZERO3).param_groups[0]
+    assert (group["weight_decay"], group["fused"]) == (0.01, None)
 
 
 @pytest.mark.parametrize("section,expected", [
