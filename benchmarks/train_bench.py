@@ -8,8 +8,9 @@ timed.
 
     python benchmarks/train_bench.py --dir /nvme/scratch --steps 6 --json train.json --plot train.png
 
-``--tier host`` keeps the engine's parameters and optimizer state in host memory instead (give
-``--host-mib`` room for them), the placement FSDP2's CPU offload has.
+``--fused`` gives every contender's AdamW ``fused=True``. ``--tier host`` keeps the engine's
+parameters and optimizer state in host memory instead (give ``--host-mib`` room for them), the
+placement FSDP2's CPU offload has.
 ``--device cuda`` computes on the GPU: the in-memory model and its AdamW live there, FSDP2 runs on
 NCCL with its CPU offload (pinned), and the engine gets ``compute_device="cuda"``.
 
@@ -63,7 +64,7 @@ def train(run: Run, steps: int, data: BigramStream, step_fn: Callable[[torch.Ten
 
 def in_memory(model: torch.nn.Module, args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], float]:
     """An unsharded model (already where it computes) and torch's AdamW over its parameters."""
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=args.fused)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         loss = model(x, y)
@@ -94,7 +95,7 @@ def tiered_engine(model: GPT, args: argparse.Namespace, path: str):
         store = store.replace(io_threads=args.io_threads)
     eng = engine.wrap(
         model,
-        optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay),
+        optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay, fused=args.fused),
         config=engine.EngineConfig(store=store, param_tier=args.tier, optimizer_tier=args.tier,
                                    prefetch_bytes=args.prefetch_mib * MiB,
                                    optimizer_group_bytes=args.group_mib * MiB, compute_device=args.device),
@@ -127,6 +128,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--group-mib", type=int, default=64, help="the optimizer step's group size (optimizer_group_bytes)")
     p.add_argument("--skip", default="", help="comma list of contenders to skip: memory,fsdp2")
     p.add_argument("--device", default="cpu", help="where every contender computes: cpu, or cuda")
+    p.add_argument("--fused", action="store_true", default=None,
+                   help="every contender's AdamW with fused=True (torch's fused kernel; DeepSpeed configs get it "
+                        "unless they set torch_adam)")
     p.add_argument("--tier", default="nvme", choices=("nvme", "host"),
                    help="where the engine keeps parameters and optimizer state (host: raise --host-mib to hold them)")
     p.add_argument("--json")

@@ -29,11 +29,12 @@ def test_inference_contenders_match_the_in_memory_model(tmp_path, benchmark_scri
     assert os.listdir(scratch) == []
 
 
-def test_training_contenders_match_torch_adamw(tmp_path, benchmark_script):
+@pytest.mark.parametrize("options", [[], ["--fused", "--tier", "host"]])
+def test_training_contenders_match_torch_adamw(tmp_path, benchmark_script, options):
     out = tmp_path / "train.json"
     assert benchmark_script("train_bench").main([
         "--dir", str(tmp_path), "--layers", "1", "--embd", "64", "--vocab", "128", "--seq", "16", "--batch", "2",
-        "--steps", "2", "--skip", "fsdp2", "--json", str(out)]) == 0
+        "--steps", "2", "--skip", "fsdp2", "--json", str(out), *options]) == 0
     report = json.loads(out.read_text())
     assert report["device"] == "cpu"
     memory, ours = report["runs"]
