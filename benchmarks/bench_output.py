@@ -1,5 +1,6 @@
-"""What the benchmarks share: the load-average record, the JSON file, a headless pyplot, and for
-the ones that alternate contenders round by round, the rotation, paired ratios and a markdown table."""
+"""What the benchmarks share: the load-average record, the JSON file, a headless pyplot, the
+``--device`` a run computes on, and for the ones that alternate contenders round by round, the
+rotation, paired ratios and a markdown table."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import statistics
 import tempfile
 from typing import Any, Optional, Sequence, TypeVar
+
+import torch
 
 T = TypeVar("T")
 
@@ -80,3 +83,21 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def compute_device(parser: argparse.ArgumentParser, name: str) -> torch.device:
+    """The ``--device`` ``name`` as a device, a GPU numbered (NCCL binds a rank to one); a parser
+    error, before any work, where it asks for CUDA on a machine without it."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"--device {name}: CUDA is not available on this machine")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the kernels queued on ``device`` (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -24,7 +24,7 @@ import time
 from typing import Optional
 
 import torch
-from bench_output import paired_median, print_table, rotated, scratch_dir, with_load, write_json
+from bench_output import paired_median, print_table, rotated, scratch_dir, synchronize, with_load, write_json
 
 import tiered
 
@@ -41,14 +41,13 @@ def run_round(store: tiered.TieredStore, sources: dict[str, torch.Tensor], order
     for name, side, op in sorted(order, key=lambda c: c[2] == "get"):  # a round's puts before its gets
         key = f"{side}-{round_index}"
         source = sources[side]
-        synchronize = torch.cuda.synchronize if source.is_cuda else (lambda: None)
-        synchronize()
+        synchronize(source.device)
         started = time.perf_counter()
         if op == "put":
             store.sync.put(key, source, "nvme")
         else:
             got = store.sync.get(key, source.device)
-            synchronize()
+            synchronize(source.device)
         seconds[name] = time.perf_counter() - started
         if op == "get":
             assert torch.equal(got, source), f"{name}: the tensor read back differs from the one written"

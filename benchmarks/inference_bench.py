@@ -39,7 +39,7 @@ import time
 from typing import Callable, Optional
 
 import torch
-from bench_output import pyplot, scratch_dir, write_json
+from bench_output import compute_device, pyplot, scratch_dir, synchronize, write_json
 
 MiB = 1024 * 1024
 
@@ -135,8 +135,7 @@ def timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, 
     """Seconds ``fn`` takes, its kernels on ``device`` included."""
     start = time.perf_counter()
     out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.perf_counter() - start, out
 
 
@@ -149,7 +148,7 @@ def loop_forwards(model: torch.nn.Module, ids: torch.Tensor, expected: torch.Ten
     return out
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, device: torch.device) -> dict:
     import accelerate
 
     import engine
@@ -157,7 +156,6 @@ def run(args: argparse.Namespace) -> dict:
     from engine.layout import param_key
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    device = torch.device(args.device)
     reference = build_model(args.layers, args.embd, args.seed)
     nbytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     ids = torch.randint(0, reference.config.vocab_size, (args.batch, args.tokens),
@@ -186,7 +184,7 @@ def run(args: argparse.Namespace) -> dict:
         eng = engine.wrap(
             wrapped_model,
             config=engine.EngineConfig(store=store_cfg, param_tier="nvme", prefetch_bytes=args.prefetch_mib * MiB,
-                                       compute_device=args.device),
+                                       compute_device=str(device)),
         )
         ours = Contender("tiered engine, nvme, one forward from nothing prefetched")
         ours.note = (f"host budget {args.host_mib} MiB, prefetch {args.prefetch_mib} MiB, "
@@ -239,8 +237,7 @@ def run(args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             for _ in range(2):
                 wrapped_model(ids)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             steady_seconds = (time.perf_counter() - start) / 2
             after, usage_after = eng.stats(), resource.getrusage(resource.RUSAGE_SELF)
         read_per_forward = (after.store.bytes_read - before.store.bytes_read) / 2
@@ -348,9 +345,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1 or args.loop < 1:
         p.error(f"--repeats and --loop must be >= 1, got {args.repeats} and {args.loop}")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: CUDA is not available on this machine")
-    result = run(args)
+    result = run(args, compute_device(p, args.device))
     write_json(result, args.json)
     if args.plot:
         plot(result, args.plot)

@@ -31,7 +31,7 @@ import time
 from typing import Callable, Optional
 
 import torch
-from bench_output import pyplot, scratch_dir, with_load, write_json
+from bench_output import compute_device, pyplot, scratch_dir, with_load, write_json
 
 from engine.demo import GPT, BigramStream, GPTConfig
 
@@ -138,11 +138,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error(f"--steps must be >= 2 (the first is a warm-up), got {args.steps}")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # NCCL's rank binds to one numbered device
+    device = compute_device(p, args.device)
     skip = {s for s in args.skip.split(",") if s}
 
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_embd=args.embd,
