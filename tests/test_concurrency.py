@@ -121,7 +121,12 @@ async def test_gather_of_many_operations_on_overlapping_keys(tmp_path, seed, lay
         if key == PINNABLE:
             tensor = tensor.reshape(-1)[: 8 * KiB // tensor.element_size()]
         written[key].add(digest(tensor))  # before the put: a racing get may already see it
-        await store.put(key, tensor, tier)
+        try:
+            await store.put(key, tensor, tier)
+        except tiered.CapacityError:
+            assert counts["modify-entered"], "only modify blocks, holding memory as pins do, fill a tier"
+            counts["put-full"] += 1
+            return
         counts["put"] += 1
 
     async def get(key: str) -> None:
@@ -142,6 +147,10 @@ async def test_gather_of_many_operations_on_overlapping_keys(tmp_path, seed, lay
             await handle
         except KeyNotFoundError:  # deleted before the transfer started
             return
+        except tiered.CapacityError:
+            assert counts["modify-entered"], "only modify blocks, holding memory as pins do, fill a tier"
+            counts["prefetch-full"] += 1
+            return
         counts["prefetch"] += 1
 
     async def evict(key: str, tier: Tier) -> None:
@@ -159,6 +168,10 @@ async def test_gather_of_many_operations_on_overlapping_keys(tmp_path, seed, lay
             await store.pin(key, tier)
         except KeyNotFoundError:
             return
+        except tiered.CapacityError:
+            assert counts["modify-entered"], "only modify blocks, holding memory as pins do, fill a tier"
+            counts["pin-full"] += 1
+            return
         counts["pin"] += 1
 
     async def unpin(key: str) -> None:
@@ -167,6 +180,18 @@ async def test_gather_of_many_operations_on_overlapping_keys(tmp_path, seed, lay
         except KeyNotFoundError:
             return
         counts["unpin"] += 1
+
+    async def modify(key: str) -> None:
+        try:
+            async with store.modify(key) as t:
+                counts["modify-entered"] += 1
+                new = raw(t).roll(1).clone()  # other bytes, valid for every dtype (bools stay 0 or 1)
+                written[key].add(digest(new.view(t.dtype).reshape(t.shape)))
+                await asyncio.sleep(0)  # other operations run while the block is open
+                raw(t).copy_(new)
+        except KeyNotFoundError:
+            return
+        counts["modify"] += 1
 
     async def delete(key: str) -> None:
         try:
@@ -177,7 +202,8 @@ async def test_gather_of_many_operations_on_overlapping_keys(tmp_path, seed, lay
 
     def random_op():
         key = rng.choice(keys)
-        kind = rng.choices(["put", "get", "prefetch", "evict", "delete", "pin"], weights=[5, 4, 3, 2, 1, 1])[0]
+        kind = rng.choices(["put", "get", "prefetch", "evict", "delete", "pin", "modify"],
+                           weights=[5, 4, 3, 2, 1, 1, 2])[0]
         if kind == "pin":
             return pin(PINNABLE, rng.choice([None, *Tier])) if rng.random() < 0.5 else unpin(PINNABLE)
         if kind == "put":
@@ -188,6 +214,8 @@ async def test_gather_of_many_operations_on_overlapping_keys(tmp_path, seed, lay
             return prefetch(key, rng.choice(list(Tier)))
         if kind == "evict":
             return evict(key, rng.choice(list(Tier)))
+        if kind == "modify":
+            return modify(key)
         return delete(key)
 
     try:
@@ -198,12 +226,12 @@ async def test_gather_of_many_operations_on_overlapping_keys(tmp_path, seed, lay
             await asyncio.gather(*(random_op() for _ in range(60)))
 
         await asyncio.gather(*(asyncio.create_task(worker()) for _ in range(4)))
-        assert counts["put"] > 10 and counts["get"] > 10, counts
+        assert counts["put"] > 10 and counts["get"] > 10 and counts["modify"] > 3, counts
         # Whether the random phase evicted depends on the interleaving; ten 96 KiB puts into the
         # 256 KiB device tier, one after another, must.
         evictions = sum(store.stats().tiers[t].evictions for t in MEMORY_TIERS)
         for key in keys:
-            await put(key, random_tensor(rng, 96 * KiB), Tier.DEVICE)
+            await put(key, random_tensor(rng, 96 * KiB, min_bytes=64 * KiB), Tier.DEVICE)
         assert sum(store.stats().tiers[t].evictions for t in MEMORY_TIERS) > evictions
 
         # Whatever interleaving happened, every surviving key holds one of its values, intact.

@@ -9,6 +9,7 @@ reopen loses nothing.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 
@@ -339,6 +340,29 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.store.sync.unpin(key)
         assert not self.store.info(key).pinned
         self._forget_pin(key)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), tier=st.sampled_from([None, Tier.HOST]), raises=st.booleans())
+    def modify(self, data: st.DataObject, tier: Tier | None, raises: bool) -> None:
+        """Change a value in place (rotate its bytes: valid for every dtype): a memory copy is lent
+        and stays the only copy, an nvme one is read and put to ``tier``; a block that raises keeps
+        what it wrote."""
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        top = self._tiers(key)[0]
+        new = raw_bytes(self.model[key]).roll(1).clone()
+        block = self.store.sync.modify(key, tier)
+        with contextlib.suppress(ZeroDivisionError):
+            with block as t:
+                assert_same(t, self.model[key], key)
+                raw_bytes(t).copy_(new)
+                if raises:
+                    1 / 0
+        self.model[key] = new.view(self.model[key].dtype).reshape(self.model[key].shape)
+        if top is Tier.NVME:
+            assert self._tiers(key) == (tier or Tier.NVME,)
+        else:
+            assert self._tiers(key) == (top,)
+        self._after_put(key)
 
     @rule()
     def flush(self) -> None:

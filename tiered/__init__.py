@@ -15,7 +15,7 @@ from tiered.errors import (
 from tiered.io.host_memory import empty_aligned
 from tiered.policy import EvictionPolicy, FutureOrderPolicy, LRUPolicy
 from tiered.stats import NvmeSpace, StoreStats, SwapExtent, TierStats
-from tiered.store import Prefetch, SyncStore, TieredStore
+from tiered.store import Modification, Prefetch, SyncStore, TieredStore
 from tiered.tier import Tier
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ __all__ = [
     "KeyNotFoundError",
     "LRUPolicy",
     "ManifestError",
+    "Modification",
     "NvmeSpace",
     "Prefetch",
     "StoreClosedError",

@@ -41,6 +41,8 @@ class Entry:
     moving: dict[Tier, "asyncio.Task[None]"] = dataclasses.field(default_factory=dict)
     #: Tiers whose copy is being written down right now (not eligible as a victim again).
     leaving: set[Tier] = dataclasses.field(default_factory=set)
+    #: Set while a ``store.modify`` block changes this version; done when the block exits.
+    editing: "Optional[asyncio.Future[None]]" = None
 
     @property
     def dirty(self) -> bool:

@@ -42,6 +42,7 @@ from tiered.policy import EvictionPolicy, FutureOrderPolicy
 from tiered.spans import Span, new_result, spans_of_tensor
 from tiered.stats import NvmeSpace, StoreStats, SwapExtent
 from tiered.store_batch import BatchCalls
+from tiered.store_modify import Modification, Modifications
 from tiered.store_errors import naming_key, read_error, unusable_directory
 from tiered.store_input import (
     check_compress,
@@ -60,12 +61,12 @@ from tiered.store_sync import SyncStore
 from tiered.store_tiers import TierBookkeeping
 from tiered.tier import TIERS_TOP_DOWN, Tier
 
-__all__ = ["LOCK_NAME", "Prefetch", "SyncStore", "TieredStore"]
+__all__ = ["LOCK_NAME", "Modification", "Prefetch", "SyncStore", "TieredStore"]
 
 T = TypeVar("T")
 
 
-class TieredStore(BatchCalls, TierBookkeeping):
+class TieredStore(BatchCalls, Modifications, TierBookkeeping):
     """A key -> tensor store over three tiers. Create it with :meth:`open`."""
 
     def __init__(self, config: StoreConfig, policy: Optional[EvictionPolicy], loop: LoopThread) -> None:
@@ -78,7 +79,8 @@ class TieredStore(BatchCalls, TierBookkeeping):
         self._inflight: dict[Tier, int] = {t: 0 for t in TIERS_TOP_DOWN}
         self._tier_locks = {t: asyncio.Lock() for t in TIERS_TOP_DOWN}
         self._space_waiters: dict[Tier, list[asyncio.Future[None]]] = {t: [] for t in TIERS_TOP_DOWN}
-        self._key_locks = KeyLocks()  # puts and deletes of one key run one at a time
+        self._key_locks = KeyLocks()  # puts, deletes and modify blocks of one key run one at a time
+        self._edits: set[Any] = set()  # open modify blocks (store_modify._Edit)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._generation = itertools.count()
         self._stats = StoreStats()
@@ -233,6 +235,7 @@ class TieredStore(BatchCalls, TierBookkeeping):
 
     async def _close_once(self) -> None:
         self._closing = True
+        self._abandon_modifications()  # gets and transfers waiting for a block would hold the close up
         current = asyncio.current_task()
         while True:
             pending = {t for t in self._tasks if t is not current and not t.done()}
@@ -472,11 +475,15 @@ class TieredStore(BatchCalls, TierBookkeeping):
         return await future
 
     def _call_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        return self._submit_sync(fn, *args).result()
+
+    def _submit_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> "concurrent.futures.Future[T]":
+        """``_submit`` for the sync facade, which must not block the store's own loop thread."""
         if self._loop_thread.on_loop_thread():
             raise RuntimeError(
                 "the sync facade (store.sync) cannot be used on the store's own loop thread; await the async method"
             )
-        return self._submit(fn, *args).result()
+        return self._submit(fn, *args)
 
     async def _detached(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``fn`` as a task the caller's cancellation cannot interrupt, tracked for close()."""
@@ -561,7 +568,7 @@ class TieredStore(BatchCalls, TierBookkeeping):
             faster = [task for t, task in entry.moving.items() if top is None or t.rank < top.rank]
             if faster:
                 await asyncio.wait(faster)  # a failed prefetch only means we read the slower copy
-                entry = self._entry(key)
+        entry = await self._unedited(key)  # last: nothing awaits between this and taking the reader
         allocated = None
         if out is None:
             result, dst = new_result(entry.shape, entry.dtype, device, self._results)
@@ -674,6 +681,10 @@ class TieredStore(BatchCalls, TierBookkeeping):
 
     async def _copy_to(self, entry: Entry, tier: Tier) -> None:
         """Make a copy of ``entry`` in ``tier`` from its fastest existing copy, then install it."""
+        if entry.editing is not None:  # a modify block is changing the bytes: copy what it leaves
+            await asyncio.wait([entry.editing])
+            if self._entries.get(entry.key) is not entry:
+                return
         if tier is Tier.NVME:
             source = entry.top()
             if source is None:

@@ -128,6 +128,10 @@ class BatchCalls:
         if faster:
             await asyncio.wait(faster)  # a failed prefetch only means we read the slower copy
             entries = self._entries_of(keys)
+        # Last, as nothing awaits between this and taking the readers: versions in modify blocks.
+        while editing := [e.editing for e in entries if e.editing is not None]:
+            await asyncio.wait(editing)
+            entries = self._entries_of(keys)
         results: list[torch.Tensor] = []
         dsts: list[list[Span]] = []
         last_new: Optional[torch.Tensor] = None

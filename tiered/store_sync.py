@@ -13,6 +13,7 @@ from tiered.tier import Tier
 
 if TYPE_CHECKING:
     from tiered.store import TieredStore
+    from tiered.store_modify import Modification
 
 
 class SyncStore:
@@ -92,6 +93,10 @@ class SyncStore:
     def unpin(self, key: str) -> None:
         """Blocking :meth:`TieredStore.unpin`."""
         self._store._call_sync(self._store._unpin, key)
+
+    def modify(self, key: str, tier: "Tier | str | None" = None) -> "Modification":
+        """:meth:`TieredStore.modify` as a plain context manager: ``with store.sync.modify(key) as t: ...``."""
+        return self._store.modify(key, tier)
 
     def flush(self) -> None:
         """Blocking :meth:`TieredStore.flush`."""

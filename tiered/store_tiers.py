@@ -46,7 +46,8 @@ class TierBookkeeping:
                     continue
                 raise CapacityError(
                     f"{tier.value} tier: {nbytes} bytes do not fit; {backend.used} of {backend.budget} bytes are "
-                    f"in use and {pinned} of them are pinned; unpin entries or raise the budget"
+                    f"in use and {pinned} of them are pinned or held by modify blocks; unpin entries, end the blocks "
+                    "or raise the budget"
                 )
             copy = await backend.allocate(nbytes)
             self._inflight[tier] += copy.footprint
@@ -58,14 +59,15 @@ class TierBookkeeping:
             entry = self._entries.get(key)
             if entry is None or tier not in entry.copies:
                 continue
-            if entry.pinned or tier in entry.leaving or entry.copies[tier].readers:
+            if entry.pinned or tier in entry.leaving or entry.copies[tier].readers or entry.editing is not None:
                 continue
             return entry
         return None
 
     def _pinned_bytes(self, tier: Tier) -> int:
         return sum(
-            e.copies[tier].footprint for k in self._resident[tier] if (e := self._entries[k]).pinned
+            e.copies[tier].footprint for k in self._resident[tier]
+            if (e := self._entries[k]).pinned or e.editing is not None  # a modify block holds it as if pinned
         )
 
     async def _make_room(self, entry: Entry, tier: Tier) -> None:

@@ -1,0 +1,268 @@
+"""modify: change a stored tensor in place, with no copy out and back when it lives in CPU memory.
+
+A mixin of TieredStore: its methods run on the store's state, and the private ones on its loop.
+
+An entry whose fastest copy is in host or device memory is lent: the store swaps the entry for a
+new version that owns that copy (retiring the old version's other copies, durably when it was
+committed), and the block writes that memory directly when it is one contiguous CPU range (the
+host pool; the device tier without a GPU), or else a CPU copy that goes back into the same memory
+on exit. An entry held only on nvme is read into a new tensor and put on exit (back to nvme unless
+the caller names a tier). Either way the key is locked for the block's duration: its gets wait for
+the block, and so do its puts, deletes, prefetches, flushes and evictions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+from types import TracebackType
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from tiered.backends import Copy
+from tiered.entry import Entry
+from tiered.errors import StoreClosedError
+from tiered.spans import Span, new_result, spans_of_tensor
+from tiered.store_input import check_key
+from tiered.tier import Tier
+
+if TYPE_CHECKING:
+    from tiered.store import TieredStore
+
+
+@dataclasses.dataclass(eq=False)
+class _Edit:
+    """One open modification (store loop state)."""
+
+    entry: Entry  # the version gets wait on while the block runs
+    tensor: torch.Tensor
+    tier: Tier  # where the lent copy is, or where an nvme entry's value is put on exit
+    lent: Optional[Copy]  # the memory copy this version owns; None: an nvme entry, put back on exit
+    done: "asyncio.Future[None]"
+    in_place: bool = False  # the tensor is the lent copy's memory (else a copy of it, copied back on exit)
+    abandoned: bool = False  # the store closed first
+
+
+class Modification:
+    """What :meth:`TieredStore.modify` and ``store.sync.modify`` return: a context manager (``async
+    with`` or ``with``) whose value is the entry's tensor, to change in place.
+
+    ``in_place`` says, once entered, whether the tensor is the store's own memory (True) or a copy
+    that is written back on exit (False).
+    """
+
+    def __init__(self, store: "TieredStore", key: str, tier: Optional[Tier]) -> None:
+        self._store = store
+        self._key = key
+        self._tier = tier
+        self._edit: Optional[_Edit] = None
+
+    @property
+    def in_place(self) -> bool:
+        """True when the block writes the store's memory directly (valid once entered)."""
+        if self._edit is None:
+            raise RuntimeError(f"modification of {self._key!r} is not open")
+        return self._edit.in_place
+
+    async def __aenter__(self) -> torch.Tensor:
+        self._check_unused()
+        opening = asyncio.ensure_future(self._store._call(self._store._begin_modify, self._key, self._tier))
+        try:
+            self._edit = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(self._end_unclaimed)  # the block opens anyway: end it
+            raise
+        return self._edit.tensor
+
+    async def __aexit__(self, exc_type: Optional[type], exc: Optional[BaseException],
+                        tb: Optional[TracebackType]) -> None:
+        edit = self._release()
+        await self._store._call(self._store._end_modify, edit)
+
+    def __enter__(self) -> torch.Tensor:
+        self._check_unused()
+        opening = self._store._submit_sync(self._store._begin_modify, self._key, self._tier)
+        try:
+            self._edit = opening.result()
+        except BaseException:  # KeyboardInterrupt while waiting: the block opens anyway, end it then
+            opening.add_done_callback(self._end_unclaimed)
+            raise
+        return self._edit.tensor
+
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        edit = self._release()
+        self._store._call_sync(self._store._end_modify, edit)
+
+    def _end_unclaimed(self, opening: "asyncio.Future[_Edit] | concurrent.futures.Future[_Edit]") -> None:
+        """End a block whose caller stopped waiting for it to open (else its key would stay locked)."""
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        try:
+            self._store._submit(self._store._end_modify, opening.result())
+        except StoreClosedError:
+            pass  # the close ended it
+
+    def _check_unused(self) -> None:
+        if self._edit is not None:
+            raise RuntimeError(f"modification of {self._key!r} is already open; a Modification is entered once")
+
+    def _release(self) -> _Edit:
+        edit, self._edit = self._edit, None
+        assert edit is not None, "exit without enter"
+        if edit.abandoned:
+            raise StoreClosedError(
+                f"the store closed while {self._key!r} was being modified; "
+                + ("the bytes written before the close were kept" if edit.in_place
+                   else "the change was not stored (reopen the store and modify again)")
+            )
+        return edit
+
+
+class Modifications:
+    """:meth:`modify` of :class:`~tiered.store.TieredStore` (mixed into it)."""
+
+    def modify(self: "TieredStore", key: str, tier: "Tier | str | None" = None) -> Modification:
+        """Change the value of ``key`` in place: ``async with store.modify(key) as t: t.mul_(2)``.
+
+        ``t`` has the entry's dtype and shape. When the entry's fastest copy is one contiguous range
+        of CPU memory (host tier; device tier without a GPU), ``t`` is that memory and nothing is
+        copied. Otherwise ``t`` is a new CPU tensor holding the value, written back when the block
+        exits: into the same memory when the entry was in host or device memory, else put to
+        ``tier`` (None: back to nvme, durably). The new value replaces the old as a put would (an
+        older committed version is retired; one in memory is written down when evicted, flushed or
+        on close).
+
+        Until the block exits, the key's gets, puts, deletes and transfers wait for it: do not call
+        them for the same key inside the block (they would wait for ever), and do not use ``t``
+        after it. If the block raises, the key keeps what the block wrote so far, as a tensor
+        changed in place by a failing function would. KeyNotFoundError if the key is absent.
+        """
+        self._check_open()
+        check_key(key)
+        return Modification(self, key, None if tier is None else Tier.parse(tier))
+
+    # ------------------------------------------------------------------ store loop
+
+    async def _begin_modify(self: "TieredStore", key: str, put_to: Optional[Tier]) -> _Edit:
+        await self._key_locks.acquire(key)
+        editing: "Optional[asyncio.Future[None]]" = None
+        try:
+            entry = self._entry(key)
+            while entry.moving:  # a prefetch or write-down of this version: let it finish first
+                await asyncio.wait(list(entry.moving.values()))
+                entry = self._entry(key)
+            # From here new gets and transfers of this version wait for the block (the key lock keeps
+            # the version current); gets already reading its memory must finish before it is lent.
+            editing = entry.editing = asyncio.get_running_loop().create_future()
+            while (tier := entry.top()) is not Tier.NVME and entry.copies[tier].readers:  # type: ignore[index]
+                assert tier is not None
+                waiter = asyncio.get_running_loop().create_future()
+                self._space_waiters[tier].append(waiter)  # _end_read wakes the tier's waiters
+                await waiter
+            assert tier is not None
+            if tier is Tier.NVME:
+                edit = await self._read_for_edit(entry, put_to or Tier.NVME, editing)
+            else:
+                edit = await self._lend(entry, tier, editing)
+        except BaseException:
+            if editing is not None:
+                entry.editing = None
+                editing.set_result(None)
+            self._key_locks.release(key)
+            raise
+        self._edits.add(edit)
+        if self._closing:  # the close has already ended the blocks open when it started
+            edit.abandoned = True
+            self._finish_edit(edit)
+            self._check_open()
+        return edit
+
+    async def _lend(self: "TieredStore", entry: Entry, tier: Tier, editing: "asyncio.Future[None]") -> _Edit:
+        """Make a new version of ``entry`` that owns its ``tier`` copy, and lend that copy's memory:
+        as it is when it is one CPU range, else as a CPU tensor copied back into it on exit (so the
+        block never needs room in a tier, which other lent copies could be holding)."""
+        key = entry.key
+        copy = entry.copies.pop(tier)
+        new = Entry(key, entry.dtype, entry.shape, entry.nbytes, next(self._generation), compress=entry.compress)
+        new.pinned = entry.pinned
+        new.copies[tier] = copy
+        self._begin_read(new, tier)  # a copy with a reader is never chosen as an eviction victim
+        new.editing = editing
+        memory = self._memory_spans(tier, copy)
+        view = _one_cpu_range(memory, entry)
+        edit = _Edit(new, view if view is not None else torch.empty(0), tier, copy, editing, in_place=view is not None)
+        self._entries[key] = new
+        entry.editing = None  # retired: waiters look the key up again and find the new version
+        self._policy.touch(key)
+        try:
+            if entry.persisted:
+                # The old version must not come back after a crash once this one replaced it.
+                await self._retire_durably(entry, new.generation)
+            else:
+                self._retire(entry)
+            if view is None:
+                edit.tensor, dst = new_result(entry.shape, entry.dtype, "cpu", self._results)
+                await self._device.copy(dst, memory)
+                self._count_get(new, tier)
+        except BaseException:
+            self._finish_edit(edit)  # the new version holds the old bytes, unchanged: nothing is lost
+            raise
+        return edit
+
+    async def _read_for_edit(self: "TieredStore", entry: Entry, put_to: Tier, editing: "asyncio.Future[None]"
+                             ) -> _Edit:
+        """Read an entry held only on nvme into a new CPU tensor, to be put to ``put_to`` on exit."""
+        result, dst = new_result(entry.shape, entry.dtype, "cpu", self._results)
+        copy = self._begin_read(entry, Tier.NVME)
+        try:
+            await self._read_copy(entry, Tier.NVME, copy, dst)
+        finally:
+            self._end_read(Tier.NVME, copy)
+        self._count_get(entry, Tier.NVME)
+        return _Edit(entry, result, put_to, None, editing)
+
+    async def _end_modify(self: "TieredStore", edit: _Edit) -> None:
+        try:
+            if edit.lent is None:
+                await self._put_locked(edit.entry.key, edit.tensor, edit.tier, edit.entry.compress)
+            elif not edit.in_place:
+                await self._device.copy(self._memory_spans(edit.tier, edit.lent), spans_of_tensor(edit.tensor))
+        finally:
+            self._finish_edit(edit)
+
+    def _finish_edit(self: "TieredStore", edit: _Edit) -> None:
+        """Wake the key's waiters and give the key up (lent memory: eviction may take it again)."""
+        if edit.lent is not None:
+            self._end_read(edit.tier, edit.lent)
+        edit.entry.editing = None
+        if not edit.done.done():
+            edit.done.set_result(None)
+        self._edits.discard(edit)
+        self._key_locks.release(edit.entry.key)
+
+    def _abandon_modifications(self: "TieredStore") -> None:
+        """At close: end every open block as it stands (a lent entry keeps the bytes written so
+        far, which the close then writes down; a copy is never put back)."""
+        for edit in list(self._edits):
+            edit.abandoned = True
+            self._finish_edit(edit)
+
+    async def _unedited(self: "TieredStore", key: str) -> Entry:
+        """The current version of ``key``, once no block is modifying it."""
+        entry = self._entry(key)
+        while entry.editing is not None:
+            await asyncio.wait([entry.editing])
+            entry = self._entry(key)
+        return entry
+
+
+def _one_cpu_range(memory: Optional[list[Span]], entry: Entry) -> Optional[torch.Tensor]:
+    """The entry's bytes as a tensor of its dtype and shape, when they are one CPU range."""
+    if memory is None or len(memory) != 1 or memory[0].tensor.device.type != "cpu":
+        return None
+    try:
+        return memory[0].tensor.view(entry.dtype).view(entry.shape)
+    except (RuntimeError, TypeError):  # a dtype that uint8 memory cannot be viewed as
+        return None
