@@ -229,6 +229,7 @@ class AdamW(torch.optim.Optimizer):
             on_event=on_event,
             grad_scale=grad_scale,
             grad_norm=grad_norm,
+            in_place=config.updates_in_place,
         )
         self._shard_steps.update(stats.step_counts)
         return stats

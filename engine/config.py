@@ -35,6 +35,11 @@ class EngineConfig:
     prefetch_bytes: int = 256 * MiB
     #: Where fp32 master weights and Adam moments live (engine.AdamW).
     optimizer_tier: str = "nvme"
+    #: Update master weights and moments where they lie in host memory (``store.modify``) instead of
+    #: writing each step's new values to a second slot: no copies, but a step that fails part way
+    #: leaves some shards updated (as torch's optimizers do). None (default) does so exactly when
+    #: ``optimizer_tier`` is "host", whose state a crash loses anyway; True needs "host".
+    optimizer_in_place: Optional[bool] = None
     #: Where fp32 gradient shards wait between backward and step().
     grad_tier: str = "host"
     #: Store master weights and moments compressed (lossless byte-plane zstd, docs/compression.md).
@@ -98,6 +103,16 @@ class EngineConfig:
         _check_int("activation_min_bytes", self.activation_min_bytes, minimum=1)
         _check_int("activation_window_bytes", self.activation_window_bytes, minimum=1)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
+        if self.optimizer_in_place is not None and not isinstance(self.optimizer_in_place, bool):
+            raise ValueError(
+                f"EngineConfig.optimizer_in_place must be True, False or None, got {self.optimizer_in_place!r}"
+            )
+        if self.optimizer_in_place and self.optimizer_tier != "host":
+            raise ValueError(
+                f"EngineConfig.optimizer_in_place=True updates state in host memory, but optimizer_tier is "
+                f"{self.optimizer_tier!r}: set optimizer_tier='host', or leave optimizer_in_place None (a state on "
+                "nvme is written to a second slot, so a crash mid-step leaves the previous one whole)"
+            )
         if not isinstance(self.compress_optimizer, bool):
             raise ValueError(f"EngineConfig.compress_optimizer must be True or False, got {self.compress_optimizer!r}")
         if self.max_grad_norm is not None:
@@ -127,6 +142,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.progress must be True or False, got {self.progress!r}")
         if not isinstance(self.resume, bool):
             raise ValueError(f"EngineConfig.resume must be True or False, got {self.resume!r}")
+
+    @property
+    def updates_in_place(self) -> bool:
+        """Whether the optimizer step updates state in place (``optimizer_in_place`` resolved)."""
+        return self.optimizer_tier == "host" if self.optimizer_in_place is None else self.optimizer_in_place
 
     def replace(self, **changes: Any) -> "EngineConfig":
         """A copy with some fields changed (validated again)."""

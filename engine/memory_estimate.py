@@ -145,7 +145,7 @@ def estimate_memory(
     budgets = {"device": store.device_bytes, "host": store.host_bytes, "nvme": store.nvme_bytes}
     placed = {t: sum(p.charged for p in parts if p.tier == t) for t in _TIERS}
     during = dict(placed)
-    if training:
+    if training and not config.updates_in_place:
         during[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
     at_rest, during_step = _apply_budgets(placed, budgets), _apply_budgets(during, budgets)
     compute = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
@@ -238,9 +238,13 @@ def _host_rss_bound(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, m
         fp32_total = parts[1].charged  # every fp32 shard once
         largest = sizes.largest_fp32_shard
         group = max(config.optimizer_group_bytes, largest)
-        # three groups (never more than all shards) of fp32 gradient + master + two moments, plus
-        # the new shard in the training dtype when that is not fp32
-        rss += min(3 * group, fp32_total) * (4 * 4 + sizes.extra_itemsize) // 4
+        # three groups (never more than all shards) of fp32 gradient + master + two moments (in place:
+        # the gradient alone, the rest is the host tier's memory), plus the new shard in the training
+        # dtype when that is not fp32 (in place with host parameters: cast into their entries)
+        in_place = config.updates_in_place
+        state = 4 if in_place else 4 * 4
+        extra = 0 if in_place and config.param_tier == "host" else sizes.extra_itemsize
+        rss += min(3 * group, fp32_total) * (state + extra) // 4
         rss += min(config.optimizer_group_bytes, fp32_total) + 2 * largest  # gradient puts in flight
         if config.compress_optimizer:
             rss += CACHE_BYTES + largest  # the codec's idle buffers + one being coded

@@ -24,6 +24,8 @@ class AsyncTensorStore(Protocol):
 
     async def put(self, key: str, tensor: torch.Tensor, tier: Any = ..., compress: Optional[bool] = None) -> None: ...
 
+    def modify(self, key: str, tier: Any = None) -> Any: ...
+
     def __contains__(self, key: object) -> bool: ...
 
 
@@ -95,6 +97,36 @@ class IOCounter:
         """``store.put(key, tensor, tier, compress)``, counting its bytes."""
         await store.put(key, tensor, tier, compress)
         self.bytes_written += tensor.numel() * tensor.element_size()
+
+    async def modify(self, blocks: "ModifyBlocks", store: AsyncTensorStore, key: str, tier: str) -> torch.Tensor:
+        """Open ``store.modify(key, tier)`` in ``blocks``; counts bytes only when the store had to copy
+        the value out and back (it was not in host memory in one piece)."""
+        tensor, in_place = await blocks.enter(store, key, tier)
+        if not in_place:
+            nbytes = tensor.numel() * tensor.element_size()
+            self.bytes_read += nbytes
+            self.bytes_written += nbytes
+        return tensor
+
+
+class ModifyBlocks:
+    """``store.modify`` blocks opened one by one and ended together, concurrently (a sequential exit
+    would pay one round trip to the store's loop per block)."""
+
+    def __init__(self) -> None:
+        self._open: list[Any] = []
+
+    async def enter(self, store: AsyncTensorStore, key: str, tier: str) -> tuple[torch.Tensor, bool]:
+        """Open a block on ``key``: its tensor, and whether that is the store's own memory."""
+        block = store.modify(key, tier)
+        tensor = await block.__aenter__()
+        self._open.append(block)
+        return tensor, block.in_place
+
+    async def close(self) -> None:
+        """End every open block (all of them, even when one fails; then raise the first error)."""
+        blocks, self._open = self._open, []
+        await gather_all(block.__aexit__(None, None, None) for block in blocks)
 
 
 async def gather_all(awaitables: Iterable["Awaitable[T]"]) -> list[T]:

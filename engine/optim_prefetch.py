@@ -92,6 +92,11 @@ class PrefetchedStore:
         """``store.put``."""
         await self._store.put(key, tensor, tier, compress)
 
+    def modify(self, key: str, tier: Any = None) -> Any:
+        """``store.modify`` (a prefetched read of ``key``, which it makes stale, is dropped)."""
+        self._futures.pop(key, None)
+        return self._store.modify(key, tier)
+
     def __contains__(self, key: object) -> bool:
         return key in self._store
 

@@ -15,6 +15,13 @@ so results equal ``torch.optim.AdamW`` on the same tensors bit for bit.
 State is created lazily: a shard whose master key is absent from the store gets its fp32 master
 from its training-dtype ``param_key`` shard and zero moments at its first step (as torch creates
 ``exp_avg``/``exp_avg_sq`` at the first step); :func:`init_state` creates them ahead instead.
+
+``in_place=True`` (state in host memory) replaces the read and the write of master and moments by
+``store.modify`` blocks: the math runs on the store's own memory, held from the group's read to its
+write, and with ``param_tier="host"`` the new training-dtype shard is cast straight into its entry
+too. Nothing is copied, so only the gradients move (state the store wrote down to nvme, after a
+resume say, is read and put back to host memory); the price is that a step failing part way leaves
+the groups before the failure updated.
 """
 
 from __future__ import annotations
@@ -29,7 +36,16 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from engine.optim_clip import AllReduceSum, apply_clip, clip_coefficient, global_grad_norm, grad_norms_async
-from engine.optim_io import AsyncTensorStore, IOCounter, check_shards, drain, gather_all, plan_groups, run_sync
+from engine.optim_io import (
+    AsyncTensorStore,
+    IOCounter,
+    ModifyBlocks,
+    check_shards,
+    drain,
+    gather_all,
+    plan_groups,
+    run_sync,
+)
 from engine.optim_types import AdamHyper, OptimizerStateError, OptimShard, OptimStepStats
 
 MiB = 1024 * 1024
@@ -52,6 +68,8 @@ class _Loaded:
     exp_avg: Optional[torch.Tensor] = None
     exp_avg_sq: Optional[torch.Tensor] = None
     param: Optional[torch.Tensor] = None  # training-dtype shard read at the first step, then the new one
+    in_place: bool = False  # master and moments are the store's memory (modify blocks): nothing to write
+    param_entry: Optional[torch.Tensor] = None  # the param entry's memory, to cast the new shard into
 
 
 async def step_async(
@@ -70,6 +88,7 @@ async def step_async(
     on_event: Optional[EventHook] = None,
     grad_scale: float = 1.0,
     grad_norm: Optional[torch.Tensor] = None,
+    in_place: bool = False,
 ) -> OptimStepStats:
     """One AdamW step over ``shards`` in the store; returns what it did and cost.
 
@@ -85,6 +104,9 @@ async def step_async(
     ``grad_scale`` multiplies every gradient before clipping and the update: the inverse of a loss
     scale (``engine/loss_scaling.py``), as ``GradScaler.unscale_`` does. ``grad_norm`` is the global
     norm of the gradients as stored (before ``grad_scale``), when the caller has it already.
+
+    ``in_place`` updates master and moments where they lie (see the module docstring): needs
+    ``state_tier="host"`` and shards without ``state_out_keys``.
     """
     started = time.perf_counter()
     hyper_list = [hypers] if isinstance(hypers, AdamHyper) else list(hypers)
@@ -93,6 +115,8 @@ async def step_async(
     _check_tier("state_tier", state_tier, STATE_TIERS)
     _check_tier("param_tier", param_tier, PARAM_TIERS)
     check_shards(shards, len(hyper_list))
+    if in_place:
+        _check_in_place(shards, state_tier)
     counts = {s.name: _step_count(steps, s.name) for s in shards}
     groups = plan_groups(shards, group_bytes)
     io = IOCounter()
@@ -117,11 +141,16 @@ async def step_async(
     update_seconds = 0.0
     reading: Optional[asyncio.Future[list[_Loaded]]] = None
     writing: Optional[asyncio.Future[None]] = None
+    # In place: each group's modify blocks, open from its read until its write has ended them.
+    open_blocks: dict[int, ModifyBlocks] = {}
 
     def start_read(i: int) -> "asyncio.Future[list[_Loaded]]":
         if on_event is not None:
             on_event("read", i)
-        return asyncio.ensure_future(_read_group(store, groups[i], counts, io))
+        blocks = None
+        if in_place:
+            blocks = open_blocks[i] = ModifyBlocks()
+        return asyncio.ensure_future(_read_group(store, groups[i], counts, io, blocks, param_tier))
 
     try:
         reading = start_read(0) if groups else None
@@ -137,7 +166,9 @@ async def step_async(
                 await io.wait(writing)
             if on_event is not None:
                 on_event("write", i)
-            writing = asyncio.ensure_future(_write_group(store, loaded, io, state_tier, param_tier, state_compress))
+            writing = asyncio.ensure_future(
+                _write_group(store, loaded, io, state_tier, param_tier, state_compress, open_blocks.pop(i, None))
+            )
             for item in loaded:
                 counts[item.shard.name] = int(item.step.item())
             updated += len(loaded)
@@ -146,9 +177,11 @@ async def step_async(
             await io.wait(writing)
     except BaseException:
         # Reads in flight are dropped; a write already started runs to its end (cancelling it could
-        # leave a shard with only some of its four tensors written).
-        await drain([reading], cancel=True)
+        # leave a shard with only some of its four tensors written). A read that opens modify blocks
+        # runs to its end too, so that every block it opened is known and ended here.
+        await drain([reading], cancel=not in_place)
         await drain([writing], cancel=False)
+        await drain([asyncio.ensure_future(blocks.close()) for blocks in open_blocks.values()], cancel=False)
         raise
     return OptimStepStats(
         seconds=time.perf_counter() - started,
@@ -181,12 +214,13 @@ def step(
     on_event: Optional[EventHook] = None,
     grad_scale: float = 1.0,
     grad_norm: Optional[torch.Tensor] = None,
+    in_place: bool = False,
 ) -> OptimStepStats:
     """Blocking :func:`step_async` (same arguments), for ``eng.step()``: runs on a private event loop."""
     return run_sync(step_async(
         store, shards, hypers, steps, state_tier=state_tier, param_tier=param_tier, compress=compress,
         group_bytes=group_bytes, max_grad_norm=max_grad_norm, grad_norms=grad_norms, all_reduce=all_reduce,
-        on_event=on_event, grad_scale=grad_scale, grad_norm=grad_norm,
+        on_event=on_event, grad_scale=grad_scale, grad_norm=grad_norm, in_place=in_place,
     ))
 
 
@@ -231,12 +265,16 @@ def init_state(store: AsyncTensorStore, shards: Sequence[OptimShard], *, state_t
 
 
 async def _read_group(
-    store: AsyncTensorStore, group: list[OptimShard], counts: Mapping[str, int], io: IOCounter
+    store: AsyncTensorStore, group: list[OptimShard], counts: Mapping[str, int], io: IOCounter,
+    blocks: Optional[ModifyBlocks], param_tier: str,
 ) -> list[_Loaded]:
-    """Start every read of the group's shards that have a gradient, and wait for them all."""
+    """Start every read of the group's shards that have a gradient, and wait for them all (with
+    ``blocks``, open modify blocks on master and moments instead of reading them)."""
 
     async def load(shard: OptimShard) -> _Loaded:
         step_t = torch.tensor(float(counts[shard.name]), dtype=torch.float32)
+        if blocks is not None and shard.master_key in store:
+            return await _load_in_place(store, shard, step_t, io, blocks, param_tier)
         if shard.master_key in store:
             grad, master, exp_avg, exp_avg_sq = await gather_all(
                 io.get(store, k) for k in (shard.grad_key, shard.master_key, shard.exp_avg_key, shard.exp_avg_sq_key)
@@ -258,6 +296,26 @@ async def _read_group(
         return _Loaded(shard, _flat_grad(shard, grad), step_t, param=param.view(-1))
 
     return await gather_all(load(s) for s in group if s.grad_key in store)
+
+
+async def _load_in_place(store: AsyncTensorStore, shard: OptimShard, step_t: torch.Tensor, io: IOCounter,
+                          blocks: ModifyBlocks, param_tier: str) -> _Loaded:
+    """A shard whose master and moments the update changes where they lie (in-place steps)."""
+    keys = (shard.master_key, shard.exp_avg_key, shard.exp_avg_sq_key)
+    grad, *state = await gather_all([io.get(store, shard.grad_key),
+                                     *(io.modify(blocks, store, k, "host") for k in keys)])
+    for what, t in zip(("master", "exp_avg", "exp_avg_sq"), state):
+        _check_state(shard, what, t)
+    item = _Loaded(shard, _flat_grad(shard, grad), step_t, *(t.view(-1) for t in state), in_place=True)
+    if param_tier == "host" and shard.param_key in store:
+        param = await io.modify(blocks, store, shard.param_key, "host")
+        if param.numel() != shard.numel or param.dtype != shard.train_dtype:
+            raise OptimizerStateError(
+                f"shard {shard.name!r}: {shard.param_key!r} in the store is {param.dtype} with {param.numel()} "
+                f"elements, expected {shard.train_dtype} with {shard.numel}"
+            )
+        item.param_entry = param.view(-1)
+    return item
 
 
 def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, coef: Optional[torch.Tensor],
@@ -300,22 +358,30 @@ def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, c
         for item in loaded:
             assert item.master is not None
             dtype = item.shard.train_dtype
-            item.param = item.master if dtype == torch.float32 else item.master.to(dtype)
+            if item.param_entry is not None:
+                item.param_entry.copy_(item.master)  # the same rounding as .to(dtype)
+            else:
+                item.param = item.master if dtype == torch.float32 else item.master.to(dtype)
 
 
 async def _write_group(store: AsyncTensorStore, loaded: list[_Loaded], io: IOCounter, state_tier: str,
-                       param_tier: str, compress: Optional[bool]) -> None:
-    """Write every updated tensor of a group back, all puts in flight together."""
+                       param_tier: str, compress: Optional[bool], blocks: Optional[ModifyBlocks]) -> None:
+    """End the group's modify blocks (in-place state: that is its write; first, as their memory may be
+    what the puts need), then write every other updated tensor back, all puts in flight together."""
+    if blocks is not None:
+        await blocks.close()
     puts = []
     for item in loaded:
         s = item.shard
         assert item.master is not None and item.exp_avg is not None and item.exp_avg_sq is not None
-        assert item.param is not None
-        master_key, exp_avg_key, exp_avg_sq_key = s.out_keys
-        puts.append(io.put(store, master_key, item.master, state_tier, compress))
-        puts.append(io.put(store, exp_avg_key, item.exp_avg, state_tier, compress))
-        puts.append(io.put(store, exp_avg_sq_key, item.exp_avg_sq, state_tier, compress))
-        puts.append(io.put(store, s.param_key, item.param, param_tier, None))
+        if not item.in_place:
+            master_key, exp_avg_key, exp_avg_sq_key = s.out_keys
+            puts.append(io.put(store, master_key, item.master, state_tier, compress))
+            puts.append(io.put(store, exp_avg_key, item.exp_avg, state_tier, compress))
+            puts.append(io.put(store, exp_avg_sq_key, item.exp_avg_sq, state_tier, compress))
+        if item.param_entry is None:
+            assert item.param is not None
+            puts.append(io.put(store, s.param_key, item.param, param_tier, None))
     await gather_all(puts)
 
 
@@ -355,6 +421,14 @@ def _step_count(steps: Mapping[str, int], name: str) -> int:
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"steps[{name!r}] must be an int >= 0, got {count!r}")
     return count
+
+
+def _check_in_place(shards: Sequence[OptimShard], state_tier: str) -> None:
+    if state_tier != "host":
+        raise ValueError(f"in_place=True updates state in host memory; state_tier must be 'host', got {state_tier!r}")
+    moved = [s.name for s in shards if s.state_out_keys is not None]
+    if moved:
+        raise ValueError(f"in_place=True updates state where it lies, but shards {moved[:3]} set state_out_keys")
 
 
 def _check_tier(name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -8,9 +8,10 @@ and routes its ``step()`` here (so LR schedulers and step hooks see every step):
    the training-dtype shard, zero moments, in slot 0 (``optimizer_step.init_state``), and commit;
 3. stream every shard through ``AdamW.run_step``: read the live slot's master and moments (those of
    the first groups were read during backward, ``engine/optim_prefetch.py``), write the new ones to
-   the other slot and the new training-dtype shard to ``param/<name>``;
+   the other slot and the new training-dtype shard to ``param/<name>``; with the state in host
+   memory (``EngineConfig.updates_in_place``) update the live slot where it lies instead;
 4. commit: put the step record (``engine/step``, durable on nvme) naming the new slots and step
-   counts, then delete the superseded slot's keys.
+   counts, then delete the superseded slot's keys (in place: the record keeps the slots).
 
 With ``EngineConfig.loss_scaling`` (``engine/loss_scaling.py``), ``eng.backward(loss)`` scales the
 loss; the step first takes the global norm of the stored (scaled) gradients, from the per-shard
@@ -18,7 +19,9 @@ norms taken at offload. Not finite: the step is skipped (gradients and prefetche
 the scale lowered, the record rewritten with the scaler's new state). Finite: step 3 multiplies
 every gradient by 1/scale before clipping and AdamW, and the record carries the scaler's state.
 
-A crash anywhere leaves a record whose slots are whole. ``param/<name>`` of a trainable shard is
+A crash anywhere leaves a record whose slots are whole (state in host memory is lost by a crash
+anyway; a step that raises keeps the groups it updated in place, and rewrites ``param/<name>`` from
+the masters as below). ``param/<name>`` of a trainable shard is
 overwritten in place during the step, so resuming (``EngineConfig(resume=True)``) rewrites it from
 the live master (cast to the training dtype: exactly what the step wrote). A step that raises does
 the same before re-raising, so the model keeps the last completed step's values.
@@ -133,7 +136,9 @@ class Training:
         for handle in handles:
             if handle.trainable:
                 handle.mark_grads_in_store(config.max_grad_norm)
-        self._prefetch = StatePrefetch(self._store, config.optimizer_prefetch_groups, config.optimizer_group_bytes)
+        # State updated in place is read by nobody: the step works on the store's memory directly.
+        prefetch_groups = 0 if config.updates_in_place else config.optimizer_prefetch_groups
+        self._prefetch = StatePrefetch(self._store, prefetch_groups, config.optimizer_group_bytes)
         #: The running loss scale (None without ``EngineConfig.loss_scaling``).
         self.scaler: Optional[LossScaler] = (
             LossScaler(config.loss_scaling) if config.loss_scaling is not None else None
@@ -345,7 +350,9 @@ class Training:
             grad_scale = 1.0 / self.scaler.scale
         with_grad = [p for p in self._params if self.grads.has_grad(p.name)]
         self._init_new_state([p for p in with_grad if self.record.shards[p.name].slot == NO_STATE])
-        shards = [self._shard(p, max(self.record.shards[p.name].slot, 0), write_other=True) for p in self._params]
+        in_place = cfg.updates_in_place
+        shards = [self._shard(p, max(self.record.shards[p.name].slot, 0), write_other=not in_place)
+                  for p in self._params]
         store = self._prefetch.take(self._store)
         try:
             stats = self._optimizer.run_step(
@@ -363,7 +370,7 @@ class Training:
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         record = StepRecord(previous.step + 1, {
-            name: ShardState(counts.get(name, 0), self._other(s.slot) if name in updated else s.slot)
+            name: ShardState(counts.get(name, 0), self._other(s.slot) if name in updated and not in_place else s.slot)
             for name, s in previous.shards.items()
         }, self._scaler_state())
         try:
@@ -377,7 +384,8 @@ class Training:
         self.grads.mark_consumed()
         self._clip_to = None
         self.last_grad_norm = float(stored_norm) * grad_scale  # a power of two: exactly the unscaled norm
-        delete_keys(self._store, [k for name in updated for k in optim_keys(name, previous.shards[name].slot)])
+        if not in_place:
+            delete_keys(self._store, [k for name in updated for k in optim_keys(name, previous.shards[name].slot)])
         self.counters.add(stats, time.perf_counter() - started)
 
     def _zero_grad(self, set_to_none: bool) -> None:

@@ -57,7 +57,10 @@ def test_each_kind_of_entry_is_counted_in_its_tier(tmp_path):
 def test_budgets_write_what_a_tier_cannot_hold_down_to_the_next(tmp_path):
     roomy = engine.estimate_memory(two_linears(), config(tmp_path, optimizer_tier="host"))
     state = roomy.parts[2].nbytes
-    assert roomy.at_rest.host == roomy.parts[1].nbytes + state and roomy.during_step.host == roomy.at_rest.host + state
+    assert roomy.at_rest.host == roomy.parts[1].nbytes + state and roomy.during_step.host == roomy.at_rest.host
+    two_slots = engine.estimate_memory(two_linears(), config(tmp_path, optimizer_tier="host", optimizer_in_place=False))
+    assert two_slots.during_step.host == roomy.at_rest.host + state  # the new slot beside the old one
+    assert two_slots.host_rss_bound > roomy.host_rss_bound  # and the step's copies of both
     tight = engine.estimate_memory(two_linears(), config(tmp_path, optimizer_tier="host", host_bytes=4 * MiB))
     assert tight.at_rest.host == tight.during_step.host == 4 * MiB  # full, the rest below
     assert tight.at_rest.total == roomy.at_rest.total and tight.during_step.total == roomy.during_step.total
@@ -210,9 +213,9 @@ def test_cli_gives_a_deepspeed_config_the_budgets_engine_initialize_gives_it(tmp
     got = json.loads(text)
     params, grads, states = got["parts"]
     assert (params["tier"], grads["tier"], states["tier"]) == ("device", "host", "host")
-    assert grads["nbytes"] + 2 * states["nbytes"] > 1 << 30  # more than the host tier's default budget
-    assert got["during_step"] == {"device": params["nbytes"], "host": grads["nbytes"] + 2 * states["nbytes"],
-                                  "nvme": 0}  # nothing spilled
+    assert grads["nbytes"] + states["nbytes"] > 1 << 30  # more than the host tier's default budget
+    assert got["during_step"] == {"device": params["nbytes"], "host": grads["nbytes"] + states["nbytes"],
+                                  "nvme": 0}  # nothing spilled (state in host memory is updated in place)
     code, text = run_cli(*big, "--ds-config", str(ds), "--dir", str(tmp_path), "--json", "--host-mib", "64")
     assert json.loads(text)["during_step"]["host"] == 64 << 20  # a flag's budget stands
 

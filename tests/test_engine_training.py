@@ -440,6 +440,82 @@ def test_a_failed_step_leaves_the_last_completed_step(tmp_path):
     assert_trained_equal(model, eng, ref)
 
 
+@pytest.mark.parametrize("param_tier", ["host", "nvme"])
+def test_state_in_host_memory_is_updated_where_it_lies(tmp_path, param_tier):
+    """optimizer_tier="host" steps on the store's own memory (store.modify): the same losses as torch
+    and as the two-slot step, the state stays in slot 0, and only gradients (and parameters bound
+    for nvme) move."""
+    torch.manual_seed(3)
+    model = TinyGPT()
+    in_place, two_slots = (training_config(tmp_path / d, param_tier=param_tier, optimizer_tier="host",
+                                           host_bytes=16 * 1024 * KiB) for d in ("a", "b"))
+    two_slots = two_slots.replace(optimizer_in_place=False)
+    assert in_place.updates_in_place and not two_slots.updates_in_place
+    losses, ref_losses, eng, ref = train_both(copy.deepcopy(model), in_place, steps=3)
+    with eng:
+        assert losses == ref_losses
+        names = [n for n, _ in model.named_parameters()]
+        assert all(k in eng.store for n in names for k in optim_keys(n, 0))
+        assert not any(k in eng.store for n in names for k in optim_keys(n, 1))
+        last = eng._training.counters.last
+        grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+        assert last.bytes_read == grad_bytes
+        assert last.bytes_written == (0 if param_tier == "host" else sum(p.numel() * p.element_size()
+                                                                           for p in model.parameters()))
+    slot_losses, _, eng, _ = train_both(copy.deepcopy(model), two_slots, steps=3)
+    with eng:
+        assert slot_losses == losses
+        assert all(k in eng.store for n in names for k in optim_keys(n, 1))  # three steps: slot 1 is live
+    resumed = TinyGPT()
+    with engine.wrap(resumed, optimizer=engine.AdamW(lr=LR), config=in_place.replace(resume=True)) as eng:
+        state = [k for n in names for k in optim_keys(n, 0)]
+        assert all(eng.store.info(k).tiers == (tiered.Tier.NVME,) for k in state)  # written down at close
+        gpt_loss(resumed, 3).backward()
+        eng.step()
+        assert all(eng.store.info(k).tiers == (tiered.Tier.HOST,) for k in state)  # and back in host memory
+
+
+def test_a_failed_in_place_step_leaves_every_shard_whole(tmp_path):
+    """In place, the groups before a failure keep their update (as torch's optimizers would), but
+    each shard's parameter still equals its master, and training goes on."""
+    torch.manual_seed(10)
+    model = TinyGPT()
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=training_config(tmp_path, optimizer_tier="host"))
+
+    def fail(event: str, group: int) -> None:
+        if event == "update" and group == 2:
+            raise OSError("injected")
+
+    with eng:
+        for step in range(2):
+            gpt_loss(model, step).backward()
+            eng.step()
+            eng.zero_grad()
+        gpt_loss(model, 2).backward()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        eng._training.on_event = fail
+        with pytest.raises(OSError, match="injected"):
+            eng.step()
+        eng._training.on_event = None
+        after = model.state_dict()
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        assert changed and len(changed) < len(before)  # groups 0 and 1 were updated, the rest not
+        assert eng.completed_steps == 2
+        for name, value in after.items():
+            if name in dict(model.named_parameters()):
+                master = eng.store.sync.get(optim_keys(name, 0)[0])
+                assert torch.equal(value.reshape(-1).float(), master.reshape(-1)), name
+        eng.step()  # the gradients are still in the store: the step runs again
+        assert eng.completed_steps == 3
+
+
+def test_in_place_updates_need_state_in_host_memory(tmp_path):
+    with pytest.raises(ValueError, match="optimizer_tier='host'"):
+        training_config(tmp_path).replace(optimizer_in_place=True)
+    with pytest.raises(ValueError, match="True, False or None"):
+        training_config(tmp_path, optimizer_tier="host").replace(optimizer_in_place="yes")
+
+
 def test_step_inside_forward_is_refused(tmp_path):
     model = TinyGPT()
     eng = engine.wrap(model, optimizer=engine.AdamW(), config=training_config(tmp_path))
