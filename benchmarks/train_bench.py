@@ -10,7 +10,9 @@ timed.
 
 ``--fused`` gives every contender's AdamW ``fused=True``. ``--tier host`` keeps the engine's
 parameters and optimizer state in host memory instead (give ``--host-mib`` room for them), the
-placement FSDP2's CPU offload has.
+placement FSDP2's CPU offload has; the engine then updates the state in place, and ``--two-slots``
+adds a contender that writes each step's state to a second slot instead (``optimizer_in_place=False``).
+Besides the whole step, the table gives each contender's optimizer step (``optimizer.step()``).
 ``--device cuda`` computes on the GPU: the in-memory model and its AdamW live there, FSDP2 runs on
 NCCL with its CPU offload (pinned), and the engine gets ``compute_device="cuda"``.
 
@@ -31,7 +33,7 @@ import time
 from typing import Callable, Optional
 
 import torch
-from bench_output import compute_device, pyplot, scratch_dir, with_load, write_json
+from bench_output import compute_device, pyplot, scratch_dir, synchronize, with_load, write_json
 
 from engine.demo import GPT, BigramStream, GPTConfig
 
@@ -45,38 +47,58 @@ class Run:
     name: str
     losses: list[float] = dataclasses.field(default_factory=list)
     seconds: list[float] = dataclasses.field(default_factory=list)
+    optimizer_seconds: list[float] = dataclasses.field(default_factory=list)  # optimizer.step() of each step
     note: str = ""
 
     @property
     def median(self) -> float:
         return statistics.median(self.seconds[1:] or self.seconds)
 
+    @property
+    def optimizer_median(self) -> float:
+        return statistics.median(self.optimizer_seconds[1:] or self.optimizer_seconds)
 
-def train(run: Run, steps: int, data: BigramStream, step_fn: Callable[[torch.Tensor, torch.Tensor], float],
-          device: torch.device) -> None:
+
+#: One training step: (loss, seconds of its optimizer.step()).
+StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[float, float]]
+
+
+def train(run: Run, steps: int, data: BigramStream, step_fn: StepFn, device: torch.device) -> None:
     for i in range(steps):
         x, y = (t.to(device) for t in data.batch(i))
         start = time.perf_counter()
-        run.losses.append(step_fn(x, y))
+        loss, optimizer_seconds = step_fn(x, y)
         run.seconds.append(time.perf_counter() - start)
-        print(f"  {run.name}: step {i + 1}/{steps} loss {run.losses[-1]:.4f} {run.seconds[-1]:.2f}s", file=sys.stderr)
+        run.losses.append(loss)
+        run.optimizer_seconds.append(optimizer_seconds)
+        print(f"  {run.name}: step {i + 1}/{steps} loss {run.losses[-1]:.4f} {run.seconds[-1]:.2f}s "
+              f"(optimizer {optimizer_seconds:.2f}s)", file=sys.stderr)
 
 
-def in_memory(model: torch.nn.Module, args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], float]:
-    """An unsharded model (already where it computes) and torch's AdamW over its parameters."""
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=args.fused)
+def timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> StepFn:
+    """forward, backward, ``optimizer.step()`` (timed, kernels waited for), ``zero_grad``."""
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         loss = model(x, y)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        synchronize(device)
+        start = time.perf_counter()
+        optimizer.step()
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item(), seconds
 
     return step
 
 
-def fsdp2(model: GPT, args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], float]:
+def in_memory(model: torch.nn.Module, args: argparse.Namespace) -> StepFn:
+    """An unsharded model (already where it computes) and torch's AdamW over its parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=args.fused)
+    return timed_step(model, opt, torch.device(args.device))
+
+
+def fsdp2(model: GPT, args: argparse.Namespace) -> StepFn:
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     pin = torch.device(args.device).type == "cuda"  # FSDP2 pins its CPU shards by default; pinning needs CUDA
@@ -86,7 +108,7 @@ def fsdp2(model: GPT, args: argparse.Namespace) -> Callable[[torch.Tensor, torch
     return in_memory(model, args)
 
 
-def tiered_engine(model: GPT, args: argparse.Namespace, path: str):
+def tiered_engine(model: GPT, args: argparse.Namespace, path: str, *, in_place: Optional[bool] = None):
     import engine
     import tiered
 
@@ -97,18 +119,11 @@ def tiered_engine(model: GPT, args: argparse.Namespace, path: str):
         model,
         optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay, fused=args.fused),
         config=engine.EngineConfig(store=store, param_tier=args.tier, optimizer_tier=args.tier,
-                                   prefetch_bytes=args.prefetch_mib * MiB,
+                                   optimizer_in_place=in_place, prefetch_bytes=args.prefetch_mib * MiB,
                                    optimizer_group_bytes=args.group_mib * MiB, compute_device=args.device),
     )
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = model(x, y)
-        loss.backward()
-        eng.step()
-        eng.zero_grad()
-        return loss.item()
-
-    return eng, step
+    return eng, timed_step(model, eng.optimizer, torch.device(args.device))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -131,11 +146,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--fused", action="store_true", default=None,
                    help="every contender's AdamW with fused=True (torch's fused kernel; DeepSpeed configs get it "
                         "unless they set torch_adam)")
+    p.add_argument("--two-slots", action="store_true",
+                   help="with --tier host: also run the engine writing each step's state to a second slot "
+                        "(optimizer_in_place=False) beside the in-place one")
     p.add_argument("--tier", default="nvme", choices=("nvme", "host"),
                    help="where the engine keeps parameters and optimizer state (host: raise --host-mib to hold them)")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
+    if args.two_slots and args.tier != "host":
+        p.error("--two-slots compares the host tier's two ways of stepping: add --tier host")
     if args.steps < 2:
         p.error(f"--steps must be >= 2 (the first is a warm-up), got {args.steps}")
     device = compute_device(p, args.device)
@@ -173,29 +193,36 @@ def main(argv: Optional[list[str]] = None) -> int:
                 runs.append(run)
             finally:
                 dist.destroy_process_group()
-        run = Run(f"tiered, params + optimizer on {args.tier}")
-        eng, step = tiered_engine(copy.deepcopy(base), args, os.path.join(workdir, "store"))
-        try:
-            train(run, args.steps, data, step, device)
-            run.note = json.dumps({k: v for k, v in dataclasses.asdict(eng.stats()).items()
-                                   if isinstance(v, (int, float))})
-        finally:
-            eng.unwrap()
-        runs.append(run)
+        engines = [(f"tiered, params + optimizer on {args.tier}", None)]
+        if args.two_slots:
+            engines.append(("tiered, params + optimizer on host, two slots", False))
+        for name, in_place in engines:
+            run = Run(name)
+            eng, step = tiered_engine(copy.deepcopy(base), args, os.path.join(workdir, f"store{len(runs)}"),
+                                      in_place=in_place)
+            try:
+                train(run, args.steps, data, step, device)
+                run.note = json.dumps({k: v for k, v in dataclasses.asdict(eng.stats()).items()
+                                       if isinstance(v, (int, float))})
+            finally:
+                eng.unwrap()
+            runs.append(run)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
     reference = runs[0]
-    print("\n| contender | median step s | min | max | vs in memory | max loss diff vs first |")
-    print("|---|---|---|---|---|---|")
+    print("\n| contender | median step s | min | max | vs in memory | optimizer step s (median) "
+          "| max loss diff vs first |")
+    print("|---|---|---|---|---|---|---|")
     for r in runs:
         diff = max(abs(a - b) for a, b in zip(r.losses, reference.losses))
         timed = r.seconds[1:]
         print(f"| {r.name} | {r.median:.3f} | {min(timed):.3f} | {max(timed):.3f} | "
-              f"{r.median / reference.median:.2f} | {diff:.2e} |")
+              f"{r.median / reference.median:.2f} | {r.optimizer_median:.3f} | {diff:.2e} |")
     result = {
         "params": n, "tokens_per_step": args.batch * args.seq, "steps": args.steps, "device": str(device),
-        "runs": [dataclasses.asdict(r) | {"median": r.median} for r in runs],
+        "runs": [dataclasses.asdict(r) | {"median": r.median, "optimizer_median": r.optimizer_median}
+                 for r in runs],
         "target": "tiered / in memory <= 1.3",
     }
     result = with_load(result, load_before)
@@ -203,7 +230,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.plot:
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(7, 2.8))
-        ax.barh([r.name for r in runs], [r.median for r in runs], color=["#999999", "#d08c60", "#4c72b0"][:len(runs)])
+        colors = ["#999999", "#d08c60", "#4c72b0", "#8fa8d0"][:len(runs)]
+        ax.barh([r.name for r in runs], [r.median for r in runs], color=colors)
         ax.set_xlabel("seconds per training step (median)")
         ax.set_title(f"{n / 1e6:.0f} M-parameter GPT, {args.batch}x{args.seq} tokens")
         fig.tight_layout()
