@@ -3,9 +3,10 @@
 The counterpart of DeepSpeed's ``estimate_zero3_model_states_mem_needs_all_live`` and accelerate's
 ``estimate-memory``, computed from the model's parameter shapes alone (a model on the meta device
 works) with docs/training.md's memory model: what the engine puts in each tier, where the store's
-budgets push the overflow, the optimizer state's second copy during a step, and the host RSS bound
-that tests/test_engine_memory.py holds a real run to. It also finds what ``wrap`` or the first
-step would fail on (a shard larger than its tier's whole budget), which ``wrap`` refuses up front.
+budgets push the overflow, the optimizer state's second slot during a step (not when it is updated
+in place), and the host RSS bound that tests/test_engine_memory.py holds a real run to. It also
+finds what ``wrap`` or the first step would fail on (a shard larger than its tier's whole budget),
+which ``wrap`` refuses up front.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class MemoryEstimate:
     #: written down to the next (device -> host -> nvme).
     at_rest: TierBytes
     #: The same while ``step()`` runs: the optimizer state is written to its second slot before the
-    #: old one is deleted, so its tier holds it twice.
+    #: old one is deleted, so its tier holds it twice (not when it is updated in place).
     during_step: TierBytes
     #: Peak host RSS above the process's size before wrap (docs/training.md, "Host RSS bound").
     host_rss_bound: int
@@ -151,7 +152,10 @@ def estimate_memory(
     compute = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
     largest_module = max((_module_bytes(m, train_dtype) for m in model.modules()), default=0)
     materialized = largest_module + config.prefetch_bytes + sizes.largest_param
-    rss = _host_rss_bound(config, parts, sizes, materialized if compute.type == "cpu" else 0)
+    # State updated in place is the host tier's memory, unless the budget pushed some of it to nvme
+    # (then the step reads that into copies, as it reads any state on nvme).
+    lent = config.updates_in_place and during_step.nvme == during["nvme"]
+    rss = _host_rss_bound(config, parts, sizes, materialized if compute.type == "cpu" else 0, lent)
     problems = _problems(config, parts, budgets)
     warnings = []
     if store.nvme_bytes is not None and during_step.nvme > store.nvme_bytes:
@@ -224,7 +228,8 @@ def _count_entries(
     return parts, sizes
 
 
-def _host_rss_bound(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, materialized_in_host: int) -> int:
+def _host_rss_bound(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, materialized_in_host: int,
+                    lent: bool) -> int:
     """docs/training.md's bound on peak host RSS above the process's size before wrap."""
     store = config.store
     rss = store.host_bytes + store.block_size * min(store.staging_buffers, store.queue_depth) + RUNTIME_BYTES
@@ -238,12 +243,11 @@ def _host_rss_bound(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, m
         fp32_total = parts[1].charged  # every fp32 shard once
         largest = sizes.largest_fp32_shard
         group = max(config.optimizer_group_bytes, largest)
-        # three groups (never more than all shards) of fp32 gradient + master + two moments (in place:
+        # three groups (never more than all shards) of fp32 gradient + master + two moments (``lent``:
         # the gradient alone, the rest is the host tier's memory), plus the new shard in the training
-        # dtype when that is not fp32 (in place with host parameters: cast into their entries)
-        in_place = config.updates_in_place
-        state = 4 if in_place else 4 * 4
-        extra = 0 if in_place and config.param_tier == "host" else sizes.extra_itemsize
+        # dtype when that is not fp32 (lent with host parameters: cast into their entries)
+        state = 4 if lent else 4 * 4
+        extra = 0 if lent and config.param_tier == "host" else sizes.extra_itemsize
         rss += min(3 * group, fp32_total) * (state + extra) // 4
         rss += min(config.optimizer_group_bytes, fp32_total) + 2 * largest  # gradient puts in flight
         if config.compress_optimizer:

@@ -63,6 +63,9 @@ def test_budgets_write_what_a_tier_cannot_hold_down_to_the_next(tmp_path):
     assert two_slots.host_rss_bound > roomy.host_rss_bound  # and the step's copies of both
     tight = engine.estimate_memory(two_linears(), config(tmp_path, optimizer_tier="host", host_bytes=4 * MiB))
     assert tight.at_rest.host == tight.during_step.host == 4 * MiB  # full, the rest below
+    tight_two_slots = engine.estimate_memory(
+        two_linears(), config(tmp_path, optimizer_tier="host", host_bytes=4 * MiB, optimizer_in_place=False))
+    assert tight.host_rss_bound == tight_two_slots.host_rss_bound  # state on nvme is read into copies either way
     assert tight.at_rest.total == roomy.at_rest.total and tight.during_step.total == roomy.during_step.total
     assert tight.at_rest.nvme == roomy.at_rest.host - 4 * MiB + roomy.at_rest.nvme
     need = engine.estimate_memory(two_linears(), config(tmp_path)).during_step.nvme
