@@ -366,10 +366,9 @@ def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, c
 
 async def _write_group(store: AsyncTensorStore, loaded: list[_Loaded], io: IOCounter, state_tier: str,
                        param_tier: str, compress: Optional[bool], blocks: Optional[ModifyBlocks]) -> None:
-    """End the group's modify blocks (in-place state: that is its write; first, as their memory may be
-    what the puts need), then write every other updated tensor back, all puts in flight together."""
-    if blocks is not None:
-        await blocks.close()
+    """Write every updated tensor of a group back, all puts in flight together, then end the group's
+    modify blocks (in-place state: that is its write). The puts come first: a new fp32 parameter
+    shard bound for another tier is the master's own memory, which ending its block gives back."""
     puts = []
     for item in loaded:
         s = item.shard
@@ -382,7 +381,11 @@ async def _write_group(store: AsyncTensorStore, loaded: list[_Loaded], io: IOCou
         if item.param_entry is None:
             assert item.param is not None
             puts.append(io.put(store, s.param_key, item.param, param_tier, None))
-    await gather_all(puts)
+    try:
+        await gather_all(puts)
+    finally:
+        if blocks is not None:
+            await blocks.close()
 
 
 def _initial_state(group: list[OptimShard], params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -406,17 +406,30 @@ def test_zero_grad_without_set_to_none_keeps_zero_gradients(tmp_path):
     assert_trained_equal(model, eng, ref)
 
 
+def failed_step(eng: engine.Engine, model: nn.Module, group: int) -> tuple[dict, dict]:
+    """``eng.step()`` with an OSError injected into the update of ``group``: the model's state dict
+    before and after it."""
+
+    def fail(event: str, index: int) -> None:
+        if event == "update" and index == group:
+            raise OSError("injected")
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    eng._training.on_event = fail
+    try:
+        with pytest.raises(OSError, match="injected"):
+            eng.step()
+    finally:
+        eng._training.on_event = None
+    return before, model.state_dict()
+
+
 def test_a_failed_step_leaves_the_last_completed_step(tmp_path):
     torch.manual_seed(10)
     model = TinyGPT()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=training_config(tmp_path))
-
-    def fail(event: str, group: int) -> None:
-        if event == "update" and group == 2:
-            raise OSError("injected")
-
     try:
         for step in range(4):
             gpt_loss(model, step).backward()
@@ -424,12 +437,7 @@ def test_a_failed_step_leaves_the_last_completed_step(tmp_path):
             ref_opt.step()
             ref_opt.zero_grad()
             if step == 2:
-                before = {k: v.clone() for k, v in model.state_dict().items()}
-                eng._training.on_event = fail
-                with pytest.raises(OSError, match="injected"):
-                    eng.step()
-                eng._training.on_event = None
-                after = model.state_dict()
+                before, after = failed_step(eng, model, group=2)
                 assert all(torch.equal(before[k], after[k]) for k in before)  # groups 0 and 1 were rolled back
                 assert eng.completed_steps == 2
             eng.step()  # the gradients are still in the store: the step runs again
@@ -481,23 +489,13 @@ def test_a_failed_in_place_step_leaves_every_shard_whole(tmp_path):
     torch.manual_seed(10)
     model = TinyGPT()
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=training_config(tmp_path, optimizer_tier="host"))
-
-    def fail(event: str, group: int) -> None:
-        if event == "update" and group == 2:
-            raise OSError("injected")
-
     with eng:
         for step in range(2):
             gpt_loss(model, step).backward()
             eng.step()
             eng.zero_grad()
         gpt_loss(model, 2).backward()
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        eng._training.on_event = fail
-        with pytest.raises(OSError, match="injected"):
-            eng.step()
-        eng._training.on_event = None
-        after = model.state_dict()
+        before, after = failed_step(eng, model, group=2)
         changed = [k for k in before if not torch.equal(before[k], after[k])]
         assert changed and len(changed) < len(before)  # groups 0 and 1 were updated, the rest not
         assert eng.completed_steps == 2

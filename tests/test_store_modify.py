@@ -108,6 +108,25 @@ def test_a_committed_version_never_comes_back(tmp_path, flush_on_close):
             assert "w" not in store
 
 
+def test_a_failed_tombstone_leaves_the_old_bytes_and_the_key_free(tmp_path, monkeypatch):
+    with TieredStore.open(make_config(tmp_path)) as store:
+        store.sync.put("w", torch.zeros(100), "host")
+        store.sync.flush()  # committed: a block must retire that record durably first
+
+        def refuse(*args, **kwargs):
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(store._commits, "submit", refuse)
+        with pytest.raises(OSError, match="Input/output error"):
+            with store.sync.modify("w"):
+                pytest.fail("the block must not run")
+        monkeypatch.undo()
+        assert torch.equal(store.sync.get("w"), torch.zeros(100))
+        with store.sync.modify("w") as t:  # neither the key nor its memory is held
+            t.fill_(1)
+        assert torch.equal(store.sync.get("w"), torch.ones(100))
+
+
 def test_a_get_from_another_thread_waits_for_the_block(tmp_path):
     with TieredStore.open(make_config(tmp_path)) as store:
         store.sync.put("w", torch.zeros(1000), "host")

@@ -42,7 +42,6 @@ from tiered.policy import EvictionPolicy, FutureOrderPolicy
 from tiered.spans import Span, new_result, spans_of_tensor
 from tiered.stats import NvmeSpace, StoreStats, SwapExtent
 from tiered.store_batch import BatchCalls
-from tiered.store_modify import Modification, Modifications
 from tiered.store_errors import naming_key, read_error, unusable_directory
 from tiered.store_input import (
     check_compress,
@@ -54,6 +53,7 @@ from tiered.store_input import (
     plain,
     ready_event,
 )
+from tiered.store_modify import Modification, Modifications
 from tiered.store_payload import Payload
 from tiered.store_prefetch import Prefetch
 from tiered.store_process import LOCK_NAME, acquire_lock, close_at_exit

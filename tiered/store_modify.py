@@ -166,7 +166,7 @@ class Modifications:
                 edit = await self._read_for_edit(entry, put_to or Tier.NVME, editing)
             else:
                 edit = await self._lend(entry, tier, editing)
-        except BaseException:
+        except BaseException:  # nothing changed (a failed _lend leaves a new version with the old bytes)
             if editing is not None:
                 entry.editing = None
                 editing.set_result(None)
@@ -207,7 +207,8 @@ class Modifications:
                 await self._device.copy(dst, memory)
                 self._count_get(new, tier)
         except BaseException:
-            self._finish_edit(edit)  # the new version holds the old bytes, unchanged: nothing is lost
+            self._end_read(tier, copy)  # the new version holds the old bytes, unchanged: nothing is lost
+            new.editing = None
             raise
         return edit
 
