@@ -77,14 +77,20 @@ def new_result(
     nbytes = numel * dtype.itemsize
     if device.type == "cpu" and nbytes >= DIRECT_RESULT_BYTES:
         raw, view = pool.take(nbytes)
-        try:
-            tensor = raw.view(dtype).view(tuple(shape))
-        except (RuntimeError, TypeError):  # a dtype uint8 memory cannot be viewed as: use torch.empty
-            view.release()
-        else:
+        tensor = typed_view(raw, dtype, shape)
+        if tensor is not None:
             return tensor, [Span(raw, view)]
+        view.release()  # a dtype uint8 memory cannot be viewed as: use torch.empty
     tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
     return tensor, spans_of_tensor(tensor)
+
+
+def typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> Optional[torch.Tensor]:
+    """``raw`` (uint8 bytes) viewed as ``dtype`` and ``shape``, or None for a dtype it cannot be viewed as."""
+    try:
+        return raw.view(dtype).view(tuple(shape))
+    except (RuntimeError, TypeError):
+        return None
 
 
 def total_bytes(spans: Sequence[Span]) -> int:

@@ -568,7 +568,9 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
             faster = [task for t, task in entry.moving.items() if top is None or t.rank < top.rank]
             if faster:
                 await asyncio.wait(faster)  # a failed prefetch only means we read the slower copy
-        entry = await self._unedited(key)  # last: nothing awaits between this and taking the reader
+            entry = self._entry(key)
+        if entry.editing is not None:  # last: nothing awaits between this and taking the reader
+            entry = await self._unedited(key)
         allocated = None
         if out is None:
             result, dst = new_result(entry.shape, entry.dtype, device, self._results)

@@ -24,7 +24,7 @@ import torch
 from tiered.backends import Copy
 from tiered.entry import Entry
 from tiered.errors import StoreClosedError
-from tiered.spans import Span, new_result, spans_of_tensor
+from tiered.spans import Span, new_result, spans_of_tensor, typed_view
 from tiered.store_input import check_key
 from tiered.tier import Tier
 
@@ -263,7 +263,4 @@ def _one_cpu_range(memory: Optional[list[Span]], entry: Entry) -> Optional[torch
     """The entry's bytes as a tensor of its dtype and shape, when they are one CPU range."""
     if memory is None or len(memory) != 1 or memory[0].tensor.device.type != "cpu":
         return None
-    try:
-        return memory[0].tensor.view(entry.dtype).view(entry.shape)
-    except (RuntimeError, TypeError):  # a dtype that uint8 memory cannot be viewed as
-        return None
+    return typed_view(memory[0].tensor, entry.dtype, entry.shape)
