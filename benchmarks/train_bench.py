@@ -4,7 +4,11 @@ with torch.optim.AdamW vs FSDP2 with CPUOffloadPolicy on gloo.
 Same model (engine.demo.GPT), same data, same AdamW hyperparameters; the losses of the three are
 printed side by side (they match to fp32 rounding), then median step times and the ratio
 tiered / in-memory. Step 1 of each is a warm-up (the engine records its order there) and is not
-timed.
+timed. The contenders take turns, one step each, in an order rotated from step to step, so the
+machine's drift over the run (its compute speed varies by 10-20% from minute to minute here, the
+disk's by more) slows every contender alike; "vs in memory" is the median over steps of each
+step's ratio to the in-memory step of the same turn. ``--back-to-back`` runs each contender's
+steps in a block instead, as this script did before.
 
     python benchmarks/train_bench.py --dir /nvme/scratch --steps 6 --json train.json --plot train.png
 
@@ -33,7 +37,7 @@ import time
 from typing import Callable, Optional
 
 import torch
-from bench_output import compute_device, pyplot, scratch_dir, synchronize, with_load, write_json
+from bench_output import compute_device, paired_median, pyplot, rotated, scratch_dir, synchronize, with_load, write_json
 
 from engine.demo import GPT, BigramStream, GPTConfig
 
@@ -63,8 +67,15 @@ class Run:
 StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[float, float]]
 
 
-def train(run: Run, steps: int, data: BigramStream, step_fn: StepFn, device: torch.device) -> None:
-    for i in range(steps):
+def train(contenders: list[tuple[Run, StepFn]], steps: int, data: BigramStream, device: torch.device,
+          back_to_back: bool) -> None:
+    """``steps`` steps of every contender on the same batches: in turns (one step each, the order
+    rotated every step), or with ``back_to_back`` each contender's steps in one block."""
+    if back_to_back:
+        schedule = [(i, c) for c in contenders for i in range(steps)]
+    else:
+        schedule = [(i, c) for i in range(steps) for c in rotated(contenders, i)]
+    for i, (run, step_fn) in schedule:
         x, y = (t.to(device) for t in data.batch(i))
         start = time.perf_counter()
         loss, optimizer_seconds = step_fn(x, y)
@@ -151,6 +162,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "(optimizer_in_place=False) beside the in-place one")
     p.add_argument("--tier", default="nvme", choices=("nvme", "host"),
                    help="where the engine keeps parameters and optimizer state (host: raise --host-mib to hold them)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="run each contender's steps in one block (default: the contenders take turns, one step each)")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
@@ -171,13 +184,14 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{args.batch} x {args.seq} tokens per step; torch threads {torch.get_num_threads()}; computing on {device}")
 
     runs: list[Run] = []
+    contenders: list[tuple[Run, StepFn]] = []
+    engines = []
     load_before = os.getloadavg()
     workdir = scratch_dir(args.dir, "tiered-train-")
+    group = False
     try:
         if "memory" not in skip:
-            run = Run("in memory, torch.optim.AdamW")
-            train(run, args.steps, data, in_memory(copy.deepcopy(base).to(device), args), device)
-            runs.append(run)
+            contenders.append((Run("in memory, torch.optim.AdamW"), in_memory(copy.deepcopy(base).to(device), args)))
         if "fsdp2" not in skip:
             import torch.distributed as dist
 
@@ -187,42 +201,45 @@ def main(argv: Optional[list[str]] = None) -> int:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, rank=0, world_size=1)
-            try:
-                run = Run(f"FSDP2 + CPUOffloadPolicy, {backend}")
-                train(run, args.steps, data, fsdp2(copy.deepcopy(base), args), device)
-                runs.append(run)
-            finally:
-                dist.destroy_process_group()
-        engines = [(f"tiered, params + optimizer on {args.tier}", None)]
+            group = True
+            contenders.append((Run(f"FSDP2 + CPUOffloadPolicy, {backend}"), fsdp2(copy.deepcopy(base), args)))
+        wrapped = [(f"tiered, params + optimizer on {args.tier}", None)]
         if args.two_slots:
-            engines.append(("tiered, params + optimizer on host, two slots", False))
-        for name, in_place in engines:
-            run = Run(name)
-            eng, step = tiered_engine(copy.deepcopy(base), args, os.path.join(workdir, f"store{len(runs)}"),
+            wrapped.append(("tiered, params + optimizer on host, two slots", False))
+        for name, in_place in wrapped:
+            eng, step = tiered_engine(copy.deepcopy(base), args, os.path.join(workdir, f"store{len(contenders)}"),
                                       in_place=in_place)
-            try:
-                train(run, args.steps, data, step, device)
-                run.note = json.dumps({k: v for k, v in dataclasses.asdict(eng.stats()).items()
+            engines.append((len(contenders), eng))
+            contenders.append((Run(name), step))
+        train(contenders, args.steps, data, device, args.back_to_back)
+        runs = [run for run, _ in contenders]
+        for i, eng in engines:
+            runs[i].note = json.dumps({k: v for k, v in dataclasses.asdict(eng.stats()).items()
                                        if isinstance(v, (int, float))})
-            finally:
-                eng.unwrap()
-            runs.append(run)
     finally:
+        for _, eng in engines:
+            eng.unwrap()
+        if group:
+            torch.distributed.destroy_process_group()
         shutil.rmtree(workdir, ignore_errors=True)
 
     reference = runs[0]
-    print("\n| contender | median step s | min | max | vs in memory | optimizer step s (median) "
-          "| max loss diff vs first |")
+    # Step i of every contender ran in the same turn: the ratio within a turn cancels the drift between turns.
+    ratios = [paired_median(r.seconds[1:], reference.seconds[1:]) for r in runs]
+    print(f"\n| contender | median step s | min | max | vs {reference.name.split(',')[0]} (median of per-step "
+          "ratios) | optimizer step s (median) | max loss diff vs first |")
     print("|---|---|---|---|---|---|---|")
-    for r in runs:
+    for r, ratio in zip(runs, ratios):
         diff = max(abs(a - b) for a, b in zip(r.losses, reference.losses))
         timed = r.seconds[1:]
         print(f"| {r.name} | {r.median:.3f} | {min(timed):.3f} | {max(timed):.3f} | "
-              f"{r.median / reference.median:.2f} | {r.optimizer_median:.3f} | {diff:.2e} |")
+              f"{ratio:.2f} | {r.optimizer_median:.3f} | {diff:.2e} |")
     result = {
         "params": n, "tokens_per_step": args.batch * args.seq, "steps": args.steps, "device": str(device),
-        "runs": [dataclasses.asdict(r) | {"median": r.median, "optimizer_median": r.optimizer_median}
-                 for r in runs],
+        "schedule": "back to back" if args.back_to_back else "turns, order rotated every step",
+        "runs": [dataclasses.asdict(r) | {"median": r.median, "optimizer_median": r.optimizer_median,
+                                          "vs_first": ratio}
+                 for r, ratio in zip(runs, ratios)],
         "target": "tiered / in memory <= 1.3",
     }
     result = with_load(result, load_before)

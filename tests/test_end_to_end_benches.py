@@ -29,7 +29,7 @@ def test_inference_contenders_match_the_in_memory_model(tmp_path, benchmark_scri
     assert os.listdir(scratch) == []
 
 
-@pytest.mark.parametrize("options", [[], ["--fused", "--tier", "host", "--two-slots"]])
+@pytest.mark.parametrize("options", [[], ["--fused", "--tier", "host", "--two-slots", "--back-to-back"]])
 def test_training_contenders_match_torch_adamw(tmp_path, benchmark_script, options):
     out = tmp_path / "train.json"
     assert benchmark_script("train_bench").main([
@@ -37,8 +37,10 @@ def test_training_contenders_match_torch_adamw(tmp_path, benchmark_script, optio
         "--steps", "2", "--skip", "fsdp2", "--json", str(out), *options]) == 0
     report = json.loads(out.read_text())
     assert report["device"] == "cpu"
+    assert report["schedule"] == ("back to back" if "--back-to-back" in options else "turns, order rotated every step")
     memory, *ours = report["runs"]
     assert len(ours) == (2 if "--two-slots" in options else 1)
+    assert memory["vs_first"] == 1.0
     for run in ours:
         assert len(run["losses"]) == 2 and len(run["optimizer_seconds"]) == 2
         assert run["losses"] == pytest.approx(memory["losses"], rel=1e-5)
