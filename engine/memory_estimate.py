@@ -244,8 +244,9 @@ def _host_rss_bound(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, m
         largest = sizes.largest_fp32_shard
         group = max(config.optimizer_group_bytes, largest)
         # three groups (never more than all shards) of fp32 gradient + master + two moments (``lent``:
-        # the gradient alone, the rest is the host tier's memory), plus the new shard in the training
-        # dtype when that is not fp32 (lent with host parameters: cast into their entries)
+        # the gradient alone, a new tensor when unscaled or clipped, the rest is the host tier's
+        # memory), plus the new shard in the training dtype when that is not fp32 (lent with host
+        # parameters: cast into their entries)
         state = 4 if lent else 4 * 4
         extra = 0 if lent and config.param_tier == "host" else sizes.extra_itemsize
         rss += min(3 * group, fp32_total) * (state + extra) // 4

@@ -53,12 +53,6 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(coef, max=1.0)
 
 
-def apply_clip(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
-    """Scale ``grads`` in place by ``coef`` (torch's foreach multiply, as clip_grad_norm_)."""
-    if grads:
-        torch._foreach_mul_(list(grads), coef)
-
-
 async def grad_norms_async(
     store: AsyncTensorStore, shards: Sequence[OptimShard], *, group_bytes: int, io: Optional[IOCounter] = None
 ) -> dict[str, torch.Tensor]:

@@ -97,6 +97,10 @@ class PrefetchedStore:
         self._futures.pop(key, None)
         return self._store.modify(key, tier)
 
+    def info(self, key: str) -> Any:
+        """``store.info``."""
+        return self._store.info(key)
+
     def __contains__(self, key: object) -> bool:
         return key in self._store
 

@@ -19,9 +19,11 @@ from its training-dtype ``param_key`` shard and zero moments at its first step (
 ``in_place=True`` (state in host memory) replaces the read and the write of master and moments by
 ``store.modify`` blocks: the math runs on the store's own memory, held from the group's read to its
 write, and with ``param_tier="host"`` the new training-dtype shard is cast straight into its entry
-too. Nothing is copied, so only the gradients move (state the store wrote down to nvme, after a
-resume say, is read and put back to host memory); the price is that a step failing part way leaves
-the groups before the failure updated.
+too. A gradient held in host memory is lent the same way and only read: unscaling and clipping
+write new tensors, so the stored gradients stay as they were, as with a copy. Nothing is copied
+(state the store wrote down to nvme, after a resume say, is read and put back to host memory; a
+gradient on nvme is read); the price is that a step failing part way leaves the groups before the
+failure updated.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-from engine.optim_clip import AllReduceSum, apply_clip, clip_coefficient, global_grad_norm, grad_norms_async
+from engine.optim_clip import AllReduceSum, clip_coefficient, global_grad_norm, grad_norms_async
 from engine.optim_io import (
     AsyncTensorStore,
     IOCounter,
@@ -47,6 +49,7 @@ from engine.optim_io import (
     run_sync,
 )
 from engine.optim_types import AdamHyper, OptimizerStateError, OptimShard, OptimStepStats
+from tiered import Tier
 
 MiB = 1024 * 1024
 STATE_TIERS = ("host", "nvme")
@@ -69,6 +72,7 @@ class _Loaded:
     exp_avg_sq: Optional[torch.Tensor] = None
     param: Optional[torch.Tensor] = None  # training-dtype shard read at the first step, then the new one
     in_place: bool = False  # master and moments are the store's memory (modify blocks): nothing to write
+    grad_lent: bool = False  # grad is the store's memory (a modify block): read it, never change it
     param_entry: Optional[torch.Tensor] = None  # the param entry's memory, to cast the new shard into
 
 
@@ -302,11 +306,14 @@ async def _load_in_place(store: AsyncTensorStore, shard: OptimShard, step_t: tor
                           blocks: ModifyBlocks, param_tier: str) -> _Loaded:
     """A shard whose master and moments the update changes where they lie (in-place steps)."""
     keys = (shard.master_key, shard.exp_avg_key, shard.exp_avg_sq_key)
-    grad, *state = await gather_all([io.get(store, shard.grad_key),
-                                     *(io.modify(blocks, store, k, "host") for k in keys)])
+    # A block on a gradient held only on nvme would write it back on exit: that one is read instead.
+    lend_grad = store.info(shard.grad_key).tiers[0] is Tier.HOST
+    read_grad = io.modify(blocks, store, shard.grad_key, None) if lend_grad else io.get(store, shard.grad_key)
+    grad, *state = await gather_all([read_grad, *(io.modify(blocks, store, k, "host") for k in keys)])
     for what, t in zip(("master", "exp_avg", "exp_avg_sq"), state):
         _check_state(shard, what, t)
-    item = _Loaded(shard, _flat_grad(shard, grad), step_t, *(t.view(-1) for t in state), in_place=True)
+    item = _Loaded(shard, _flat_grad(shard, grad), step_t, *(t.view(-1) for t in state), in_place=True,
+                   grad_lent=lend_grad)
     if param_tier == "host" and shard.param_key in store:
         param = await io.modify(blocks, store, shard.param_key, "host")
         if param.numel() != shard.numel or param.dtype != shard.train_dtype:
@@ -330,10 +337,7 @@ def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, c
                 item.master = item.param.to(torch.float32)
                 item.exp_avg = torch.zeros_like(item.master)
                 item.exp_avg_sq = torch.zeros_like(item.master)
-        if grad_scale != 1.0 and loaded:
-            torch._foreach_mul_([item.grad for item in loaded], grad_scale)
-        if coef is not None:
-            apply_clip([item.grad for item in loaded], coef)
+        _unscale_and_clip(loaded, grad_scale, coef)
         for g, hyper in enumerate(hypers):
             members = [item for item in loaded if item.shard.group == g]
             if not members:
@@ -362,6 +366,23 @@ def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, c
                 item.param_entry.copy_(item.master)  # the same rounding as .to(dtype)
             else:
                 item.param = item.master if dtype == torch.float32 else item.master.to(dtype)
+
+
+def _unscale_and_clip(loaded: list[_Loaded], grad_scale: float, coef: Optional[torch.Tensor]) -> None:
+    """Multiply the group's gradients by ``grad_scale``, then by the clip coefficient, as
+    ``GradScaler.unscale_`` and ``clip_grad_norm_`` do. A lent gradient is the store's memory, so
+    the first multiply then writes new tensors (the same foreach kernel: the same bits)."""
+    factors: list[Union[float, torch.Tensor]] = ([grad_scale] if grad_scale != 1.0 else []) + (
+        [coef] if coef is not None else [])
+    grads = [item.grad for item in loaded]
+    if not factors or not grads:
+        return
+    if any(item.grad_lent for item in loaded):
+        grads = list(torch._foreach_mul(grads, factors.pop(0)))
+    for factor in factors:
+        torch._foreach_mul_(grads, factor)
+    for item, grad in zip(loaded, grads):
+        item.grad = grad
 
 
 async def _write_group(store: AsyncTensorStore, loaded: list[_Loaded], io: IOCounter, state_tier: str,

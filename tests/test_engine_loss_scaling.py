@@ -27,9 +27,11 @@ INITIAL = 2.0**15
 GROWTH = 2
 
 
-def scaled_config(tmp_path, *, max_grad_norm: Optional[float] = None, **policy) -> engine.EngineConfig:
+def scaled_config(tmp_path, *, max_grad_norm: Optional[float] = None, optimizer_tier: str = "nvme",
+                  **policy) -> engine.EngineConfig:
     policy = {"initial_scale": INITIAL, "growth_interval": GROWTH, "hysteresis": 1, **policy}
-    return training_config(tmp_path, train_dtype="float16", max_grad_norm=max_grad_norm).replace(
+    return training_config(tmp_path, train_dtype="float16", max_grad_norm=max_grad_norm,
+                           optimizer_tier=optimizer_tier).replace(
         loss_scaling=LossScaling(**policy)
     )
 
@@ -105,14 +107,15 @@ def train(eng: engine.Engine, model: torch.nn.Module, steps: range, applied: Opt
     return losses, scales
 
 
-@pytest.mark.parametrize("max_grad_norm,through", [
-    (None, "eng.backward"), (0.5, "eng.backward"), (0.5, "with_loss_scale"), (None, "both")])
-def test_fp16_loss_scaling_equals_grad_scaler(tmp_path, max_grad_norm, through):
+@pytest.mark.parametrize("max_grad_norm,through,optimizer_tier", [
+    (None, "eng.backward", "nvme"), (0.5, "eng.backward", "nvme"), (0.5, "with_loss_scale", "nvme"),
+    (None, "both", "nvme"), (0.5, "eng.backward", "host")])  # host: in place, the gradients lent
+def test_fp16_loss_scaling_equals_grad_scaler(tmp_path, max_grad_norm, through, optimizer_tier):
     torch.manual_seed(6)
     model = TinyGPT()
     ref = Reference(model, max_grad_norm)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1),
-                      config=scaled_config(tmp_path, max_grad_norm=max_grad_norm))
+                      config=scaled_config(tmp_path, max_grad_norm=max_grad_norm, optimizer_tier=optimizer_tier))
     try:
         assert all(p.dtype == torch.float16 for p in model.parameters())
         losses, ref_losses, scales, ref_scales, applied, ref_applied = [], [], [], [], [], []

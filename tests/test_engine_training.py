@@ -129,15 +129,19 @@ def test_gradient_accumulation_over_two_micro_batches(tmp_path):
     assert_trained_equal(model, eng, ref)
 
 
-@pytest.mark.parametrize("grad_tier", ["host", "nvme"])
-def test_global_norm_clipping_equals_clip_grad_norm(tmp_path, grad_tier):
+@pytest.mark.parametrize("grad_tier,optimizer_tier", [("host", "nvme"), ("nvme", "nvme"), ("host", "host")])
+def test_global_norm_clipping_equals_clip_grad_norm(tmp_path, grad_tier, optimizer_tier):
+    """Also with the gradients lent to an in-place step (both tiers host), which clips new tensors."""
     torch.manual_seed(2)
     model = TinyGPT()
-    config = training_config(tmp_path, max_grad_norm=0.5, grad_tier=grad_tier)
+    config = training_config(tmp_path, max_grad_norm=0.5, grad_tier=grad_tier, optimizer_tier=optimizer_tier,
+                             host_bytes=16 * 1024 * KiB)
     norms: list = []
     losses, ref_losses, eng, ref = train_both(model, config, steps=6, micro=2, norms=norms)
     last = eng._training.counters.last
     assert last is not None and last.clip_coef is not None and last.clip_coef < 1.0  # clipping was active
+    if optimizer_tier == "host":
+        assert last.bytes_read == 0  # every gradient was lent, not copied
     assert losses == ref_losses
     assert all(got == want > 0.5 for got, want in norms), norms  # the norm before clipping
     assert_trained_equal(model, eng, ref)
@@ -451,8 +455,8 @@ def test_a_failed_step_leaves_the_last_completed_step(tmp_path):
 @pytest.mark.parametrize("param_tier", ["host", "nvme"])
 def test_state_in_host_memory_is_updated_where_it_lies(tmp_path, param_tier):
     """optimizer_tier="host" steps on the store's own memory (store.modify): the same losses as torch
-    and as the two-slot step, the state stays in slot 0, and only gradients (and parameters bound
-    for nvme) move."""
+    and as the two-slot step, the state stays in slot 0, and only parameters bound for nvme move
+    (the gradients, in host memory, are lent too)."""
     torch.manual_seed(3)
     model = TinyGPT()
     in_place, two_slots = (training_config(tmp_path / d, param_tier=param_tier, optimizer_tier="host",
@@ -466,8 +470,7 @@ def test_state_in_host_memory_is_updated_where_it_lies(tmp_path, param_tier):
         assert all(k in eng.store for n in names for k in optim_keys(n, 0))
         assert not any(k in eng.store for n in names for k in optim_keys(n, 1))
         last = eng._training.counters.last
-        grad_bytes = sum(p.numel() * 4 for p in model.parameters())
-        assert last.bytes_read == grad_bytes
+        assert last.bytes_read == 0
         assert last.bytes_written == (0 if param_tier == "host" else sum(p.numel() * p.element_size()
                                                                            for p in model.parameters()))
     slot_losses, _, eng, _ = train_both(copy.deepcopy(model), two_slots, steps=3)
@@ -481,6 +484,24 @@ def test_state_in_host_memory_is_updated_where_it_lies(tmp_path, param_tier):
         gpt_loss(resumed, 3).backward()
         eng.step()
         assert all(eng.store.info(k).tiers == (tiered.Tier.HOST,) for k in state)  # and back in host memory
+
+
+def test_gradients_lent_to_an_in_place_step_are_left_as_they_were(tmp_path):
+    """The in-place step reads gradients held in host memory where they lie; clipping multiplies new
+    tensors, so after the step the store holds the gradients backward gave, as after a copy."""
+    torch.manual_seed(4)
+    model = TinyGPT()
+    config = training_config(tmp_path, optimizer_tier="host", max_grad_norm=1e-3, host_bytes=16 * 1024 * KiB)
+    with engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config) as eng:
+        gpt_loss(model, 0).backward()
+        eng._training.grads.flush()  # the gradients' puts have landed
+        names = [n for n, _ in model.named_parameters()]
+        assert all(eng.store.info(grad_key(n)).tiers[0] is tiered.Tier.HOST for n in names)
+        before = {n: eng.store.sync.get(grad_key(n)) for n in names}
+        eng.step()
+        last = eng._training.counters.last
+        assert last.clip_coef is not None and last.clip_coef < 0.01 and last.bytes_read == 0
+        assert all(torch.equal(eng.store.sync.get(grad_key(n)), before[n]) for n in names)
 
 
 def test_a_failed_in_place_step_leaves_every_shard_whole(tmp_path):
