@@ -101,3 +101,32 @@ async def test_coalesce_bytes_zero_runs_every_transfer_alone(tmp_path):
         assert all(same_bytes(items[k], g) for k, g in zip(items, got))
         assert store._nvme.writes.batches == store._nvme.reads.batches == 0
         assert store._nvme.writes.batched == store._nvme.reads.batched == 0
+
+
+async def test_small_reads_queued_before_a_large_one_reach_the_disk_first(tmp_path):
+    """Gets arriving together in need order (small ones, then a large one read alone): the small
+    ones' batch is read before the large one, not after it, as a model's first bias or norm would
+    otherwise wait for every large weight of the prefetch window. One I/O thread, so the reads run
+    in the order they were handed to the I/O engine."""
+    small = {f"s{i}": random_tensor((3000 + 7 * i,), torch.uint8, seed=i) for i in range(6)}
+    large = random_tensor((3 * MiB,), torch.uint8, seed=99)  # over coalesce_bytes: read alone
+    async with await tiered.TieredStore.open_async(batch_config(tmp_path / "s", io_threads=1)) as store:
+        await store.put_many(small, tier="nvme")
+        await store.put("large", large, tier="nvme")
+        large_at = {(x.path, x.offset) for x in store.nvme_layout("large")}
+        paths = {f.handle.fd: f.handle.path for f in store._nvme.files}
+        reads: list[bool] = []  # each preadv, in order: whether it read the large entry
+        real = store._io.syscalls
+
+        def preadv(fd, buffers, offset):
+            reads.append((paths[fd], offset) in large_at)
+            return real.preadv(fd, buffers, offset)
+
+        store._io.syscalls = Syscalls(preadv=preadv, pwritev=real.pwritev, fdatasync=real.fdatasync)
+        try:
+            got = await asyncio.gather(*(store.get(k) for k in small), store.get("large"))
+        finally:
+            store._io.syscalls = real
+        assert all(same_bytes(want, g) for want, g in zip([*small.values(), large], got))
+        assert store._nvme.reads.batched >= 2  # the small ones went together
+        assert True in reads and reads[0] is False, reads  # ... and before the large one

@@ -9,6 +9,11 @@ have been alone, and a failed block fails only the transfers with a chunk in it.
 
 The first transfer of an iteration schedules the flush with ``call_soon``, so the ones queued
 behind it in the same iteration join it; a lone transfer waits for nothing but one loop turn.
+A large transfer that the backend runs alone calls :meth:`Coalescer.go_first` before its own
+I/O: the queued batch is started at once and reaches the I/O engine first. Otherwise a burst of
+requests in need order (a model's parameters: embedding, small biases and norms, large weights)
+would put every large read ahead of the small ones queued before it, and the disk, which serves
+requests in about the order they come, would return the small ones last.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class Coalescer(Generic[Copy, Spans]):
         self._run_one = run_one
         self._run_many = run_many
         self._queue: list[tuple[Copy, Spans, asyncio.Future[None]]] = []
+        self._scheduled: Optional[asyncio.Handle] = None  # the flush the queue's first transfer scheduled
         self._running: set[asyncio.Task[None]] = set()
         #: Batches run with more than one transfer, and the transfers in them (for tests and stats).
         self.batches = 0
@@ -43,7 +49,7 @@ class Coalescer(Generic[Copy, Spans]):
         done: asyncio.Future[None] = loop.create_future()
         self._queue.append((copy, spans, done))
         if len(self._queue) == 1:
-            loop.call_soon(self._flush)
+            self._scheduled = loop.call_soon(self._flush)
         try:
             await asyncio.shield(done)
         except asyncio.CancelledError:
@@ -55,7 +61,19 @@ class Coalescer(Generic[Copy, Spans]):
                 done.exception()  # retrieved: the cancelled caller will not see it
             raise
 
+    async def go_first(self) -> None:
+        """Let the transfers queued so far reach the I/O engine before the caller's own: start their
+        batch now, and yield once, so that the batch task's first step (which submits its blocks)
+        runs before the caller goes on."""
+        if not self._queue:
+            return
+        assert self._scheduled is not None
+        self._scheduled.cancel()
+        self._flush()
+        await asyncio.sleep(0)
+
     def _flush(self) -> None:
+        self._scheduled = None
         queue, self._queue = self._queue, []  # never empty: the first submit of the queue scheduled this
         task = asyncio.ensure_future(self._run(queue))
         self._running.add(task)

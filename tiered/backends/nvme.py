@@ -293,6 +293,7 @@ class NvmeBackend(TierBackend):
         if self._coalesces(copy):
             await self.reads.submit(copy, dst)
         else:
+            await self.reads.go_first()  # small reads that came first are not made to wait for this one
             await self._load_one(copy, dst)
 
     def _coalesces(self, copy: NvmeCopy) -> bool:

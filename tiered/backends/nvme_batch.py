@@ -168,11 +168,9 @@ async def load_many(
         length = run[-1].offset + run[-1].length - run[0].offset
         drain = functools.partial(_drain, run, dsts, expected, errors)
         blocks.append((run, BlockRead(run[0].file.handle, run[0].offset, length, drain=drain, checksum=False)))
-    results = await asyncio.gather(*(io.read([b]) for _, b in blocks), return_exceptions=True)
+    results = await io.read_each([b for _, b in blocks])
     for (run, _), result in zip(blocks, results):
-        if isinstance(result, BaseException):
-            if not isinstance(result, Exception):
-                raise result
+        if isinstance(result, Exception):
             for p in run:
                 errors[p.copy] = errors[p.copy] or result
     return errors

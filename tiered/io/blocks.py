@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from tiered.config import ALIGNMENT
 from tiered.errors import ChecksumError
@@ -129,6 +129,12 @@ class IOEngine:
         """Read every block; return each block's CRC-32 (None with checksums off)."""
         return await self._run(blocks, self._read_one)
 
+    async def read_each(self, blocks: Sequence[BlockRead]) -> "list[Optional[int] | Exception]":
+        """:meth:`read`, but each block's error is returned in its place instead of raised. Blocks
+        are handed to the worker threads before the first await that suspends (while tokens and
+        staging slots are free), so a caller's blocks go to the disk in the order of the calls."""
+        return await self._run(blocks, self._read_one, return_exceptions=True)
+
     async def fdatasync(self, handles: Sequence[FileHandle]) -> None:
         """Flush the data of each file to stable storage, in parallel."""
         loop = asyncio.get_running_loop()
@@ -149,7 +155,7 @@ class IOEngine:
         self._pool.shutdown(wait=True)
         self._staging.close()
 
-    async def _run(self, blocks: Sequence, fn: Callable) -> list[Optional[int]]:
+    async def _run(self, blocks: Sequence, fn: Callable, *, return_exceptions: bool = False) -> list[Any]:
         loop = asyncio.get_running_loop()
         slots = self._slot_queue()
         tokens = self._in_flight()
@@ -177,15 +183,15 @@ class IOEngine:
             for f in futures:
                 f.exception()  # retrieved: nobody will await these
             raise
-        results: list[Optional[int]] = []
+        results: list[Any] = []
         error: Optional[BaseException] = None
         for future in futures:  # every block finishes before the first error is raised
             try:
                 results.append(await future)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other blocks
                 error = error or exc
-                results.append(None)
-        if error is not None:
+                results.append(exc if return_exceptions else None)
+        if error is not None and not return_exceptions:
             raise error
         return results
 
