@@ -19,6 +19,7 @@ import engine
 from engine.loss_scaling import LossScaler, LossScaling
 from engine.step_record import StepRecord
 from engine_models import TinyGPT, store_config
+from conftest import MiB
 from test_engine_training import LR, gpt_loss, training_config
 
 #: Large enough that the first steps' fp16 gradients overflow, so the run skips steps, halves the
@@ -30,8 +31,9 @@ GROWTH = 2
 def scaled_config(tmp_path, *, max_grad_norm: Optional[float] = None, optimizer_tier: str = "nvme",
                   **policy) -> engine.EngineConfig:
     policy = {"initial_scale": INITIAL, "growth_interval": GROWTH, "hysteresis": 1, **policy}
+    room = {"host_bytes": 16 * MiB} if optimizer_tier == "host" else {}  # state and gradients in host memory
     return training_config(tmp_path, train_dtype="float16", max_grad_norm=max_grad_norm,
-                           optimizer_tier=optimizer_tier).replace(
+                           optimizer_tier=optimizer_tier, **room).replace(
         loss_scaling=LossScaling(**policy)
     )
 
@@ -139,6 +141,8 @@ def test_fp16_loss_scaling_equals_grad_scaler(tmp_path, max_grad_norm, through, 
         assert stats.optimizer_steps == 14 - halvings == eng.completed_steps
         assert stats.loss_scale == scales[-1]
         ref.assert_masters_equal(eng)
+        if optimizer_tier == "host":
+            assert stats.optimizer_bytes_read == 0  # every gradient was lent to the in-place step, not copied
         # save_weights(master_weights=True) exports the fp32 masters, not the fp16 copies
         saved = load_file(eng.save_weights(tmp_path / "masters", master_weights=True)[0])
         for (name, _), master in zip(ref.model.named_parameters(), ref.masters):
