@@ -185,10 +185,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     runs: list[Run] = []
     contenders: list[tuple[Run, StepFn]] = []
-    engines = []
+    engines = []  # (its run, the engine)
     load_before = os.getloadavg()
     workdir = scratch_dir(args.dir, "tiered-train-")
-    group = False
     try:
         if "memory" not in skip:
             contenders.append((Run("in memory, torch.optim.AdamW"), in_memory(copy.deepcopy(base).to(device), args)))
@@ -201,7 +200,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, rank=0, world_size=1)
-            group = True
             contenders.append((Run(f"FSDP2 + CPUOffloadPolicy, {backend}"), fsdp2(copy.deepcopy(base), args)))
         wrapped = [(f"tiered, params + optimizer on {args.tier}", None)]
         if args.two_slots:
@@ -209,17 +207,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name, in_place in wrapped:
             eng, step = tiered_engine(copy.deepcopy(base), args, os.path.join(workdir, f"store{len(contenders)}"),
                                       in_place=in_place)
-            engines.append((len(contenders), eng))
-            contenders.append((Run(name), step))
+            run = Run(name)
+            engines.append((run, eng))
+            contenders.append((run, step))
         train(contenders, args.steps, data, device, args.back_to_back)
         runs = [run for run, _ in contenders]
-        for i, eng in engines:
-            runs[i].note = json.dumps({k: v for k, v in dataclasses.asdict(eng.stats()).items()
-                                       if isinstance(v, (int, float))})
+        for run, eng in engines:
+            run.note = json.dumps({k: v for k, v in dataclasses.asdict(eng.stats()).items()
+                                   if isinstance(v, (int, float))})
     finally:
         for _, eng in engines:
             eng.unwrap()
-        if group:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         shutil.rmtree(workdir, ignore_errors=True)
 

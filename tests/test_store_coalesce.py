@@ -129,4 +129,4 @@ async def test_small_reads_queued_before_a_large_one_reach_the_disk_first(tmp_pa
             store._io.syscalls = real
         assert all(same_bytes(want, g) for want, g in zip([*small.values(), large], got))
         assert store._nvme.reads.batched >= 2  # the small ones went together
-        assert True in reads and reads[0] is False, reads  # ... and before the large one
+        assert any(reads) and not reads[0], reads  # ... and before the large one
