@@ -29,7 +29,8 @@ def test_inference_contenders_match_the_in_memory_model(tmp_path, benchmark_scri
     assert os.listdir(scratch) == []
 
 
-@pytest.mark.parametrize("options", [[], ["--fused", "--tier", "host", "--two-slots", "--back-to-back"]])
+@pytest.mark.parametrize("options", [
+    [], ["--fused", "--tier", "host", "--two-slots", "--back-to-back", "--cpu-threads", "3"]])
 def test_training_contenders_match_torch_adamw(tmp_path, benchmark_script, options):
     out = tmp_path / "train.json"
     assert benchmark_script("train_bench").main([
