@@ -181,6 +181,8 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
         store_cfg = tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=args.host_mib * MiB)
         if args.io_threads:
             store_cfg = store_cfg.replace(io_threads=args.io_threads)
+        if args.queue_depth:
+            store_cfg = store_cfg.replace(queue_depth=args.queue_depth)
         eng = engine.wrap(
             wrapped_model,
             config=engine.EngineConfig(store=store_cfg, param_tier="nvme", prefetch_bytes=args.prefetch_mib * MiB,
@@ -188,7 +190,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
         )
         ours = Contender("tiered engine, nvme, one forward from nothing prefetched")
         ours.note = (f"host budget {args.host_mib} MiB, prefetch {args.prefetch_mib} MiB, "
-                     f"{store_cfg.io_threads} io threads, O_DIRECT reads")
+                     f"{store_cfg.io_threads} io threads, queue depth {store_cfg.queue_depth}, O_DIRECT reads")
         loop = Contender(f"tiered engine, nvme, per forward in a loop of {args.loop}")
 
         cold_reads: list[int] = []  # store bytes read while a cold forward ran
@@ -334,6 +336,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "of the compute (docs/tuning.md section 3); 256 MiB leaves room for one")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--io-threads", type=int, default=0, help="the store's io_threads (0: StoreConfig's default)")
+    p.add_argument("--queue-depth", type=int, default=0, help="the store's queue_depth (0: StoreConfig's default)")
     p.add_argument("--device", default="cpu",
                    help="where every contender computes: cpu, or cuda (the weights still come from the disk)")
     p.add_argument("--seed", type=int, default=0)

@@ -128,6 +128,8 @@ def tiered_engine(model: GPT, args: argparse.Namespace, path: str, *, in_place: 
         store = store.replace(io_threads=args.io_threads)
     if args.cpu_threads:
         store = store.replace(cpu_threads=args.cpu_threads)
+    if args.queue_depth:
+        store = store.replace(queue_depth=args.queue_depth)
     eng = engine.wrap(
         model,
         optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay, fused=args.fused),
@@ -154,6 +156,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prefetch-mib", type=int, default=128)
     p.add_argument("--io-threads", type=int, default=0, help="the store's io_threads (0: StoreConfig's default)")
     p.add_argument("--cpu-threads", type=int, default=0, help="the store's cpu_threads (0: StoreConfig's default)")
+    p.add_argument("--queue-depth", type=int, default=0, help="the store's queue_depth (0: StoreConfig's default)")
     p.add_argument("--group-mib", type=int, default=64, help="the optimizer step's group size (optimizer_group_bytes)")
     p.add_argument("--skip", default="", help="comma list of contenders to skip: memory,fsdp2")
     p.add_argument("--device", default="cpu", help="where every contender computes: cpu, or cuda")

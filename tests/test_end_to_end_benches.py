@@ -20,9 +20,10 @@ def test_inference_contenders_match_the_in_memory_model(tmp_path, benchmark_scri
     scratch.mkdir()
     assert benchmark_script("inference_bench").main([
         "--dir", str(scratch), "--layers", "1", "--embd", "64", "--tokens", "8", "--repeats", "1", "--loop", "2",
-        "--host-mib", "1", "--prefetch-mib", "16", "--json", str(out)]) == 0
+        "--host-mib", "1", "--prefetch-mib", "16", "--queue-depth", "4", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["device"] == "cpu"
+    assert "queue depth 4" in report["contenders"][2]["note"]
     assert [c["equal_outputs"] for c in report["contenders"]] == [True] * 4
     assert all(len(c["seconds"]) == 1 for c in report["contenders"])
     assert report["engine_bytes_read_during_cold_forward"][0] > 0  # the cold forward read its weights
@@ -30,7 +31,7 @@ def test_inference_contenders_match_the_in_memory_model(tmp_path, benchmark_scri
 
 
 @pytest.mark.parametrize("options", [
-    [], ["--fused", "--tier", "host", "--two-slots", "--back-to-back", "--cpu-threads", "3"]])
+    [], ["--fused", "--tier", "host", "--two-slots", "--back-to-back", "--cpu-threads", "3", "--queue-depth", "8"]])
 def test_training_contenders_match_torch_adamw(tmp_path, benchmark_script, options):
     out = tmp_path / "train.json"
     assert benchmark_script("train_bench").main([
