@@ -14,6 +14,10 @@ import pytest
 
 from tiered.bench.cli import main
 from tiered.bench.deepspeed_aio import load_aio
+from tiered.bench.options import BenchOptions
+from tiered.bench.phases import Context
+from tiered.bench.results import BenchResult
+from tiered.bench.tensors import TensorFactory
 from tiered.cli import main as tiered_main
 
 TINY = [
@@ -138,6 +142,24 @@ def test_sweep_prints_the_best_setting_as_a_config_snippet(tmp_path, capsys):
     namespace: dict = {}
     exec(snippet.replace("path=...", f"path={str(tmp_path / 'x')!r}"), namespace)
     assert namespace["config"].queue_depth == 4
+
+
+def test_no_checksum_runs_every_store_without_crcs_and_says_so(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--dir", str(tmp_path / "disk"), "--json", str(out), "--only", "sweep", "--sweep-size", "512KiB",
+            "--sweep-block-sizes", "64KiB", "--sweep-queue-depths", "4", "--sweep-io-threads", "2", "--no-checksum"]
+    assert main([*args, *TINY]) == 0
+    report = json.loads(out.read_text())
+    assert report["options"]["checksum"] is False
+    assert any(note.startswith("checksums: off (--no-checksum)") for note in report["notes"])
+    namespace: dict = {}
+    exec(report["sweep"]["snippet"].replace("path=...", f"path={str(tmp_path / 'x')!r}"), namespace)
+    assert namespace["config"].checksum is False  # the snippet is the setting as measured
+    options = BenchOptions(directory=str(tmp_path), checksum=False)
+    context = Context(options, str(tmp_path), BenchResult(options={}, machine={}), TensorFactory(seed=0))
+    assert context.store_config("large").checksum is False
+    assert Context(BenchOptions(directory=str(tmp_path)), str(tmp_path), BenchResult(options={}, machine={}),
+                   TensorFactory(seed=0)).store_config("large").checksum is True
 
 
 def test_deepspeed_moves_the_same_tensors_on_the_store_file_and_its_own(tmp_path):

@@ -71,6 +71,8 @@ def build_parser(prog: str = "tiered bench") -> argparse.ArgumentParser:
         "--compress", action="store_true", help="run the compressed phases (ratio and effective GB/s; the default)"
     )
     compression.add_argument("--no-compress", action="store_true", help="leave out the compressed phases")
+    p.add_argument("--no-checksum", action="store_true", help="run the store without its CRC-32 per block "
+                   "(StoreConfig.checksum=False), to price the check against a run without this option")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure, >= 3 (default 3)")
     p.add_argument("--prefetch-count", type=int, default=None, help="tensors in the prefetch phase (default 16)")
     p.add_argument("--prefetch-size", type=_size, default=None, help="their size (default 64MiB)")
@@ -117,7 +119,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         fields["only"] = only
     return BenchOptions(
         directory=args.dir, block_size=args.block_size, queue_depth=args.queue_depth, io_threads=args.io_threads,
-        coalesce_bytes=args.coalesce_bytes,
+        coalesce_bytes=args.coalesce_bytes, checksum=not args.no_checksum,
         small_concurrency=args.concurrency, compress=not args.no_compress, repeats=args.repeats, sweep=args.sweep,
         drop_caches=args.drop_caches, skip=skip, json_path=args.json_path, plot_path=args.plot_path,
         quiet=args.quiet, quick=args.quick, seed=args.seed, **fields,

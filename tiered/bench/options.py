@@ -59,6 +59,8 @@ class BenchOptions:
     queue_depth: int = StoreConfig.queue_depth
     io_threads: int = StoreConfig.io_threads
     coalesce_bytes: int = StoreConfig.coalesce_bytes
+    #: The store computes and verifies a CRC-32 per block (False: ``--no-checksum``, to price the check).
+    checksum: bool = True
     #: Also measure puts with compress=True (on realistic bf16 data).
     compress: bool = True
     #: Prefetch phase: tensors, their size and the fixed compute delay between gets.

@@ -40,7 +40,7 @@ class Context:
         unless ``changes`` gives one (puts and gets in these phases go straight to and from nvme)."""
         fields: dict[str, Any] = {"block_size": self.options.block_size, "queue_depth": self.options.queue_depth,
                                   "io_threads": self.options.io_threads, "coalesce_bytes": self.options.coalesce_bytes,
-                                  "host_bytes": 0, "device_bytes": 0}
+                                  "checksum": self.options.checksum, "host_bytes": 0, "device_bytes": 0}
         fields.update(changes)
         return StoreConfig(path=os.path.join(self.workdir, name), **fields)
 

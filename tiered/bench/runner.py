@@ -31,7 +31,9 @@ def run_bench(options: BenchOptions) -> BenchResult:
     try:
         ctx = Context(options, workdir, result, TensorFactory(seed=options.seed))
         _tools(ctx)
-        ctx.note(f"checksums: CRC-32 by {CRC32_IMPL}")
+        ctx.note(f"checksums: CRC-32 by {CRC32_IMPL}" if options.checksum else
+                 "checksums: off (--no-checksum): the store neither computes nor verifies a CRC-32, unlike its "
+                 "default; compare with a run without the option to price the check")
         if options.drop_caches:
             done, why = drop_page_cache()
             ctx.note("--drop-caches: the page cache is dropped before every read" if done else f"--drop-caches: {why}")

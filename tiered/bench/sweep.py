@@ -56,11 +56,11 @@ def sweep_phase(ctx: Context) -> None:
                      "write_gbps": write.median, "read_gbps": read.median,
                      "score": math.sqrt(write.median * read.median)})
     best = max(rows, key=lambda r: r["score"])
-    ctx.result.sweep = {"grid": rows, "best": best, "snippet": config_snippet(best)}
+    ctx.result.sweep = {"grid": rows, "best": best, "snippet": config_snippet(best, checksum=ctx.options.checksum)}
 
 
-def config_snippet(best: dict[str, Any]) -> str:
-    """The best setting as Python for a StoreConfig."""
+def config_snippet(best: dict[str, Any], *, checksum: bool = True) -> str:
+    """The best setting as Python for a StoreConfig (with ``checksum=False`` when it was measured so)."""
     return (
         "from tiered import StoreConfig\n"
         "from tiered.config import KiB, MiB\n\n"
@@ -69,7 +69,8 @@ def config_snippet(best: dict[str, Any]) -> str:
         f"    block_size={_size_expr(best['block_size'])},\n"
         f"    queue_depth={best['queue_depth']},\n"
         f"    io_threads={best['io_threads']},\n"
-        f")  # write {best['write_gbps']:.2f} GB/s, cold read {best['read_gbps']:.2f} GB/s"
+        + ("" if checksum else "    checksum=False,\n")
+        + f")  # write {best['write_gbps']:.2f} GB/s, cold read {best['read_gbps']:.2f} GB/s"
     )
 
 
