@@ -152,6 +152,7 @@ def test_no_checksum_runs_every_store_without_crcs_and_says_so(tmp_path, capsys)
     report = json.loads(out.read_text())
     assert report["options"]["checksum"] is False
     assert any(note.startswith("checksums: off (--no-checksum)") for note in report["notes"])
+    assert "targets (the store without its checksums, --no-checksum):" in capsys.readouterr().out
     namespace: dict = {}
     exec(report["sweep"]["snippet"].replace("path=...", f"path={str(tmp_path / 'x')!r}"), namespace)
     assert namespace["config"].checksum is False  # the snippet is the setting as measured

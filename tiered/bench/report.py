@@ -45,7 +45,8 @@ def table(result: BenchResult) -> str:
         lines.append("notes:")
         lines += [f"  - {n}" for n in result.notes]
     if result.targets:
-        lines.append("targets:")
+        unchecked = result.options.get("checksum") is False
+        lines.append("targets (the store without its checksums, --no-checksum):" if unchecked else "targets:")
         for t in result.targets:
             mark = {True: "MET   ", False: "MISSED", None: "n/a   "}[t.met]
             lines.append(f"  {mark} {t.name}: wanted {t.wanted}, measured {_num(t.measured)}"
