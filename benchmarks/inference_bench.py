@@ -178,11 +178,9 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
         accelerate.disk_offload(offloaded, acc_dir, execution_device=device)
         acc = Contender("accelerate disk_offload, cold")
 
-        store_cfg = tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=args.host_mib * MiB)
-        if args.io_threads:
-            store_cfg = store_cfg.replace(io_threads=args.io_threads)
-        if args.queue_depth:
-            store_cfg = store_cfg.replace(queue_depth=args.queue_depth)
+        chosen = {"io_threads": args.io_threads, "queue_depth": args.queue_depth}
+        store_cfg = tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=args.host_mib * MiB,
+                                       **{name: value for name, value in chosen.items() if value})  # 0: the default
         eng = engine.wrap(
             wrapped_model,
             config=engine.EngineConfig(store=store_cfg, param_tier="nvme", prefetch_bytes=args.prefetch_mib * MiB,

@@ -123,13 +123,9 @@ def tiered_engine(model: GPT, args: argparse.Namespace, path: str, *, in_place: 
     import engine
     import tiered
 
-    store = tiered.StoreConfig(path=path, host_bytes=args.host_mib * MiB, prefault_host=False)
-    if args.io_threads:
-        store = store.replace(io_threads=args.io_threads)
-    if args.cpu_threads:
-        store = store.replace(cpu_threads=args.cpu_threads)
-    if args.queue_depth:
-        store = store.replace(queue_depth=args.queue_depth)
+    chosen = {"io_threads": args.io_threads, "cpu_threads": args.cpu_threads, "queue_depth": args.queue_depth}
+    store = tiered.StoreConfig(path=path, host_bytes=args.host_mib * MiB, prefault_host=False,
+                               **{name: value for name, value in chosen.items() if value})  # 0: the default
     eng = engine.wrap(
         model,
         optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay, fused=args.fused),
@@ -189,7 +185,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"model: {n / 1e6:.1f} M params; params + grads + AdamW states {16 * n / 1e9:.2f} GB in fp32; "
           f"{args.batch} x {args.seq} tokens per step; torch threads {torch.get_num_threads()}; computing on {device}")
 
-    runs: list[Run] = []
     contenders: list[tuple[Run, StepFn]] = []
     engines = []  # (its run, the engine)
     load_before = os.getloadavg()
@@ -217,7 +212,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             engines.append((run, eng))
             contenders.append((run, step))
         train(contenders, args.steps, data, device, args.back_to_back)
-        runs = [run for run, _ in contenders]
         for run, eng in engines:
             run.note = json.dumps({k: v for k, v in dataclasses.asdict(eng.stats()).items()
                                    if isinstance(v, (int, float))})
@@ -228,6 +222,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             torch.distributed.destroy_process_group()
         shutil.rmtree(workdir, ignore_errors=True)
 
+    runs = [run for run, _ in contenders]
     reference = runs[0]
     # Step i of every contender ran in the same turn: the ratio within a turn cancels the drift between turns.
     ratios = [paired_median(r.seconds[1:], reference.seconds[1:]) for r in runs]
