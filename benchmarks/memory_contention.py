@@ -107,7 +107,7 @@ class Transfers:
         os.close(self.fd)
 
 
-def _filled(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+def filled(nbytes: int) -> tuple[mmap.mmap, memoryview]:
     """Anonymous memory of ``nbytes``, every page written (no zero pages shared by the kernel)."""
     region = mmap.mmap(-1, nbytes)
     seed = os.urandom(MiB)
@@ -119,7 +119,7 @@ def _filled(nbytes: int) -> tuple[mmap.mmap, memoryview]:
 def run(args: argparse.Namespace) -> dict:
     nbytes = args.size - args.size % args.tensor_size
     workdir = scratch_dir(args.dir, "tiered-contention-")
-    regions = [_filled(n) for n in (nbytes, CPU_BUFFER, args.stream_size)]
+    regions = [filled(n) for n in (nbytes, CPU_BUFFER, args.stream_size)]
     (_, memory), (_, hot), (_, cold) = regions
     loads: dict[str, Callable[[], Optional[Background]]] = {
         "alone": lambda: None,

@@ -15,8 +15,8 @@ import pytest
 from tiered.bench.cli import main
 from tiered.bench.deepspeed_aio import load_aio
 from tiered.bench.options import BenchOptions
-from tiered.bench.phases import Context
-from tiered.bench.results import BenchResult
+from tiered.bench.phases import Context, run_round_robin
+from tiered.bench.results import BenchResult, Run
 from tiered.bench.tensors import TensorFactory
 from tiered.cli import main as tiered_main
 
@@ -90,6 +90,31 @@ def test_quick_run_reports_every_phase_and_round_trips(tmp_path, no_deepspeed, c
     assert len(batched) == 1 and all(r["verified"] is True for r in batched[0]["runs"])
     small_note = targets["small 64 KiB put+get"]["note"]
     assert "per call" in small_note and "batched" in small_note
+    assert any("wrote its files once, untimed" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize("warm_up", [False, True])
+def test_round_robin_warm_up_runs_every_writer_once_untimed_before_the_timed_runs(tmp_path, warm_up):
+    options = BenchOptions(directory=str(tmp_path), repeats=3, quiet=True)
+    context = Context(options, str(tmp_path), BenchResult(options={}, machine={}), TensorFactory(seed=0))
+    calls: list[str] = []
+
+    def step(name: str, value: float):
+        def run() -> Run:
+            calls.append(name)
+            return Run(value, 1.0)
+        return run
+
+    writers = {"a:write": ("a", step("a write", 1.0)), "b:write": ("b", step("b write", 2.0))}
+    readers = {"a:read": ("a", step("a read", 3.0))}
+    run_round_robin(context, "phase", writers, readers, "label", warm_up=warm_up)
+
+    figures = {f.name: f for f in context.result.figures}
+    assert [len(figures[n].runs) for n in ("phase / a write", "phase / b write", "phase / a read")] == [3, 3, 3]
+    warm = ["a write", "b write"] if warm_up else []
+    assert calls[:len(warm)] == warm  # untimed, before anything else: no figure holds their runs
+    assert calls.count("a write") == calls.count("b write") == 3 + bool(warm_up)
+    assert calls.count("a read") == 3
 
 
 def test_skip_and_only_select_contenders_and_phases(tmp_path, capsys):

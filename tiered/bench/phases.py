@@ -65,14 +65,20 @@ Step = Callable[[], Run]
 
 
 def run_round_robin(ctx: Context, phase: str, writers: dict[str, tuple[str, Step]],
-                    readers: dict[str, tuple[str, Step]], label: str) -> None:
+                    readers: dict[str, tuple[str, Step]], label: str, *, warm_up: bool = False) -> None:
     """Repeat: every writer once, then every reader once, so slow drift of a shared disk hits every
     contender alike; the order rotates each time, so no contender always goes first or last.
-    ``writers``/``readers`` map figure keys ``tool:op`` to (tool, step)."""
+    ``writers``/``readers`` map figure keys ``tool:op`` to (tool, step). ``warm_up``: every writer
+    runs once, untimed, before the first repetition, so every timed write overwrites disk blocks its
+    contender has written before (as fio's ``overwrite=1`` lays out its file first)."""
     figures = {key: ctx.result.add(Figure(phase, tool, key.split(":", 1)[1], GBPS))
                for key, (tool, _) in {**writers, **readers}.items()}
-    steps = ctx.options.repeats * (len(writers) + len(readers))
+    steps = ctx.options.repeats * (len(writers) + len(readers)) + (len(writers) if warm_up else 0)
     with ctx.progress(label, steps) as bar:
+        if warm_up:
+            for _, step in writers.values():
+                step()
+                bar.advance()
         for rep in range(ctx.options.repeats):
             for group in (writers, readers):
                 if group is readers:
@@ -150,7 +156,12 @@ def large_phase(ctx: Context) -> None:
             readers[f"{own}:read"] = (own, lambda: ds.read(ds.own_files()))
             ctx.note(f"deepspeed: {ds.describe()}; on the store's swap file at the ranges holding the same tensors "
                      f"(TieredStore.nvme_layout), and, as {own}, on one file per tensor")
-        run_round_robin(ctx, phase, writers, readers, "large tensors")
+        # A virtual disk may write blocks it never held before at half speed (thin provisioning: the host
+        # allocates them on first touch; benchmarks/first_writes.py), which fio's layout pass and
+        # DeepSpeed on the store's blocks never pay: every writer first writes its files once, untimed.
+        run_round_robin(ctx, phase, writers, readers, "large tensors", warm_up=True)
+        ctx.note("large tensors: every writer wrote its files once, untimed, before the timed runs (each timed "
+                 "write overwrites blocks its contender wrote before, as fio's overwrite=1 does)")
         if ctx.aio is not None:
             # After the others, not among them: its page-locked bounce copies slowed the other
             # contenders' reads in the same process (store 1.9 -> 1.1 GB/s, fio 1.8 -> 1.0 here).
