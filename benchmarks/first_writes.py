@@ -32,8 +32,8 @@ import statistics
 import sys
 from typing import Optional
 
-from bench_output import add_alternation_arguments, paired_median, print_table, scratch_dir, write_json
-from memory_contention import Transfers, filled
+from bench_output import paired_median, print_table, scratch_dir, write_json
+from memory_contention import Transfers, add_transfer_arguments, check_transfer_arguments, filled
 
 MiB = 1024 * 1024
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -103,16 +103,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_alternation_arguments(p, size_help="bytes per file (one file per round)", rounds=3)
-    p.add_argument("--threads", type=int, default=32, help="I/O threads (every block of a tensor in flight)")
+    add_transfer_arguments(p, size_help="bytes per file (one file per round)", rounds=3)
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.threads < 1:
-        p.error(f"--rounds and --threads must be >= 1, got {args.rounds} and {args.threads}")
-    if args.block_size % 4096 or args.tensor_size % args.block_size:
-        p.error(f"--block-size must be a multiple of 4096 dividing --tensor-size, got {args.block_size} "
-                f"and {args.tensor_size}")
-    if args.size < args.tensor_size:
-        p.error(f"--size {args.size} holds no whole tensor of --tensor-size {args.tensor_size}")
+    check_transfer_arguments(p, args)
     write_json(run(args), args.json)
     return 0
 

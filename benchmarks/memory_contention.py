@@ -116,6 +116,23 @@ def filled(nbytes: int) -> tuple[mmap.mmap, memoryview]:
     return region, memoryview(region)
 
 
+def add_transfer_arguments(p: argparse.ArgumentParser, *, size_help: str, rounds: int) -> None:
+    """The options of a script moving tensors through :class:`Transfers`: the alternation's and ``--threads``."""
+    add_alternation_arguments(p, size_help=size_help, rounds=rounds)
+    p.add_argument("--threads", type=int, default=32, help="I/O threads (every block of a tensor in flight)")
+
+
+def check_transfer_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A parser error for options :func:`add_transfer_arguments` added that cannot work together."""
+    if args.rounds < 1 or args.threads < 1:
+        p.error(f"--rounds and --threads must be >= 1, got {args.rounds} and {args.threads}")
+    if args.block_size % 4096 or args.tensor_size % args.block_size:
+        p.error(f"--block-size must be a multiple of 4096 dividing --tensor-size, got {args.block_size} "
+                f"and {args.tensor_size}")
+    if args.size < args.tensor_size:
+        p.error(f"--size {args.size} holds no whole tensor of --tensor-size {args.tensor_size}")
+
+
 def run(args: argparse.Namespace) -> dict:
     nbytes = args.size - args.size % args.tensor_size
     workdir = scratch_dir(args.dir, "tiered-contention-")
@@ -175,20 +192,13 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_alternation_arguments(p, size_help="bytes moved per load per round", rounds=5)
-    p.add_argument("--threads", type=int, default=32, help="I/O threads (every block of a tensor in flight)")
+    add_transfer_arguments(p, size_help="bytes moved per load per round", rounds=5)
     p.add_argument("--stream-size", type=int, default=1024 * MiB,
                    help="bytes the memory load streams over (far above the caches)")
     p.add_argument("--loads", type=lambda s: s.split(","), default=list(LOADS),
                    help=f"loads to run, comma-separated (default {','.join(LOADS)})")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.threads < 1:
-        p.error(f"--rounds and --threads must be >= 1, got {args.rounds} and {args.threads}")
-    if args.block_size % 4096 or args.tensor_size % args.block_size:
-        p.error(f"--block-size must be a multiple of 4096 dividing --tensor-size, got {args.block_size} "
-                f"and {args.tensor_size}")
-    if args.size < args.tensor_size:
-        p.error(f"--size {args.size} holds no whole tensor of --tensor-size {args.tensor_size}")
+    check_transfer_arguments(p, args)
     unknown = [name for name in args.loads if name not in LOADS]
     if unknown or "alone" not in args.loads:
         p.error(f"--loads takes {', '.join(LOADS)} and must include alone, got {','.join(args.loads)}")
