@@ -107,14 +107,16 @@ async def test_aligned_tensors_are_written_and_read_in_place(nvme_config):
         assert (counters.staged_writes, counters.staged_reads) == before[:2]
         assert same_bytes(back, exact)
 
-        # A view 64 bytes into an aligned buffer: never page-aligned, whatever torch's allocator returns.
+        # A view 64 bytes into an aligned buffer, where torch's allocator puts large tensors: staged
+        # unless the disk's O_DIRECT takes 64-byte-aligned memory (NVMe does; tests/test_direct_alignment.py).
         backing = tiered.empty_aligned((value.numel() + 16,), value.dtype)
         plain = backing[16:]
         plain.copy_(value)
         assert plain.data_ptr() % 4096 == 64
         before_w = counters.staged_writes
         await store.put("plain", plain, tier="nvme")
-        assert counters.staged_writes - before_w >= 12
+        staged = counters.staged_writes - before_w
+        assert staged >= 12 if 64 % store._nvme.memory_alignment else staged <= 1
         assert same_bytes(await store.get("plain"), value)
 
 

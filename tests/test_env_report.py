@@ -26,6 +26,7 @@ def test_the_directory_is_probed_with_real_io_and_left_as_it_was(tmp_path):
     assert checks["O_DIRECT"].status in ("ok", "note")  # a refusal is a fallback, not a failure
     if checks["O_DIRECT"].status == "ok":
         assert "written, synced and read back" in checks["O_DIRECT"].found
+        assert "-byte alignment, so torch's own CPU tensors" in checks["O_DIRECT"].found
     else:
         assert "buffered I/O" in checks["O_DIRECT"].advice
     assert checks["fallocate"].status in ("ok", "note")

@@ -22,7 +22,7 @@ from tiered.bench.system import DROP_CACHES, filesystem_of, nearest_existing_dir
 from tiered.config import ALIGNMENT, StoreConfig
 from tiered.io.aligned import AlignedBuffer
 from tiered.io.crc import CRC32_IMPL
-from tiered.io.files import open_file
+from tiered.io.files import direct_io_memory_alignment, open_file
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -109,7 +109,12 @@ def _direct_io(path: str) -> Check:
         if not same:
             return Check("O_DIRECT", f"wrote {written} and read {read} bytes, not the same", "problem",
                          "an aligned block did not come back intact: check the disk and filesystem")
-        return Check("O_DIRECT", f"works ({ALIGNMENT}-byte aligned block written, synced and read back)")
+        align = direct_io_memory_alignment(handle)
+        in_place = ("so torch's own CPU tensors of 1 MiB and more move in place" if align <= 64 else
+                    "so torch's own CPU tensors (64 bytes into a page) are staged; tiered.empty_aligned ones "
+                    "move in place")
+        return Check("O_DIRECT", f"works ({ALIGNMENT}-byte aligned block written, synced and read back; "
+                                 f"buffers need {align}-byte alignment, {in_place})")
     except OSError as exc:
         return Check("O_DIRECT", f"opened, but I/O failed: {exc}", "problem",
                      "pass StoreConfig(direct_io=False) or use another directory")

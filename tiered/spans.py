@@ -26,8 +26,9 @@ DIRECT_RESULT_BYTES = 4 * 1024 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class Span:
-    """``tensor`` is a 1-D uint8 tensor (any device). ``view`` is set when the same bytes are
-    page-aligned host memory usable for O_DIRECT; it may extend past the tensor up to a page boundary."""
+    """``tensor`` is a 1-D uint8 tensor (any device). ``view`` is set when the same bytes are host
+    memory O_DIRECT may move in place (whether its address suits the disk is :func:`aligned_views`'
+    call); it may extend past the tensor, up to a page boundary, where that memory is the store's."""
 
     tensor: torch.Tensor
     view: Optional[memoryview] = None
@@ -49,16 +50,17 @@ def spans_of_tensor(tensor: torch.Tensor) -> list[Span]:
     return [Span(data, _direct_view(data))]
 
 
-#: A CPU tensor at least this large whose memory starts on a page boundary is read into and written
-#: from in place with O_DIRECT (no staging copy). torch gives tensors of 2 MiB and more page-aligned
-#: memory when the environment has THP_MEM_ALLOC_ENABLE=1.
+#: A CPU tensor at least this large whose memory is aligned as the disk's O_DIRECT needs is read into
+#: and written from in place (no staging copy): a page on most disks; 512 bytes on virtio disks and 4
+#: on NVMe drives where the kernel says so (tiered.io.files.direct_io_memory_alignment), which takes
+#: torch's own 64-byte-aligned tensors. torch gives tensors of 2 MiB and more page-aligned memory
+#: when the environment has THP_MEM_ALLOC_ENABLE=1.
 DIRECT_TENSOR_BYTES = 1024 * 1024
-_PAGE = 4096
 
 
 def _direct_view(data: torch.Tensor) -> Optional[memoryview]:
-    """A view of exactly ``data``'s bytes (never past its end) when O_DIRECT can use them in place."""
-    if data.device.type != "cpu" or data.numel() < DIRECT_TENSOR_BYTES or data.data_ptr() % _PAGE:
+    """A view of exactly ``data``'s bytes (never past its end) when O_DIRECT may use them in place."""
+    if data.device.type != "cpu" or data.numel() < DIRECT_TENSOR_BYTES:
         return None
     return memoryview((ctypes.c_char * data.numel()).from_address(data.data_ptr())).cast("B")
 
@@ -110,20 +112,25 @@ def pieces(spans: Sequence[Span], start: int, stop: int) -> Iterator[tuple[Span,
         pos = end
 
 
-def aligned_views(spans: Sequence[Span], start: int, stop: int, alignment: int) -> Optional[list[memoryview]]:
-    """iovecs covering ``[start, stop)`` rounded up to ``alignment``, if every piece is aligned host memory.
+def aligned_views(
+    spans: Sequence[Span], start: int, stop: int, alignment: int, memory_alignment: Optional[int] = None
+) -> Optional[list[memoryview]]:
+    """iovecs covering ``[start, stop)`` rounded up to ``alignment``, if O_DIRECT can use every piece in place:
+    each starts at an address that is a multiple of ``memory_alignment`` (default ``alignment``), each
+    but the last is a multiple of ``alignment`` long, and the last one's view reaches its rounded-up end.
 
-    Returns None when some piece has no aligned view or starts mid-page, so the caller stages instead.
+    Returns None otherwise, so the caller stages instead.
     """
+    memory_alignment = memory_alignment or alignment
     views: list[memoryview] = []
     parts = list(pieces(spans, start, stop))
     for i, (span, lo, hi) in enumerate(parts):
-        if span.view is None or lo % alignment:
+        if span.view is None or (_address(span.view) + lo) % memory_alignment:
             return None
         last = i == len(parts) - 1
-        if not last and hi % alignment:
+        if not last and (hi - lo) % alignment:
             return None
-        hi_io = -(-hi // alignment) * alignment
+        hi_io = lo + -(-(hi - lo) // alignment) * alignment
         if hi_io > len(span.view):
             return None
         views.append(span.view[lo:hi_io])

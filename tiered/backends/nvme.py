@@ -17,6 +17,7 @@ from tiered.config import ALIGNMENT
 from tiered.errors import CapacityError
 from tiered.extents import Extent, ExtentAllocator
 from tiered.io import BlockRead, BlockWrite, FileHandle, IOEngine, open_file, round_up
+from tiered.io.files import direct_io_memory_alignment
 from tiered.spans import Span, aligned_views, copy_in, copy_out
 from tiered.stats import SwapExtent
 from tiered.tier import Tier
@@ -94,6 +95,10 @@ class NvmeBackend(TierBackend):
                 size = os.fstat(handle.fd).st_size
                 size -= size % ALIGNMENT
                 self.files.append(SwapFile(len(self.files), path, handle, ExtentAllocator(size)))
+        #: The memory alignment O_DIRECT needs on every swap file (the largest the kernel reports):
+        #: a caller's tensor aligned to it moves in place, with no staging copy.
+        self.memory_alignment = max(
+            (direct_io_memory_alignment(f.handle) for f in self.files), default=ALIGNMENT)
         if direct and not all(f.handle.direct for f in self.files):
             self.direct = False
             warnings.warn(
@@ -296,6 +301,10 @@ class NvmeBackend(TierBackend):
             await self.reads.go_first()  # small reads that came first are not made to wait for this one
             await self._load_one(copy, dst)
 
+    def _in_place_alignment(self) -> Optional[int]:
+        """What O_DIRECT needs of a buffer's address here; None when the files are not open for O_DIRECT."""
+        return self.memory_alignment if self.direct else None
+
     def _coalesces(self, copy: NvmeCopy) -> bool:
         return 0 < self.coalesce_bytes and copy.nbytes <= self.coalesce_bytes
 
@@ -303,7 +312,7 @@ class NvmeBackend(TierBackend):
         blocks = []
         chunks = self._chunks(copy)
         for _, f, offset, pos, n in chunks:
-            views = aligned_views(src, pos, pos + n, ALIGNMENT) if self.direct else None
+            views = aligned_views(src, pos, pos + n, ALIGNMENT, self.memory_alignment) if self.direct else None
             if views is not None:
                 blocks.append(BlockWrite(f.handle, offset, n, source=views))
             else:
@@ -322,7 +331,7 @@ class NvmeBackend(TierBackend):
         verify = copy.crcs is not None and self._io.checksum
         for index, f, offset, pos, n in self._chunks(copy):
             expected = copy.crcs[index] if verify else None  # type: ignore[index]
-            views = aligned_views(dst, pos, pos + n, ALIGNMENT) if self.direct else None
+            views = aligned_views(dst, pos, pos + n, ALIGNMENT, self.memory_alignment) if self.direct else None
             if views is not None:
                 blocks.append(BlockRead(f.handle, offset, n, dest=views, expected_crc=expected))
             else:
@@ -338,7 +347,7 @@ class NvmeBackend(TierBackend):
         Sets each written copy's ``crcs``; returns each copy's error (None when it was written).
         """
         plans = [self._chunks(c) for c in copies]
-        crcs, errors = await nvme_batch.store_many(self._io, self.direct, plans, srcs)
+        crcs, errors = await nvme_batch.store_many(self._io, self._in_place_alignment(), plans, srcs)
         for copy, c, error in zip(copies, crcs, errors):
             if error is None:
                 copy.crcs = c
@@ -353,7 +362,7 @@ class NvmeBackend(TierBackend):
         """
         plans = [self._chunks(c) for c in copies]
         expected = [c.crcs if c.crcs is not None and self._io.checksum else None for c in copies]
-        return await nvme_batch.load_many(self._io, self.direct, plans, dsts, expected)
+        return await nvme_batch.load_many(self._io, self._in_place_alignment(), plans, dsts, expected)
 
     def files_to_sync(self, copies: Sequence[NvmeCopy]) -> list[FileHandle]:
         """The swap files the copies' bytes lie in, each once: what must be flushed to make them durable."""

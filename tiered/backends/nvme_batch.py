@@ -66,16 +66,17 @@ def carve(run: Sequence, needs: Sequence[int]) -> list[list]:
 
 
 def _split(
-    plans: Sequence[Sequence[Chunk]], bufs: Sequence[Sequence[Span]], direct: bool
+    plans: Sequence[Sequence[Chunk]], bufs: Sequence[Sequence[Span]], memory_alignment: Optional[int]
 ) -> tuple[list[tuple[_Piece, list]], list[_Piece]]:
     """Every copy's chunks as pieces: those whose memory O_DIRECT can use in place (with its views),
-    each a block of its own, and the rest, to be coalesced into staged runs."""
+    each a block of its own, and the rest, to be coalesced into staged runs. ``memory_alignment``:
+    what O_DIRECT needs of a buffer's address; None without O_DIRECT (everything is staged)."""
     solo: list[tuple[_Piece, list]] = []
     pieces: list[_Piece] = []
     for c, plan in enumerate(plans):
         for index, f, offset, pos, n in plan:
             p = _Piece(c, index, f, offset, pos, n)
-            views = aligned_views(bufs[c], pos, pos + n, ALIGNMENT) if direct else None
+            views = aligned_views(bufs[c], pos, pos + n, ALIGNMENT, memory_alignment) if memory_alignment else None
             if views is not None:
                 solo.append((p, views))
             else:
@@ -104,16 +105,17 @@ def _runs(pieces: list[_Piece], block_size: int) -> list[list[_Piece]]:
 
 
 async def store_many(
-    io: IOEngine, direct: bool, plans: Sequence[Sequence[Chunk]], srcs: Sequence[Sequence[Span]]
+    io: IOEngine, memory_alignment: Optional[int], plans: Sequence[Sequence[Chunk]], srcs: Sequence[Sequence[Span]]
 ) -> tuple[list[Optional[list[int]]], list[Optional[BaseException]]]:
-    """Write ``srcs[i]`` into the chunks ``plans[i]`` of copy ``i``, for every copy at once.
+    """Write ``srcs[i]`` into the chunks ``plans[i]`` of copy ``i``, for every copy at once (in place where
+    ``memory_alignment``, O_DIRECT's need of an address, allows; None: every chunk staged).
 
     Returns each copy's CRC per chunk (None with checksums off) and each copy's error (None when all
     its chunks were written). A failed block fails only the copies with a chunk in it.
     """
     crcs: list[list[int]] = [[0] * len(plan) for plan in plans]
     errors: list[Optional[BaseException]] = [None] * len(plans)
-    solo, pieces = _split(plans, srcs, direct)
+    solo, pieces = _split(plans, srcs, memory_alignment)
     blocks: list[tuple[list[_Piece], BlockWrite]] = [
         ([p], BlockWrite(p.file.handle, p.offset, p.length, source=views)) for p, views in solo
     ]
@@ -150,16 +152,17 @@ def _fill(run: list[_Piece], srcs: Sequence[Sequence[Span]], crcs: list[list[int
 
 
 async def load_many(
-    io: IOEngine, direct: bool, plans: Sequence[Sequence[Chunk]], dsts: Sequence[Sequence[Span]],
+    io: IOEngine, memory_alignment: Optional[int], plans: Sequence[Sequence[Chunk]], dsts: Sequence[Sequence[Span]],
     expected: Sequence[Optional[Sequence[int]]],
 ) -> list[Optional[BaseException]]:
-    """Read every copy's chunks into ``dsts[i]``, verifying ``expected[i]`` (CRC per chunk) when given.
+    """Read every copy's chunks into ``dsts[i]``, verifying ``expected[i]`` (CRC per chunk) when given (in
+    place where ``memory_alignment`` allows, as for :func:`store_many`).
 
     Returns each copy's error (None when all its chunks arrived intact). A corrupt chunk fails only
     its own copy: the other chunks of its block are still delivered.
     """
     errors: list[Optional[BaseException]] = [None] * len(plans)
-    solo, pieces = _split(plans, dsts, direct)
+    solo, pieces = _split(plans, dsts, memory_alignment)
     blocks: list[tuple[list[_Piece], BlockRead]] = [
         ([p], BlockRead(p.file.handle, p.offset, p.length, dest=views, expected_crc=_expected(expected, p)))
         for p, views in solo
