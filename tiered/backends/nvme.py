@@ -305,6 +305,11 @@ class NvmeBackend(TierBackend):
         """What O_DIRECT needs of a buffer's address here; None when the files are not open for O_DIRECT."""
         return self.memory_alignment if self.direct else None
 
+    def _in_place_views(self, spans: Sequence[Span], pos: int, n: int) -> Optional[list[memoryview]]:
+        """iovecs moving logical bytes ``[pos, pos + n)`` of ``spans`` in place, or None to stage them."""
+        alignment = self._in_place_alignment()
+        return aligned_views(spans, pos, pos + n, ALIGNMENT, alignment) if alignment else None
+
     def _coalesces(self, copy: NvmeCopy) -> bool:
         return 0 < self.coalesce_bytes and copy.nbytes <= self.coalesce_bytes
 
@@ -312,7 +317,7 @@ class NvmeBackend(TierBackend):
         blocks = []
         chunks = self._chunks(copy)
         for _, f, offset, pos, n in chunks:
-            views = aligned_views(src, pos, pos + n, ALIGNMENT, self.memory_alignment) if self.direct else None
+            views = self._in_place_views(src, pos, n)
             if views is not None:
                 blocks.append(BlockWrite(f.handle, offset, n, source=views))
             else:
@@ -331,7 +336,7 @@ class NvmeBackend(TierBackend):
         verify = copy.crcs is not None and self._io.checksum
         for index, f, offset, pos, n in self._chunks(copy):
             expected = copy.crcs[index] if verify else None  # type: ignore[index]
-            views = aligned_views(dst, pos, pos + n, ALIGNMENT, self.memory_alignment) if self.direct else None
+            views = self._in_place_views(dst, pos, n)
             if views is not None:
                 blocks.append(BlockRead(f.handle, offset, n, dest=views, expected_crc=expected))
             else:
