@@ -19,7 +19,7 @@ forward's first weights while the current one ends, and a weight needed first an
 ``wte``/``lm_head``, stays in the prefetch window; the bytes read per forward are printed).
 Everything runs with the defaults a user gets: no allocator settings, no environment variables (the
 engine reads large parameters into its own page-aligned, pre-faulted buffers, reused from forward to
-forward: ``engine/param_buffers.py``). The steady-state figures at the end include
+forward: ``engine/paging/param_buffers.py``). The steady-state figures at the end include
 the engine's minor page faults and CPU seconds per forward.
 
 Needs ``transformers`` and ``accelerate`` (``pip install -e ".[bench]"``).
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
 
     import engine
     import tiered
-    from engine.layout import param_key
+    from engine.paging.layout import param_key
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     reference = build_model(args.layers, args.embd, args.seed)

@@ -8,18 +8,18 @@ parameters just before it runs and release them after (docs/engine.md).
 
 from typing import Any
 
-from engine.checkpoint_export import checkpoint_state_dict, export_checkpoint
+from engine.checkpoint.offline_export import checkpoint_state_dict, export_checkpoint
 from engine.config import EngineConfig
-from engine.deepspeed_checkpoint import import_deepspeed_checkpoint
-from engine.deepspeed_engine import DeepSpeedEngine
-from engine.distributed_init import init_distributed
 from engine.engine import Engine, EngineClosedError, wrap
-from engine.hf_device_map import load_checkpoint_and_dispatch
-from engine.layout import ShardLayout, param_key
-from engine.loss_scaling import LossScaling
-from engine.memory_estimate import MemoryEstimate, estimate_memory
-from engine.overflow_scheduler import OverflowAwareScheduler
-from engine.released import ReleasedParameterError
+from engine.integrations.deepspeed.checkpoint_import import import_deepspeed_checkpoint
+from engine.integrations.deepspeed.engine import DeepSpeedEngine
+from engine.integrations.hf.device_map import load_checkpoint_and_dispatch
+from engine.optim.loss_scaler import LossScaling
+from engine.optim.overflow_scheduler import OverflowAwareScheduler
+from engine.paging.distributed_init import init_distributed
+from engine.paging.layout import ShardLayout, param_key
+from engine.paging.memory_estimate import MemoryEstimate, estimate_memory
+from engine.paging.released import ReleasedParameterError
 from engine.stats import EngineStats
 
 __all__ = [
@@ -34,15 +34,15 @@ def __getattr__(name: str) -> Any:
     # engine.AdamW (and engine.initialize, which builds one) are imported on first use, so the paging
     # engine does not depend on the optimizer modules.
     if name == "AdamW":
-        from engine.adamw import AdamW
+        from engine.optim.adamw import AdamW
 
         return AdamW
     if name in ("initialize", "add_config_arguments"):
-        from engine import deepspeed_initialize
+        from engine.integrations.deepspeed import initialize as deepspeed_initialize
 
         return getattr(deepspeed_initialize, name)
     if name == "from_pretrained":  # needs transformers
-        from engine.hf_pretrained import from_pretrained
+        from engine.integrations.hf.pretrained import from_pretrained
 
         return from_pretrained
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

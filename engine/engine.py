@@ -16,33 +16,34 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine import checkpoint, export, full_state
-from engine.accumulation import GradientAccumulation
-from engine.backward import BackwardTracker, SavedTensorHooks, register_grad_final_hooks
-from engine.collectives import Collectives, group_rank_and_world
+from engine.checkpoint import export, full_state
+from engine.checkpoint import sharded as checkpoint
 from engine.config import EngineConfig
-from engine.distributed_init import local_rank as launcher_local_rank
-from engine.gathered import ParamsArg, check_modifier_rank, select_handles
-from engine.gathered import gathered as gathered_block
-from engine.handle import HandleState, ParamHandle
-from engine.input_cast import InputCast
-from engine.layout import rank_store_config
-from engine.module_hooks import ForwardScope, ModuleHooks
-from engine.pager import Pager
-from engine.placement import InitFn, Placement, model_device
-from engine.progress import byte_progress
-from engine.rank_agreement import rank0_random_state, take_rank0_values
-from engine.saved_activations import SavedActivations, discard_activations
-from engine.scaled_loss import scale_in_backward
-from engine.shard_io import ShardIO
-from engine.state_dict_hooks import StateDictHooks
+from engine.io.progress import byte_progress
+from engine.io.weights import StateDictLike, WeightSource
+from engine.optim.accumulation import GradientAccumulation
+from engine.optim.scaled_loss import scale_in_backward
+from engine.paging.backward import BackwardTracker, SavedTensorHooks, register_grad_final_hooks
+from engine.paging.collectives import Collectives, group_rank_and_world
+from engine.paging.distributed_init import local_rank as launcher_local_rank
+from engine.paging.gathered import ParamsArg, check_modifier_rank, select_handles
+from engine.paging.gathered import gathered as gathered_block
+from engine.paging.handle import HandleState, ParamHandle
+from engine.paging.input_cast import InputCast
+from engine.paging.layout import rank_store_config
+from engine.paging.module_hooks import ForwardScope, ModuleHooks
+from engine.paging.pager import Pager
+from engine.paging.placement import InitFn, Placement, model_device
+from engine.paging.rank_agreement import rank0_random_state, take_rank0_values
+from engine.paging.saved_activations import SavedActivations, discard_activations
+from engine.paging.shard_io import ShardIO
+from engine.paging.state_dict_hooks import StateDictHooks
+from engine.paging.torch_optimizer import TorchOptimizerHooks
 from engine.stats import EngineCounters, EngineStats, MemoryMeter, bytes_out_by_tier
-from engine.torch_optimizer import TorchOptimizerHooks
-from engine.weights import StateDictLike, WeightSource
 from tiered import StoreStats, TieredStore
 
 if TYPE_CHECKING:
-    from engine.training import Training
+    from engine.optim.training import Training
 
 
 class EngineClosedError(RuntimeError):
@@ -104,7 +105,7 @@ class Engine:
         self._optimizer_hooks: Optional[TorchOptimizerHooks] = None
         try:  # an optimizer that does not fit the model: the model gets its hooks back off
             if _is_engine_optimizer(optimizer):
-                from engine.training import Training
+                from engine.optim.training import Training
 
                 self._training = Training(
                     model, self._by_id, optimizer, shard_io, self._pager, config  # type: ignore[arg-type]
@@ -275,7 +276,7 @@ class Engine:
 
     def with_loss_scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` for a training loop that calls ``loss.backward()`` itself (the Hugging Face
-        Trainer: :class:`engine.hf_trainer.EngineTrainer` uses it): the same value, and a backward
+        Trainer: :class:`engine.integrations.hf.trainer.EngineTrainer` uses it): the same value, and a backward
         through it multiplies the gradient by :attr:`loss_scale`, as :meth:`backward` does. Returns
         ``loss`` as it is without ``EngineConfig.loss_scaling``. Gradient accumulation in the
         engine (``EngineConfig.gradient_accumulation_steps`` > 1) still needs :meth:`backward`."""
@@ -482,7 +483,7 @@ class Engine:
         ``tag``, to ``path/tag``, and ``path/latest`` then names it (DeepSpeed's layout).
         ``client_state``: a dict of your own, JSON values and tensors (epoch, data position, an LR
         scheduler's ``state_dict()``, ``torch.get_rng_state()``), that :meth:`load_checkpoint`
-        returns (tensors on the CPU; never pickled: ``engine.checkpoint_client_state``). ``exclude_frozen_parameters``
+        returns (tensors on the CPU; never pickled: ``engine.io.client_state``). ``exclude_frozen_parameters``
         (DeepSpeed's name): leave out the parameters that take no gradient (a LoRA fine-tune's base
         weights); :meth:`load_checkpoint` then keeps the model's own values for them. Every rank
         calls it, between steps. With :attr:`lr_scheduler` set, its ``state_dict()`` is saved as
@@ -513,7 +514,7 @@ class Engine:
         ``path/tag``, or the tag ``path/latest`` names. Returns the saved ``client_state`` (``{}``
         if none); with ``load_optimizer``, :attr:`lr_scheduler` (when set) takes its
         ``"lr_scheduler"`` entry, as DeepSpeed's ``load_checkpoint`` restores its scheduler. Raises
-        ``engine.checkpoint.CheckpointError`` naming any mismatch."""
+        ``engine.checkpoint.sharded.CheckpointError`` naming any mismatch."""
         return self._load_checkpoint(path, tag, load_optimizer=load_optimizer, load_lr_scheduler=load_optimizer)
 
     def _load_checkpoint(
@@ -782,7 +783,7 @@ def wrap_as(
     device = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
     source = WeightSource.open(state_dict)
     if source is not None:  # a Hugging Face checkpoint's layout, as transformers 5 converts it for this model
-        from engine.hf_conversion import converted
+        from engine.io.transformers_conversion import converted
 
         source = converted(model, source)
     collectives = Collectives(group) if group is not None else None  # its thread starts on first use
@@ -798,7 +799,7 @@ def wrap_as(
             sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
                 if p.device.type != "meta")
         )
-        from engine.training import check_resumable, discard_training_state
+        from engine.optim.training import check_resumable, discard_training_state
 
         if config.resume:
             check_resumable(store)
@@ -847,7 +848,7 @@ def _is_engine_optimizer(optimizer: object) -> bool:
     """True for an ``engine.AdamW`` (imported lazily: paging alone needs no optimizer modules)."""
     if optimizer is None or not hasattr(optimizer, "_bind"):
         return False
-    from engine.adamw import AdamW
+    from engine.optim.adamw import AdamW
 
     return isinstance(optimizer, AdamW)
 
@@ -905,7 +906,7 @@ def _check_fits(model: nn.Module, config: EngineConfig, world: int, *, training:
     """Refuse, before anything is written, what the store would refuse later: a memory tier without
     a budget for the parameters, or a shard larger than its tier's whole budget (for a gradient
     shard that would surface in the middle of backward, with the gradient lost)."""
-    from engine.memory_estimate import estimate_memory
+    from engine.paging.memory_estimate import estimate_memory
 
     problems = estimate_memory(model, config, world_size=world, training=training).problems
     if problems:

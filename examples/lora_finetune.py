@@ -20,8 +20,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 import engine
 import tiered
-from engine.hf_peft import lora_init, peft_base_weights
-from engine.hf_trainer import EngineTrainer
+from engine.integrations.hf.peft import lora_init, peft_base_weights
+from engine.integrations.hf.trainer import EngineTrainer
 
 MiB = 1 << 20
 

@@ -329,7 +329,7 @@ def forkserver_context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo: torch.optim.Optimizer.__init__ imports it (2 s) on first use
     ctx.set_forkserver_preload(
-        ["torch", "torch._dynamo", "tiered", "engine", "engine.adamw", "engine.training", __name__]
+        ["torch", "torch._dynamo", "tiered", "engine", "engine.optim.adamw", "engine.optim.training", __name__]
     )
     return ctx
 

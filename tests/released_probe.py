@@ -19,7 +19,7 @@ from torch import nn
 
 import engine
 import tiered
-from engine.released import ReleasedParameterError
+from engine.paging.released import ReleasedParameterError
 
 SCENARIO = [""]  # the scenario running, for the output lines
 

@@ -1,4 +1,4 @@
-"""engine.checkpoint_files: any element range of a parameter, from a checkpoint saved at any world
+"""engine.io.checkpoint_files: any element range of a parameter, from a checkpoint saved at any world
 size. Checkpoints of 1-5 ranks are written here in the engine's format from known values (the
 ranks' files, their CRC-32s and the metadata), so the oracle is the flattened value itself;
 test_engine_distributed.py resumes real two-rank and one-process checkpoints across the change."""
@@ -17,11 +17,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.checkpoint_files import (
+from engine.io.checkpoint_files import (
     FORMAT, METADATA_FILE, VERSION, CheckpointError, CheckpointFiles, rank_file, tensor_name,
 )
-from engine.layout import ShardLayout
-from engine.safetensors_stream import SafetensorsWriter, TensorSpec
+from engine.paging.layout import ShardLayout
+from engine.io.safetensors_stream import SafetensorsWriter, TensorSpec
 
 
 def write_checkpoint(directory: str, params: dict[str, torch.Tensor], world: int, chunk: Optional[int] = None) -> None:
@@ -112,7 +112,7 @@ def test_a_part_is_read_and_checked_by_its_own_chunks(tmp_path):
 
 def test_a_save_records_chunk_crcs_of_its_large_tensors(tmp_path):
     import engine
-    from engine.checkpoint_files import CRC_CHUNK_BYTES
+    from engine.io.checkpoint_files import CRC_CHUNK_BYTES
     from engine_models import store_config
 
     model = torch.nn.Linear(1024, CRC_CHUNK_BYTES // 4096 + 1)  # a weight just over one chunk

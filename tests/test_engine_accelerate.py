@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import engine
-from engine.hf_accelerate import deepspeed_config_from_accelerate, register_engine_state
-from engine.released import ReleasedParameterError
+from engine.integrations.hf.accelerate import deepspeed_config_from_accelerate, register_engine_state
+from engine.paging.released import ReleasedParameterError
 from engine_models import store_config
 from test_engine_distributed import run_ranks
 
@@ -192,10 +192,12 @@ def test_accelerates_deepspeed_answers_map_as_accelerate_maps_them(tmp_path, mon
         with pytest.raises(ValueError, match=r"does not train with DeepSpeed \(distributed_type: MULTI_GPU\)"):
             deepspeed_config_from_accelerate(accelerator, accelerate_file(tmp_path / "ddp.yaml",
                                                                           distributed_type="MULTI_GPU"))
-        monkeypatch.setattr("engine.hf_accelerate_deepspeed.default_config_file", str(tmp_path / "none.yaml"))
+        monkeypatch.setattr("engine.integrations.hf.accelerate_deepspeed.default_config_file",
+                            str(tmp_path / "none.yaml"))
         with pytest.raises(FileNotFoundError, match="none.yaml does not exist: run `accelerate config`"):
             deepspeed_config_from_accelerate(accelerator)  # accelerate's default file, absent
-        monkeypatch.setattr("engine.hf_accelerate_deepspeed.default_config_file", str(tmp_path / "bf16.yaml"))
+        monkeypatch.setattr("engine.integrations.hf.accelerate_deepspeed.default_config_file",
+                            str(tmp_path / "bf16.yaml"))
         assert deepspeed_config_from_accelerate(accelerator)["bf16"] == {"enabled": True}
         with pytest.raises(ValueError, match="answers accelerate's DeepSpeedPlugin does not take: zero_stages"):
             deepspeed_config_from_accelerate(accelerator, accelerate_file(tmp_path / "typo.yaml", zero_stages=3))

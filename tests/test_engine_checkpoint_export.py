@@ -16,8 +16,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import engine
 import engine.cli
-from engine.checkpoint import METADATA_FILE, CheckpointError, rank_file
-from engine.export import INDEX_FILE
+from engine.checkpoint.sharded import METADATA_FILE, CheckpointError, rank_file
+from engine.checkpoint.export import INDEX_FILE
 from engine_models import TinyGPT, gpt_tokens, store_config
 
 KiB = 1024

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import tiered
-from engine.adamw import AdamW
+from engine.optim.adamw import AdamW
 from engine.config import EngineConfig
-from engine.deepspeed_config import ACCEPT, DEFAULT_ONLY, MAP, TOP, Key, config_from_deepspeed
-from engine.optim_deepspeed import SCHEDULES, optimizer_from_deepspeed, scheduler_from_deepspeed
-from engine.optim_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from engine.config.deepspeed import ACCEPT, DEFAULT_ONLY, MAP, TOP, Key, config_from_deepspeed
+from engine.integrations.deepspeed.optimizer import SCHEDULES, optimizer_from_deepspeed, scheduler_from_deepspeed
+from engine.integrations.deepspeed.schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 MiB = 1024 * 1024
 ZERO3 = {"zero_optimization": {"stage": 3}}
@@ -308,12 +308,12 @@ def test_schema_covers_every_key_of_the_installed_deepspeed():
     from deepspeed.profiling import constants as flops
     assert {getattr(flops, n) for n in dir(flops) if n.startswith("FLOPS_PROFILER_")
             and not n.endswith(("_DEFAULT", "_FORMAT"))} == set(TOP["flops_profiler"])
-    from engine.deepspeed_flops import FlopsProfilerSettings
+    from engine.integrations.deepspeed.flops import FlopsProfilerSettings
     defaults = FlopsProfilerSettings()
     for field in dataclasses.fields(defaults):  # the profile a section leaving keys out gets is DeepSpeed's
         assert getattr(flops, f"FLOPS_PROFILER_{field.name.upper()}_DEFAULT") == getattr(defaults, field.name)
     # The defaults the mapping assumes for a half-given aio section are DeepSpeed's own.
-    from engine.deepspeed_config import DEEPSPEED_AIO_QUEUE_DEPTH, DEEPSPEED_AIO_THREADS
+    from engine.config.deepspeed import DEEPSPEED_AIO_QUEUE_DEPTH, DEEPSPEED_AIO_THREADS
     assert (aio.AIO_QUEUE_DEPTH_DEFAULT, aio.AIO_INTRA_OP_PARALLELISM_DEFAULT) == (
         DEEPSPEED_AIO_QUEUE_DEPTH, DEEPSPEED_AIO_THREADS)
 

@@ -20,7 +20,7 @@ import tiered
 from deepspeed_fixtures import (
     FIXTURES, STEPS_AFTER, STEPS_BEFORE, batch, ds_config, make_model, param_groups,
 )
-from engine.deepspeed_initialize import _compute_device
+from engine.integrations.deepspeed.initialize import _compute_device
 from test_engine_distributed import run_ranks
 
 FIXTURE_DIR = Path(__file__).parent / "fixtures" / "deepspeed"

@@ -19,7 +19,7 @@ from deepspeed_fixtures import (
     BATCH, FIXTURES, STEPS_AFTER, STEPS_BEFORE, TRAINING_CONFIG, TRAINING_FILE, batch, continue_run, ds_config,
     make_model, param_groups,
 )
-from engine.optim_schedules import WarmupDecayLR
+from engine.integrations.deepspeed.schedules import WarmupDecayLR
 from test_engine_distributed import run_ranks
 
 FIXTURE_DIR = Path(__file__).parent / "fixtures" / "deepspeed"

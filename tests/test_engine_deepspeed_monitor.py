@@ -22,7 +22,7 @@ import torch
 import engine
 import tiered
 from deepspeed_fixtures import batch, make_model, param_groups
-from engine.deepspeed_monitor import CsvMonitor, DeepSpeedMonitor
+from engine.integrations.deepspeed.monitor import CsvMonitor, DeepSpeedMonitor
 from tiered.offline.render import format_bytes
 
 #: 2 samples a micro-batch, 2 micro-batches a step, one rank: 4 samples a step.
@@ -267,7 +267,7 @@ def test_flops_profiler_prints_deepspeeds_profile_of_its_step(tmp_path, capsys):
     model, the latencies and rates from them, and the busiest modules."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from engine.deepspeed_flops import _scaled
+    from engine.integrations.deepspeed.flops import _scaled
 
     plain = make_model()
     with FlopCounterMode(display=False) as counter:

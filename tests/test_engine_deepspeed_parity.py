@@ -14,7 +14,7 @@ import pytest
 import engine
 import tiered
 from deepspeed_fixtures import TRAINING_CONFIG, TRAINING_FILE, batch, make_model, param_groups
-from engine.optim_deepspeed import optimizer_from_deepspeed, scheduler_from_deepspeed
+from engine.integrations.deepspeed.optimizer import optimizer_from_deepspeed, scheduler_from_deepspeed
 
 RECORD = json.loads((Path(__file__).parent / "fixtures" / "deepspeed" / TRAINING_FILE).read_text())
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import engine
-import engine.deepspeed_store as deepspeed_store
+import engine.integrations.deepspeed.store as deepspeed_store
 import tiered
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,8 +27,8 @@ from engine_models import TinyGPT, engine_config, gpt_tokens
 from torch import nn
 
 import engine
-import engine.checkpoint
-from engine.layout import ShardLayout
+import engine.checkpoint.sharded
+from engine.paging.layout import ShardLayout
 
 WORLD = 2
 #: Odd widths so that most parameters' numel is not a multiple of the world size (padded shards).

@@ -14,7 +14,7 @@ from small_filesystems import fill
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import engine
-from engine.export import INDEX_FILE, SINGLE_FILE
+from engine.checkpoint.export import INDEX_FILE, SINGLE_FILE
 from engine_models import TinyGPT, engine_config
 
 CONFIG = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)

@@ -1,4 +1,4 @@
-"""A LoRA model over a base on the meta device (engine.hf_peft): the base's weights come from its
+"""A LoRA model over a base on the meta device (engine.integrations.hf.peft): the base's weights come from its
 save_pretrained files under PEFT's names, the adapters start as PEFT starts them. The oracle is the
 same PEFT model built over the materialized base with torch.optim.AdamW: the same outputs at the
 start (the base's, lora_B being zero) and the same losses and weights after training, bit for bit."""
@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import engine
-from engine.hf_peft import base_name, lora_init, peft_base_weights
+from engine.integrations.hf.peft import base_name, lora_init, peft_base_weights
 from engine_models import store_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")

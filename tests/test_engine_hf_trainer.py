@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, get_scheduler
 
 import engine
-from engine.checkpoint_files import CheckpointFiles
-from engine.hf_trainer import EngineCheckpointCallback, EngineTrainer, engine_checkpoint
+from engine.io.checkpoint_files import CheckpointFiles
+from engine.integrations.hf.trainer import EngineCheckpointCallback, EngineTrainer, engine_checkpoint
 from engine_models import store_config
 
 CONFIG = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
@@ -185,7 +185,7 @@ def test_trainer_checkpoints_resume_with_the_engine_checkpoint(tmp_path):
 def test_an_engine_computing_elsewhere_than_the_trainer_is_refused():
     """On a GPU the Trainer moves the model to args.device, which released parameters cannot follow,
     and sends the batches there: an engine computing elsewhere is refused before that, saying how."""
-    from engine.hf_trainer import _check_device
+    from engine.integrations.hf.trainer import _check_device
 
     _check_device(torch.device("cpu"), torch.device("cpu"))
     _check_device(torch.device("cuda", 1), torch.device("cuda"))  # "cuda": the current one, whichever it is
@@ -585,8 +585,8 @@ def test_engine_trainer_from_a_deepspeed_config_fills_auto_as_the_trainer_does(t
     # fused: the optimizer section without torch_adam is DeepSpeed's fused Adam, whose counterpart the engine
     # steps with; torch's fused and for-loop AdamW differ in the last bit on some CPUs (AVX-512 ones).
     opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, fused=True)
-    schedule = engine.optim_schedules.WarmupDecayLR(opt, total_num_steps=4, warmup_min_lr=0, warmup_max_lr=lr,
-                                                    warmup_num_steps=2)
+    schedule = engine.integrations.deepspeed.schedules.WarmupDecayLR(opt, total_num_steps=4, warmup_min_lr=0,
+                                                                     warmup_max_lr=lr, warmup_num_steps=2)
     plain = Trainer(model=ref, args=arguments(tmp_path / "ref", **args), train_dataset=Tokens(),
                     optimizers=(opt, schedule))
     plain.train()

@@ -464,7 +464,7 @@ def test_from_pretrained_takes_accelerates_big_model_arguments(tmp_path):
 
 
 def test_accelerates_sizes_and_device_maps():
-    from engine.hf_device_map import _compute_device, parse_size
+    from engine.integrations.hf.device_map import _compute_device, parse_size
 
     assert parse_size("20GiB") == 20 << 30 and parse_size("20GB") == 20 * 10**9 and parse_size("512mib") == 512 << 20
     assert parse_size(1000) == parse_size("1000") == 1000 and parse_size("1.5GiB") == 3 << 29

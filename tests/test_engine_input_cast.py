@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import engine
-from engine.input_cast import InputCast
+from engine.paging.input_cast import InputCast
 from engine_models import engine_config
 
 

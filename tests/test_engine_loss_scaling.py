@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 import engine
-from engine.loss_scaling import LossScaler, LossScaling
-from engine.step_record import StepRecord
+from engine.optim.loss_scaler import LossScaler, LossScaling
+from engine.optim.step_record import StepRecord
 from engine_models import TinyGPT, store_config
 from conftest import MiB
 from test_engine_training import LR, gpt_loss, training_config

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import engine
-from engine.estimate_cli import main as estimate_main
-from engine.memory_estimate import COMPRESSED_STATE_RATIO, RUNTIME_BYTES
+from engine.cli.estimate import main as estimate_main
+from engine.paging.memory_estimate import COMPRESSED_STATE_RATIO, RUNTIME_BYTES
 from engine_models import store_config
 
 KiB, MiB = 1024, 1024 * 1024
@@ -48,7 +48,7 @@ def test_each_kind_of_entry_is_counted_in_its_tier(tmp_path):
     assert grads.nbytes == sum(page(4 * n) for n in sizes)  # frozen parameters have no gradient ...
     assert state.nbytes == 3 * grads.nbytes  # ... and no master weights or moments
     assert params.largest == page(4 * 300_000) and params.largest_name == "0.weight"
-    assert est.at_rest == engine.memory_estimate.TierBytes(host=grads.nbytes, nvme=params.nbytes + state.nbytes)
+    assert est.at_rest == engine.paging.memory_estimate.TierBytes(host=grads.nbytes, nvme=params.nbytes + state.nbytes)
     # During the step the new state is written beside the old one.
     assert est.during_step.nvme == est.at_rest.nvme + state.nbytes and est.during_step.host == est.at_rest.host
     assert est.fits and not est.warnings
@@ -205,7 +205,7 @@ def test_cli_gives_a_deepspeed_config_the_budgets_engine_initialize_gives_it(tmp
     """With --ds-config and no budget flags, the device and host tiers get what engine.initialize's
     own store gives them: offload_optimizer "cpu" keeps all the optimizer state in host memory, past
     the 1 GiB default, and offload_param "none" keeps the parameters on the device."""
-    import engine.deepspeed_store as deepspeed_store
+    import engine.integrations.deepspeed.store as deepspeed_store
 
     monkeypatch.setattr(deepspeed_store, "memory_sizes", lambda: (64 << 30, 32 << 30))
     ds = tmp_path / "ds.json"

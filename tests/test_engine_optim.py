@@ -1,4 +1,4 @@
-"""The offloaded AdamW step (engine.optimizer_step) against torch.optim.AdamW on the same tensors."""
+"""The offloaded AdamW step (engine.optim.step) against torch.optim.AdamW on the same tensors."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import tiered
-from engine import optimizer_step
-from engine.optim_clip import clip_coefficient, global_grad_norm, grad_norms
-from engine.optim_io import plan_groups
-from engine.optim_types import AdamHyper, OptimizerStateError, OptimShard
+from engine.optim import step as optimizer_step
+from engine.optim.clip import clip_coefficient, global_grad_norm, grad_norms
+from engine.optim.step_io import plan_groups
+from engine.optim.types import AdamHyper, OptimizerStateError, OptimShard
 
 KiB = 1024
 #: Odd sizes; with GROUP_BYTES they make several groups, one shard larger than a group on its own.

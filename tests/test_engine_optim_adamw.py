@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tiered
-from engine.adamw import AdamW
+from engine.optim.adamw import AdamW
 from engine.config import EngineConfig
-from engine.optim_types import AdamHyper, OptimShard
+from engine.optim.types import AdamHyper, OptimShard
 
 KiB = 1024
 SIZES = (5, 300, 2049)

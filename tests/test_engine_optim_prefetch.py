@@ -1,5 +1,5 @@
 """Optimizer state read while backward runs (EngineConfig.optimizer_prefetch_groups,
-engine/optim_prefetch.py): the step's first groups of master + moments are in flight when
+engine/optim/prefetch.py): the step's first groups of master + moments are in flight when
 eng.step() starts, and training is bit for bit what torch.optim.AdamW and the engine without the
 prefetch give, through gradient accumulation, skipped steps, forward-only calls and a checkpoint
 load between backward and step."""
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import engine
-from engine.optim_io import plan_groups
-from engine.optim_prefetch import PrefetchedStore
+from engine.optim.step_io import plan_groups
+from engine.optim.prefetch import PrefetchedStore
 from engine_models import TinyGPT, gpt_tokens, store_config
 
 KiB = 1024

@@ -1,4 +1,4 @@
-"""Pooled parameter storage (engine/param_buffers.py): large CPU parameters are fetched into reused,
+"""Pooled parameter storage (engine/paging/param_buffers.py): large CPU parameters are fetched into reused,
 page-aligned buffers swapped into their own storage; results stay exactly the unwrapped model's."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import engine
-from engine.param_buffers import ParamBuffers, swap_supported
+from engine.paging.param_buffers import ParamBuffers, swap_supported
 from engine_models import KiB, TinyGPT, assert_same_params, engine_config, gpt_tokens, train_parity
 
 MiB = 1024 * KiB
@@ -163,7 +163,7 @@ def test_cold_forward_reads_a_tied_weight_once(tmp_path):
 
 def test_a_torch_without_storage_swap_fetches_into_its_own_allocation(tmp_path, monkeypatch):
     """torch 2.11 has no ``UntypedStorage._swap_data_ptr_``: the engine then pools nothing and trains the same."""
-    monkeypatch.setattr("engine.param_buffers.swap_supported", lambda: False)
+    monkeypatch.setattr("engine.paging.param_buffers.swap_supported", lambda: False)
     model = _model()
     config = engine_config(tmp_path, prefetch_bytes=2 * MiB, host_bytes=256 * KiB)
     eng = train_parity(model, config, [gpt_tokens(t=12, vocab=512, seed=s) for s in range(2)])

@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
 
     run("small", 256)
     print("small done", file=sys.stderr, flush=True)
-    run("large", 8192)  # 8192 x 8192 fp32: 268 MB, above engine.progress.MIN_BYTES
+    run("large", 8192)  # 8192 x 8192 fp32: 268 MB, above engine.io.progress.MIN_BYTES
 """)
 
 

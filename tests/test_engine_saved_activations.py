@@ -22,7 +22,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import engine
 import tiered
-from engine.saved_activations import ACTIVATION_KEY_PREFIX
+from engine.paging.saved_activations import ACTIVATION_KEY_PREFIX
 from engine_models import KiB, TinyGPT, assert_same_grads, engine_config, gpt_tokens, train_parity
 from test_engine_training import train_both, training_config
 

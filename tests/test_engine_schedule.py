@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import engine
-from engine.schedule import Schedule
+from engine.paging.schedule import Schedule
 from engine_models import (
     KiB,
     TinyGPT,

@@ -15,8 +15,8 @@ from torch import nn
 import engine
 import tiered
 from engine.demo import GPT, BigramStream, GPTConfig
-from engine.layout import grad_key, optim_keys
-from engine.step_record import StepRecord
+from engine.paging.layout import grad_key, optim_keys
+from engine.optim.step_record import StepRecord
 from engine_models import ConvNet, TinyGPT, gpt_tokens, images, store_config
 
 KiB = 1024

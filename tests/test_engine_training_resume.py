@@ -16,8 +16,8 @@ import torch
 
 import engine
 import tiered
-from engine.layout import optim_keys
-from engine.step_record import StepRecord, StepRecordError
+from engine.paging.layout import optim_keys
+from engine.optim.step_record import StepRecord, StepRecordError
 from engine_models import TinyGPT, gpt_tokens, store_config
 
 KiB = 1024

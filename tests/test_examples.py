@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ranks_env
 
-from engine.train_cli import main as train_main
+from engine.cli.train import main as train_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,8 +17,14 @@ import pytest
 from conftest import ranks_env
 from torch.distributed.elastic.utils.api import macros
 
-from engine.launch_cli import command
-from engine.launch_plan import LaunchPlan, LaunchRequest, parse_hostfile, plan_launch, torchrun_arguments
+from engine.cli.launch import command
+from engine.integrations.deepspeed.launch_plan import (
+    LaunchPlan,
+    LaunchRequest,
+    parse_hostfile,
+    plan_launch,
+    torchrun_arguments,
+)
 
 HOSTS = ["# two nodes", "worker-0 slots=4", "", "worker-1 slots=2"]
 
@@ -119,7 +125,7 @@ def test_deepspeed_options_without_a_counterpart_are_refused_with_what_to_do(opt
 
 
 def test_a_failed_rank_s_exit_status_is_the_launch_s():
-    from engine.launch_cli import rank_exit_status
+    from engine.cli.launch import rank_exit_status
 
     assert [rank_exit_status(code) for code in (3, 1, -9, -15, 0)] == [3, 1, 137, 143, 1]
 

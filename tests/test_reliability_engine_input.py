@@ -18,7 +18,7 @@ from engine_models import TinyGPT, engine_config, gpt_tokens
 from torch import nn
 
 import engine
-from engine.layout import OPTIM_KEY_PREFIX
+from engine.paging.layout import OPTIM_KEY_PREFIX
 
 LR = 1e-2
 

@@ -1,0 +1,1 @@
+"""DeepSpeed's API over the engine: ``engine.initialize``, its engine, config, reports and checkpoints."""

@@ -1,0 +1,2 @@
+"""The offloaded optimizer: ``engine.AdamW``, gradient shards in the store, the pipelined step, loss
+scaling and the durable step record."""

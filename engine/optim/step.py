@@ -1,0 +1,460 @@
+"""The offloaded AdamW step: shard groups streamed through torch's CPU AdamW math, pipelined.
+
+```
+group:    0        1        2        3
+read     [r0][r1    ][r2    ][r3    ]              one group read ahead
+update       [u0    ][u1    ][u2    ][u3    ]      torch.optim.adamw.adamw on a worker thread
+write             [w0    ][w1    ][w2    ][w3    ] master, exp_avg, exp_avg_sq, new param shard
+```
+
+While group i is updated, group i+1 is being read and group i-1 written, so at most three groups
+of (gradient + master + two moments + new training-dtype shard) are in memory. The math is torch's
+own functional AdamW (``torch.optim.adamw.adamw``) with the caller's ``foreach``/``fused`` choice,
+so results equal ``torch.optim.AdamW`` on the same tensors bit for bit.
+
+State is created lazily: a shard whose master key is absent from the store gets its fp32 master
+from its training-dtype ``param_key`` shard and zero moments at its first step (as torch creates
+``exp_avg``/``exp_avg_sq`` at the first step); :func:`init_state` creates them ahead instead.
+
+``in_place=True`` (state in host memory) replaces the read and the write of master and moments by
+``store.modify`` blocks: the math runs on the store's own memory, held from the group's read to its
+write, and with ``param_tier="host"`` the new training-dtype shard is cast straight into its entry
+too. A gradient held in host memory is lent the same way and only read: unscaling and clipping
+write new tensors, so the stored gradients stay as they were, as with a copy. Nothing is copied
+(state the store wrote down to nvme, after a resume say, is read and put back to host memory; a
+gradient on nvme is read); the price is that a step failing part way leaves the groups before the
+failure updated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import types
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch.optim.adamw import adamw as _torch_adamw
+
+from engine.optim.clip import AllReduceSum, clip_coefficient, global_grad_norm, grad_norms_async
+from engine.optim.step_io import (
+    AsyncTensorStore,
+    IOCounter,
+    ModifyBlocks,
+    check_shards,
+    drain,
+    gather_all,
+    plan_groups,
+    run_sync,
+)
+from engine.optim.types import AdamHyper, OptimizerStateError, OptimShard, OptimStepStats
+from tiered import Tier
+
+MiB = 1024 * 1024
+STATE_TIERS = ("host", "nvme")
+PARAM_TIERS = ("device", "host", "nvme")
+
+#: Called as ``on_event(event, group_index)`` with event "read" and "write" (on the step's event
+#: loop, when the group's transfers start) and "update" (on the worker thread, before the math).
+EventHook = Callable[[str, int], None]
+
+
+@dataclasses.dataclass
+class _Loaded:
+    """One shard of a group while it goes through the pipeline."""
+
+    shard: OptimShard
+    grad: torch.Tensor
+    step: torch.Tensor
+    master: Optional[torch.Tensor] = None  # None until created from `param` (first step)
+    exp_avg: Optional[torch.Tensor] = None
+    exp_avg_sq: Optional[torch.Tensor] = None
+    param: Optional[torch.Tensor] = None  # training-dtype shard read at the first step, then the new one
+    in_place: bool = False  # master and moments are the store's memory (modify blocks): nothing to write
+    grad_lent: bool = False  # grad is the store's memory (a modify block): read it, never change it
+    param_entry: Optional[torch.Tensor] = None  # the param entry's memory, to cast the new shard into
+
+
+async def step_async(
+    store: AsyncTensorStore,
+    shards: Sequence[OptimShard],
+    hypers: Union[AdamHyper, Sequence[AdamHyper]],
+    steps: Mapping[str, int],
+    *,
+    state_tier: str = "nvme",
+    param_tier: str = "nvme",
+    compress: bool = False,
+    group_bytes: int = 64 * MiB,
+    max_grad_norm: Optional[float] = None,
+    grad_norms: Optional[Mapping[str, torch.Tensor]] = None,
+    all_reduce: Optional[AllReduceSum] = None,
+    on_event: Optional[EventHook] = None,
+    grad_scale: float = 1.0,
+    grad_norm: Optional[torch.Tensor] = None,
+    in_place: bool = False,
+) -> OptimStepStats:
+    """One AdamW step over ``shards`` in the store; returns what it did and cost.
+
+    ``hypers[shard.group]`` are the shard's hyperparameters; ``steps`` maps shard names to the
+    updates each has taken so far (missing: 0). State goes to ``state_tier`` (compressed on nvme
+    when ``compress``), the new training-dtype shard to ``param_tier``. With ``max_grad_norm`` the
+    gradients are first clipped to that global 2-norm exactly as ``clip_grad_norm_`` does; the
+    norm comes from ``grad_norms`` (per-shard 2-norms, if the caller already has them) or from an
+    extra pipelined pass over the gradient shards, summed across ranks by ``all_reduce``. Pass
+    shards in the model's parameter order for bit-exact parity of the norm. Gradient shards are
+    left in the store (zeroing them is the caller's business).
+
+    ``grad_scale`` multiplies every gradient before clipping and the update: the inverse of a loss
+    scale (``engine/optim/loss_scaler.py``), as ``GradScaler.unscale_`` does. ``grad_norm`` is the global
+    norm of the gradients as stored (before ``grad_scale``), when the caller has it already.
+
+    ``in_place`` updates master and moments where they lie (see the module docstring): needs
+    ``state_tier="host"`` and shards without ``state_out_keys``.
+    """
+    started = time.perf_counter()
+    hyper_list = [hypers] if isinstance(hypers, AdamHyper) else list(hypers)
+    if not hyper_list or not all(isinstance(h, AdamHyper) for h in hyper_list):
+        raise TypeError(f"hypers must be an AdamHyper or a non-empty sequence of them, got {hypers!r}")
+    _check_tier("state_tier", state_tier, STATE_TIERS)
+    _check_tier("param_tier", param_tier, PARAM_TIERS)
+    check_shards(shards, len(hyper_list))
+    if in_place:
+        _check_in_place(shards, state_tier)
+    counts = {s.name: _step_count(steps, s.name) for s in shards}
+    groups = plan_groups(shards, group_bytes)
+    io = IOCounter()
+
+    norm: Optional[torch.Tensor] = None
+    coef: Optional[torch.Tensor] = None
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not grad_scale > 0:
+        raise ValueError(f"grad_scale must be a number > 0, got {grad_scale!r}")
+    if max_grad_norm is not None:
+        if grad_norm is None:
+            norms = grad_norms if grad_norms is not None else await grad_norms_async(
+                store, shards, group_bytes=group_bytes, io=io
+            )
+            grad_norm = global_grad_norm(norms, shards, all_reduce)
+        # A power-of-two scale scales the norm exactly: this is the norm of the unscaled gradients.
+        norm = grad_norm * grad_scale if grad_scale != 1.0 else grad_norm
+        coef = clip_coefficient(norm, max_grad_norm)
+
+    loop = asyncio.get_running_loop()
+    state_compress = True if compress else None
+    updated = 0
+    update_seconds = 0.0
+    reading: Optional[asyncio.Future[list[_Loaded]]] = None
+    writing: Optional[asyncio.Future[None]] = None
+    # In place: each group's modify blocks, open from its read until its write has ended them.
+    open_blocks: dict[int, ModifyBlocks] = {}
+
+    def start_read(i: int) -> "asyncio.Future[list[_Loaded]]":
+        if on_event is not None:
+            on_event("read", i)
+        blocks = None
+        if in_place:
+            blocks = open_blocks[i] = ModifyBlocks()
+        return asyncio.ensure_future(_read_group(store, groups[i], counts, io, blocks, param_tier))
+
+    try:
+        reading = start_read(0) if groups else None
+        for i in range(len(groups)):
+            current = reading
+            assert current is not None
+            reading = start_read(i + 1) if i + 1 < len(groups) else None
+            loaded = await io.wait(current)
+            t0 = time.perf_counter()
+            await loop.run_in_executor(None, _update, loaded, hyper_list, grad_scale, coef, on_event, i)
+            update_seconds += time.perf_counter() - t0
+            if writing is not None:
+                await io.wait(writing)
+            if on_event is not None:
+                on_event("write", i)
+            writing = asyncio.ensure_future(
+                _write_group(store, loaded, io, state_tier, param_tier, state_compress, open_blocks.pop(i, None))
+            )
+            for item in loaded:
+                counts[item.shard.name] = int(item.step.item())
+            updated += len(loaded)
+            del loaded, current
+        if writing is not None:
+            await io.wait(writing)
+    except BaseException:
+        # Reads in flight are dropped; a write already started runs to its end (cancelling it could
+        # leave a shard with only some of its four tensors written). A read that opens modify blocks
+        # runs to its end too, so that every block it opened is known and ended here.
+        await drain([reading], cancel=not in_place)
+        await drain([writing], cancel=False)
+        await drain([asyncio.ensure_future(blocks.close()) for blocks in open_blocks.values()], cancel=False)
+        raise
+    return OptimStepStats(
+        seconds=time.perf_counter() - started,
+        bytes_read=io.bytes_read,
+        bytes_written=io.bytes_written,
+        io_stall_seconds=io.stall_seconds,
+        update_seconds=update_seconds,
+        groups=len(groups),
+        shards_updated=updated,
+        shards_skipped=len(shards) - updated,
+        grad_norm=None if norm is None else float(norm),
+        clip_coef=None if coef is None else float(coef),
+        step_counts=types.MappingProxyType(counts),
+    )
+
+
+def step(
+    store: AsyncTensorStore,
+    shards: Sequence[OptimShard],
+    hypers: Union[AdamHyper, Sequence[AdamHyper]],
+    steps: Mapping[str, int],
+    *,
+    state_tier: str = "nvme",
+    param_tier: str = "nvme",
+    compress: bool = False,
+    group_bytes: int = 64 * MiB,
+    max_grad_norm: Optional[float] = None,
+    grad_norms: Optional[Mapping[str, torch.Tensor]] = None,
+    all_reduce: Optional[AllReduceSum] = None,
+    on_event: Optional[EventHook] = None,
+    grad_scale: float = 1.0,
+    grad_norm: Optional[torch.Tensor] = None,
+    in_place: bool = False,
+) -> OptimStepStats:
+    """Blocking :func:`step_async` (same arguments), for ``eng.step()``: runs on a private event loop."""
+    return run_sync(step_async(
+        store, shards, hypers, steps, state_tier=state_tier, param_tier=param_tier, compress=compress,
+        group_bytes=group_bytes, max_grad_norm=max_grad_norm, grad_norms=grad_norms, all_reduce=all_reduce,
+        on_event=on_event, grad_scale=grad_scale, grad_norm=grad_norm, in_place=in_place,
+    ))
+
+
+async def init_state_async(
+    store: AsyncTensorStore,
+    shards: Sequence[OptimShard],
+    *,
+    state_tier: str = "nvme",
+    compress: bool = False,
+    group_bytes: int = 64 * MiB,
+) -> int:
+    """Create the fp32 master (from ``param_key``) and zero moments of every shard that has no
+    master in the store yet, one group at a time; returns how many shards it initialized.
+
+    Optional: :func:`step_async` does the same lazily at a shard's first step.
+    """
+    _check_tier("state_tier", state_tier, STATE_TIERS)
+    check_shards(shards, max((s.group for s in shards), default=0) + 1)
+    io = IOCounter()
+    loop = asyncio.get_running_loop()
+    state_compress = True if compress else None
+    created = 0
+    for group in plan_groups([s for s in shards if s.master_key not in store], group_bytes):
+        params = await gather_all(io.get(store, s.param_key) for s in group)
+        states = await loop.run_in_executor(None, _initial_state, group, params)
+        await gather_all(
+            io.put(store, key, tensor, state_tier, state_compress)
+            for s, (master, zeros) in zip(group, states)
+            for key, tensor in ((s.master_key, master), (s.exp_avg_key, zeros), (s.exp_avg_sq_key, zeros))
+        )
+        created += len(group)
+    return created
+
+
+def init_state(store: AsyncTensorStore, shards: Sequence[OptimShard], *, state_tier: str = "nvme",
+               compress: bool = False, group_bytes: int = 64 * MiB) -> int:
+    """Blocking :func:`init_state_async` (same arguments)."""
+    return run_sync(init_state_async(store, shards, state_tier=state_tier, compress=compress, group_bytes=group_bytes))
+
+
+# ---------------------------------------------------------------------------------------- pipeline
+
+
+async def _read_group(
+    store: AsyncTensorStore, group: list[OptimShard], counts: Mapping[str, int], io: IOCounter,
+    blocks: Optional[ModifyBlocks], param_tier: str,
+) -> list[_Loaded]:
+    """Start every read of the group's shards that have a gradient, and wait for them all (with
+    ``blocks``, open modify blocks on master and moments instead of reading them)."""
+
+    async def load(shard: OptimShard) -> _Loaded:
+        step_t = torch.tensor(float(counts[shard.name]), dtype=torch.float32)
+        if blocks is not None and shard.master_key in store:
+            return await _load_in_place(store, shard, step_t, io, blocks, param_tier)
+        if shard.master_key in store:
+            grad, master, exp_avg, exp_avg_sq = await gather_all(
+                io.get(store, k) for k in (shard.grad_key, shard.master_key, shard.exp_avg_key, shard.exp_avg_sq_key)
+            )
+            for what, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                _check_state(shard, what, t)
+            return _Loaded(shard, _flat_grad(shard, grad), step_t, master.view(-1), exp_avg.view(-1),
+                           exp_avg_sq.view(-1))
+        if counts[shard.name]:
+            raise OptimizerStateError(
+                f"shard {shard.name!r} has taken {counts[shard.name]} steps, but its fp32 master "
+                f"{shard.master_key!r} is not in the store; restore the optimizer state before stepping"
+            )
+        grad, param = await gather_all(io.get(store, k) for k in (shard.grad_key, shard.param_key))
+        if param.numel() != shard.numel:
+            raise OptimizerStateError(
+                f"shard {shard.name!r}: {shard.param_key!r} holds {param.numel()} elements, expected {shard.numel}"
+            )
+        return _Loaded(shard, _flat_grad(shard, grad), step_t, param=param.view(-1))
+
+    return await gather_all(load(s) for s in group if s.grad_key in store)
+
+
+async def _load_in_place(store: AsyncTensorStore, shard: OptimShard, step_t: torch.Tensor, io: IOCounter,
+                          blocks: ModifyBlocks, param_tier: str) -> _Loaded:
+    """A shard whose master and moments the update changes where they lie (in-place steps)."""
+    keys = (shard.master_key, shard.exp_avg_key, shard.exp_avg_sq_key)
+    # A block on a gradient held only on nvme would write it back on exit: that one is read instead.
+    lend_grad = store.info(shard.grad_key).tiers[0] is Tier.HOST
+    read_grad = io.modify(blocks, store, shard.grad_key, None) if lend_grad else io.get(store, shard.grad_key)
+    grad, *state = await gather_all([read_grad, *(io.modify(blocks, store, k, "host") for k in keys)])
+    for what, t in zip(("master", "exp_avg", "exp_avg_sq"), state):
+        _check_state(shard, what, t)
+    item = _Loaded(shard, _flat_grad(shard, grad), step_t, *(t.view(-1) for t in state), in_place=True,
+                   grad_lent=lend_grad)
+    if param_tier == "host" and shard.param_key in store:
+        param = await io.modify(blocks, store, shard.param_key, "host")
+        if param.numel() != shard.numel or param.dtype != shard.train_dtype:
+            raise OptimizerStateError(
+                f"shard {shard.name!r}: {shard.param_key!r} in the store is {param.dtype} with {param.numel()} "
+                f"elements, expected {shard.train_dtype} with {shard.numel}"
+            )
+        item.param_entry = param.view(-1)
+    return item
+
+
+def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, coef: Optional[torch.Tensor],
+            on_event: Optional[EventHook], index: int) -> None:
+    """The AdamW math of one group, in place (runs on a worker thread)."""
+    if on_event is not None:
+        on_event("update", index)
+    with torch.no_grad():
+        for item in loaded:
+            if item.master is None:  # first step: state as torch creates it
+                assert item.param is not None
+                item.master = item.param.to(torch.float32)
+                item.exp_avg = torch.zeros_like(item.master)
+                item.exp_avg_sq = torch.zeros_like(item.master)
+        _unscale_and_clip(loaded, grad_scale, coef)
+        for g, hyper in enumerate(hypers):
+            members = [item for item in loaded if item.shard.group == g]
+            if not members:
+                continue
+            _torch_adamw(
+                [m.master for m in members],  # type: ignore[misc]
+                [m.grad for m in members],
+                [m.exp_avg for m in members],  # type: ignore[misc]
+                [m.exp_avg_sq for m in members],  # type: ignore[misc]
+                [],
+                [m.step for m in members],
+                foreach=hyper.foreach,
+                fused=hyper.fused,
+                amsgrad=False,
+                beta1=hyper.beta1,
+                beta2=hyper.beta2,
+                lr=hyper.lr,
+                weight_decay=hyper.weight_decay,
+                eps=hyper.eps,
+                maximize=False,
+            )
+        for item in loaded:
+            assert item.master is not None
+            dtype = item.shard.train_dtype
+            if item.param_entry is not None:
+                item.param_entry.copy_(item.master)  # the same rounding as .to(dtype)
+            else:
+                item.param = item.master if dtype == torch.float32 else item.master.to(dtype)
+
+
+def _unscale_and_clip(loaded: list[_Loaded], grad_scale: float, coef: Optional[torch.Tensor]) -> None:
+    """Multiply the group's gradients by ``grad_scale``, then by the clip coefficient, as
+    ``GradScaler.unscale_`` and ``clip_grad_norm_`` do. A lent gradient is the store's memory, so
+    the first multiply then writes new tensors (the same foreach kernel: the same bits)."""
+    factors: list[Union[float, torch.Tensor]] = ([grad_scale] if grad_scale != 1.0 else []) + (
+        [coef] if coef is not None else [])
+    grads = [item.grad for item in loaded]
+    if not factors or not grads:
+        return
+    if any(item.grad_lent for item in loaded):
+        grads = list(torch._foreach_mul(grads, factors.pop(0)))
+    for factor in factors:
+        torch._foreach_mul_(grads, factor)
+    for item, grad in zip(loaded, grads):
+        item.grad = grad
+
+
+async def _write_group(store: AsyncTensorStore, loaded: list[_Loaded], io: IOCounter, state_tier: str,
+                       param_tier: str, compress: Optional[bool], blocks: Optional[ModifyBlocks]) -> None:
+    """Write every updated tensor of a group back, all puts in flight together, then end the group's
+    modify blocks (in-place state: that is its write). The puts come first: a new fp32 parameter
+    shard bound for another tier is the master's own memory, which ending its block gives back."""
+    puts = []
+    for item in loaded:
+        s = item.shard
+        assert item.master is not None and item.exp_avg is not None and item.exp_avg_sq is not None
+        if not item.in_place:
+            master_key, exp_avg_key, exp_avg_sq_key = s.out_keys
+            puts.append(io.put(store, master_key, item.master, state_tier, compress))
+            puts.append(io.put(store, exp_avg_key, item.exp_avg, state_tier, compress))
+            puts.append(io.put(store, exp_avg_sq_key, item.exp_avg_sq, state_tier, compress))
+        if item.param_entry is None:
+            assert item.param is not None
+            puts.append(io.put(store, s.param_key, item.param, param_tier, None))
+    try:
+        await gather_all(puts)
+    finally:
+        if blocks is not None:
+            await blocks.close()
+
+
+def _initial_state(group: list[OptimShard], params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for shard, param in zip(group, params):
+        if param.numel() != shard.numel:
+            raise OptimizerStateError(
+                f"shard {shard.name!r}: {shard.param_key!r} holds {param.numel()} elements, expected {shard.numel}"
+            )
+        master = param.reshape(-1).to(torch.float32)
+        out.append((master, torch.zeros_like(master)))
+    return out
+
+
+def _flat_grad(shard: OptimShard, grad: torch.Tensor) -> torch.Tensor:
+    if grad.numel() != shard.numel:
+        raise OptimizerStateError(
+            f"shard {shard.name!r}: gradient {shard.grad_key!r} holds {grad.numel()} elements, expected {shard.numel}"
+        )
+    if not grad.dtype.is_floating_point:
+        raise OptimizerStateError(f"shard {shard.name!r}: gradient {shard.grad_key!r} has dtype {grad.dtype}")
+    grad = grad.view(-1)
+    return grad if grad.dtype == torch.float32 else grad.float()
+
+
+def _check_state(shard: OptimShard, what: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype != torch.float32 or tensor.numel() != shard.numel:
+        raise OptimizerStateError(
+            f"shard {shard.name!r}: {what} in the store is {tensor.dtype} with {tensor.numel()} elements, "
+            f"expected torch.float32 with {shard.numel}"
+        )
+
+
+def _step_count(steps: Mapping[str, int], name: str) -> int:
+    count = steps.get(name, 0)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"steps[{name!r}] must be an int >= 0, got {count!r}")
+    return count
+
+
+def _check_in_place(shards: Sequence[OptimShard], state_tier: str) -> None:
+    if state_tier != "host":
+        raise ValueError(f"in_place=True updates state in host memory; state_tier must be 'host', got {state_tier!r}")
+    moved = [s.name for s in shards if s.state_out_keys is not None]
+    if moved:
+        raise ValueError(f"in_place=True updates state where it lies, but shards {moved[:3]} set state_out_keys")
+
+
+def _check_tier(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

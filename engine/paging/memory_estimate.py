@@ -1,0 +1,301 @@
+"""How much device memory, host memory and disk one rank needs for a model under an EngineConfig.
+
+The counterpart of DeepSpeed's ``estimate_zero3_model_states_mem_needs_all_live`` and accelerate's
+``estimate-memory``, computed from the model's parameter shapes alone (a model on the meta device
+works) with docs/training.md's memory model: what the engine puts in each tier, where the store's
+budgets push the overflow, the optimizer state's second slot during a step (not when it is updated
+in place), and the host RSS bound that tests/test_engine_memory.py holds a real run to. It also
+finds what ``wrap`` or the first step would fail on (a shard larger than its tier's whole budget),
+which ``wrap`` refuses up front.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.paging.placement import model_device
+from tiered.codecs.bplane import CACHE_BYTES
+from tiered.io.aligned import round_up
+from tiered.offline.render import format_bytes
+from tiered.spans import DIRECT_RESULT_BYTES
+
+MiB = 1024 * 1024
+#: Stored / original bytes of fp32 master weights and Adam moments under ``compress_optimizer``:
+#: 0.811-0.850 measured (docs/compression.md), so an estimate, rounded up.
+COMPRESSED_STATE_RATIO = 0.85
+#: Manifest cache, autograd graph and a small batch's activations, thread stacks (the test's allowance).
+RUNTIME_BYTES = 16 * MiB
+_TIERS = ("device", "host", "nvme")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierBytes:
+    """Bytes per tier, for one rank."""
+
+    device: int = 0
+    host: int = 0
+    nvme: int = 0
+
+    def __getitem__(self, tier: str) -> int:
+        return getattr(self, tier)
+
+    @property
+    def total(self) -> int:
+        """All three tiers together."""
+        return self.device + self.host + self.nvme
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatePart:
+    """One kind of entry the engine keeps in the store: where it is put and how many bytes it takes."""
+
+    what: str
+    #: The tier the engine puts these entries in (before budgets move any of them down).
+    tier: str
+    #: Bytes of all of them at rest, per rank, as the tier charges them (nvme and host round each
+    #: entry up to 4 KiB; compressed state at COMPRESSED_STATE_RATIO).
+    nbytes: int
+    #: The largest single entry and the parameter it belongs to.
+    largest: int
+    largest_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """What one rank needs for a model under a config: per tier at rest and during a step, the host
+    RSS bound, and what would fail. Built by :func:`estimate_memory`; :meth:`render` is the table
+    ``tiered estimate`` prints."""
+
+    world_size: int
+    #: Parameter elements of the whole model (tied parameters once), and of them those engine.AdamW
+    #: trains (with gradients; 0 for an inference estimate).
+    parameters: int
+    trainable: int
+    #: Whether the estimate includes engine.AdamW's gradients and state (False: inference).
+    training: bool
+    parts: tuple[EstimatePart, ...]
+    #: Each tier's bytes between steps once the budgets are applied: what a tier cannot hold is
+    #: written down to the next (device -> host -> nvme).
+    at_rest: TierBytes
+    #: The same while ``step()`` runs: the optimizer state is written to its second slot before the
+    #: old one is deleted, so its tier holds it twice (not when it is updated in place).
+    during_step: TierBytes
+    #: Peak host RSS above the process's size before wrap (docs/training.md, "Host RSS bound").
+    host_rss_bound: int
+    #: Parameter bytes materialized on the compute device at once: the largest module, the prefetch
+    #: window and one parameter of slack; in host memory (inside the bound) when computing on the CPU.
+    materialized_bytes: int
+    compute_device: str
+    #: What ``wrap`` or training would fail on; ``wrap`` raises ValueError with these.
+    problems: tuple[str, ...]
+    #: What is likely to fail, from estimates (the nvme budget against the bytes a step needs).
+    warnings: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        """True when nothing is known to fail."""
+        return not self.problems
+
+    def render(self) -> str:
+        """A plain-text table: the entries, each tier at rest and during a step, and the verdict."""
+        lines = [f"parameters: {self.parameters:,} ({self.trainable:,} trainable); per rank of {self.world_size}"
+                 + ("" if self.training else "; inference (no gradients or optimizer state)")]
+        w = max([len("held in the device tier")] + [len(p.what) for p in self.parts])
+        lines.append(f"  {'entries':<{w}} {'tier':<6} {'bytes':>10}  largest")
+        for p in self.parts:
+            lines.append(f"  {p.what:<{w}} {p.tier:<6} {format_bytes(p.nbytes):>10}  "
+                         f"{format_bytes(p.largest)} ({p.largest_name})")
+        lines.append(f"  {'':<{w}} {'':<6} {'at rest':>10}  {'during a step':>13}")
+        for tier in _TIERS:
+            lines.append(f"  {'held in the ' + tier + ' tier':<{w}} {'':<6} {format_bytes(self.at_rest[tier]):>10}  "
+                         f"{format_bytes(self.during_step[tier]):>13}")
+        lines.append(f"host RSS bound: {format_bytes(self.host_rss_bound)} above the process before wrap "
+                     f"(compute on {self.compute_device}; {format_bytes(self.materialized_bytes)} of parameters "
+                     "materialized at once; activations come on top)")
+        lines.extend(f"PROBLEM: {p}" for p in self.problems)
+        lines.extend(f"warning: {w}" for w in self.warnings)
+        return "\n".join(lines)
+
+
+def estimate_memory(
+    model: nn.Module, config: EngineConfig, *, world_size: int = 1, training: bool = True
+) -> MemoryEstimate:
+    """Bytes one rank of ``world_size`` needs to run ``model`` under ``config``.
+
+    ``training``: with ``engine.AdamW`` (fp32 gradient shards, master weights and two moments per
+    trainable element); False for inference, parameters only. Reads shapes and dtypes only, so
+    the model may be on the meta device. Uses docs/training.md's memory model; compressed state is
+    estimated at :data:`COMPRESSED_STATE_RATIO`, so those figures are approximate.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"estimate_memory takes an nn.Module, got {type(model).__name__}")
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an engine.EngineConfig, got {type(config).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be True or False, got {training!r}")
+    train_dtype = getattr(torch, config.train_dtype) if config.train_dtype is not None else None
+    parts, sizes = _count_entries(model, config, train_dtype, world_size, training)
+    store = config.store
+    budgets = {"device": store.device_bytes, "host": store.host_bytes, "nvme": store.nvme_bytes}
+    placed = {t: sum(p.charged for p in parts if p.tier == t) for t in _TIERS}
+    during = dict(placed)
+    if training and not config.updates_in_place:
+        during[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
+    at_rest, during_step = _apply_budgets(placed, budgets), _apply_budgets(during, budgets)
+    compute = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
+    largest_module = max((_module_bytes(m, train_dtype) for m in model.modules()), default=0)
+    materialized = largest_module + config.prefetch_bytes + sizes.largest_param
+    # State updated in place is the host tier's memory, unless the budget pushed some of it to nvme
+    # (then the step reads that into copies, as it reads any state on nvme).
+    lent = config.updates_in_place and during_step.nvme == during["nvme"]
+    rss = _host_rss_bound(config, parts, sizes, materialized if compute.type == "cpu" else 0, lent)
+    problems = _problems(config, parts, budgets)
+    warnings = []
+    if store.nvme_bytes is not None and during_step.nvme > store.nvme_bytes:
+        warnings.append(f"the nvme tier needs about {format_bytes(during_step.nvme)} during a step but "
+                        f"StoreConfig.nvme_bytes is {format_bytes(store.nvme_bytes)}: raise it or give the "
+                        "host tier more")
+    return MemoryEstimate(
+        world_size=world_size, parameters=sizes.params, trainable=sizes.trainable, training=training,
+        parts=tuple(p.freeze() for p in parts if p.entries), at_rest=at_rest, during_step=during_step,
+        host_rss_bound=rss, materialized_bytes=materialized, compute_device=str(compute),
+        problems=tuple(problems), warnings=tuple(warnings),
+    )
+
+
+class _Part:
+    """An EstimatePart being summed."""
+
+    def __init__(self, what: str, tier: str, setting: str) -> None:
+        self.what, self.tier, self.setting = what, tier, setting
+        self.charged = self.entries = self.largest = 0
+        self.largest_name = ""
+
+    def add(self, name: str, nbytes: int, *, copies: int) -> None:
+        footprint = nbytes if self.tier == "device" else round_up(max(nbytes, 1))
+        self.charged += copies * footprint
+        self.entries += copies
+        if footprint > self.largest:
+            self.largest, self.largest_name = footprint, name
+
+    def freeze(self) -> EstimatePart:
+        return EstimatePart(self.what, self.tier, self.charged, self.largest, self.largest_name)
+
+
+@dataclasses.dataclass
+class _Sizes:
+    """What the RSS bound needs to know besides the entries' totals."""
+
+    params: int = 0
+    trainable: int = 0
+    largest_param: int = 0  # whole, in the training dtype
+    largest_fp32_shard: int = 0
+    extra_itemsize: int = 0  # bytes per element of a training dtype other than fp32 (the step's new shard)
+
+
+def _count_entries(
+    model: nn.Module, config: EngineConfig, train_dtype: Optional[torch.dtype], world_size: int, training: bool
+) -> tuple[list["_Part"], _Sizes]:
+    """Every entry the engine puts in the store for ``model``, summed by kind."""
+    compressed = config.compress_optimizer and config.optimizer_tier == "nvme"
+    parts = [_Part("parameter shards", config.param_tier, "param_tier")]
+    if training:
+        parts += [_Part("fp32 gradient shards", config.grad_tier, "grad_tier"),
+                  _Part("fp32 master weights + 2 Adam moments" + (", ~compressed" if compressed else ""),
+                        config.optimizer_tier, "optimizer_tier")]
+    sizes = _Sizes()
+    for name, p in model.named_parameters():  # tied parameters once, under their first name
+        dtype = train_dtype if train_dtype is not None and p.is_floating_point() else p.dtype
+        shard_numel = -(-p.numel() // world_size)  # engine.paging.layout.ShardLayout: padded to a multiple of world
+        sizes.params += p.numel()
+        sizes.largest_param = max(sizes.largest_param, p.numel() * dtype.itemsize)
+        parts[0].add(name, shard_numel * dtype.itemsize, copies=1)
+        if training and p.requires_grad:
+            sizes.trainable += p.numel()
+            fp32 = shard_numel * 4
+            sizes.largest_fp32_shard = max(sizes.largest_fp32_shard, fp32)
+            if dtype.itemsize != 4:
+                sizes.extra_itemsize = max(sizes.extra_itemsize, dtype.itemsize)
+            parts[1].add(name, fp32, copies=1)
+            parts[2].add(name, int(fp32 * COMPRESSED_STATE_RATIO) if compressed else fp32, copies=3)
+    return parts, sizes
+
+
+def _host_rss_bound(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, materialized_in_host: int,
+                    lent: bool) -> int:
+    """docs/training.md's bound on peak host RSS above the process's size before wrap."""
+    store = config.store
+    rss = store.host_bytes + store.block_size * min(store.staging_buffers, store.queue_depth) + RUNTIME_BYTES
+    rss += materialized_in_host
+    if max(p.largest for p in parts) >= DIRECT_RESULT_BYTES:
+        rss += store.result_pool_bytes  # freed get results this large wait there for reuse
+    store_device = store.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(store_device).type == "cpu":
+        rss += store.device_bytes  # the device tier is host memory here
+    if sizes.trainable:
+        fp32_total = parts[1].charged  # every fp32 shard once
+        largest = sizes.largest_fp32_shard
+        group = max(config.optimizer_group_bytes, largest)
+        # three groups (never more than all shards) of fp32 gradient + master + two moments (``lent``:
+        # the gradient alone, a new tensor when unscaled or clipped, the rest is the host tier's
+        # memory), plus the new shard in the training dtype when that is not fp32 (lent with host
+        # parameters: cast into their entries)
+        state = 4 if lent else 4 * 4
+        extra = 0 if lent and config.param_tier == "host" else sizes.extra_itemsize
+        rss += min(3 * group, fp32_total) * (state + extra) // 4
+        rss += min(config.optimizer_group_bytes, fp32_total) + 2 * largest  # gradient puts in flight
+        if config.compress_optimizer:
+            rss += CACHE_BYTES + largest  # the codec's idle buffers + one being coded
+    return rss
+
+
+def _module_bytes(module: nn.Module, train_dtype: Optional[torch.dtype]) -> int:
+    """Bytes of a module's own parameters as materialized for compute (whole, in the training dtype)."""
+    total = 0
+    for p in module.parameters(recurse=False):
+        dtype = train_dtype if train_dtype is not None and p.is_floating_point() else p.dtype
+        total += p.numel() * dtype.itemsize
+    return total
+
+
+def _apply_budgets(placed: dict[str, int], budgets: dict[str, Optional[int]]) -> TierBytes:
+    """Each tier keeps what its budget allows and writes the rest down to the next one."""
+    held: dict[str, int] = {}
+    spill = 0
+    for tier in _TIERS:
+        want = placed[tier] + spill
+        budget = budgets[tier]
+        held[tier] = want if budget is None or tier == "nvme" else min(want, budget)
+        spill = want - held[tier]
+    return TierBytes(**held)
+
+
+def _problems(config: EngineConfig, parts: Iterable[_Part], budgets: dict[str, Optional[int]]) -> list[str]:
+    """What is certain to fail: a tier with no budget that parameters or activations must go to, and
+    any entry larger than its tier's whole budget (the store refuses it; for a gradient, mid-backward)."""
+    found = []
+    if config.param_tier in ("device", "host") and budgets[config.param_tier] == 0:
+        found.append(f"EngineConfig.param_tier is {config.param_tier!r} but the store's {config.param_tier}_bytes "
+                     "is 0; give that tier a budget or choose another param_tier")
+        return found
+    if config.activation_tier == "host" and budgets["host"] == 0:
+        found.append("EngineConfig.activation_tier is 'host' but the store's host_bytes is 0; give the host tier a "
+                     "budget or set activation_tier='nvme'")
+    for part in parts:
+        budget = budgets[part.tier]
+        if part.entries and budget is not None and part.largest > budget:
+            field = {"device": "device_bytes", "host": "host_bytes", "nvme": "nvme_bytes"}[part.tier]
+            below = {"device": "host", "host": "nvme"}.get(part.tier)
+            lower = f" or set {part.setting}={below!r}" if below else ""
+            found.append(f"{part.what} go to the {part.tier} tier ({part.setting}={part.tier!r}), and the one of "
+                         f"{part.largest_name!r} takes {format_bytes(part.largest)} ({part.largest} bytes), more than "
+                         f"the tier's whole budget, StoreConfig.{field}={budget}: raise {field} to at least "
+                         f"{part.largest}{lower}")
+    return found
