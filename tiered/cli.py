@@ -1,4 +1,8 @@
-"""The ``tiered`` command: ``tiered bench``, ``tiered inspect DIR``, ``tiered fsck DIR`` and ``tiered env``."""
+"""The ``tiered`` command: ``tiered bench``, ``tiered inspect DIR``, ``tiered fsck DIR`` and ``tiered env``.
+
+A public module: :data:`COMMANDS`, :data:`USAGE` and :func:`main`'s ``commands`` and ``usage`` let a
+package built on the store add its own commands (the engine's ``tiered train`` and the rest).
+"""
 
 from __future__ import annotations
 
@@ -68,6 +72,8 @@ def main(
         return 2
     return command(args[1:])
 
+
+__all__ = ["COMMANDS", "USAGE", "main"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -18,11 +18,12 @@ from typing import Optional, Sequence, TextIO
 
 import torch
 
-from tiered.bench.system import DROP_CACHES, filesystem_of, nearest_existing_directory
+from tiered.bench.system import DROP_CACHES, filesystem_of
 from tiered.config import ALIGNMENT, StoreConfig
 from tiered.io.aligned import AlignedBuffer
 from tiered.io.crc import CRC32_IMPL
 from tiered.io.files import direct_io_memory_alignment, open_file
+from tiered.util import nearest_existing_directory
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 

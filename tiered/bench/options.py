@@ -3,29 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Optional, Sequence
 
 from tiered.config import GiB, KiB, MiB, StoreConfig
-
-_UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
-          "g": GiB, "gb": GiB, "gib": GiB}
+from tiered.util import parse_size
 
 #: Contenders that can be left out with --skip.
 TOOLS = ("fio", "torch", "deepspeed")
 #: Phases in the order they run; --only picks some (--sweep adds "sweep").
 PHASES = ("large", "compress", "small", "prefetch")
-
-
-def parse_size(text: str) -> int:
-    """``"256MiB"``, ``"4k"``, ``"1.5GiB"`` or ``"4096"`` as bytes (binary units)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64KiB, 8MiB, 2GiB)")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"a size must be positive, got {text!r}")
-    return value
 
 
 def parse_sizes(text: str) -> list[int]:

@@ -32,15 +32,6 @@ def evict_file_pages(path: str) -> None:
         os.close(fd)
 
 
-def nearest_existing_directory(path: str) -> str:
-    """``path`` made absolute if it is a directory, else its nearest ancestor that is one: where a
-    directory the store would create lives (its filesystem, its free space)."""
-    existing = os.path.abspath(path)
-    while not os.path.isdir(existing):
-        existing = os.path.dirname(existing)
-    return existing
-
-
 def filesystem_of(path: str) -> str:
     """The filesystem type mounted at (or above) ``path``, from /proc/mounts; "" when unknown."""
     try:

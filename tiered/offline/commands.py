@@ -13,6 +13,7 @@ from tiered.offline.inspection import InspectReport, inspect_store
 from tiered.offline.progress import ByteProgress
 from tiered.offline.reports import fsck_lines, inspect_lines
 from tiered.offline.storedir import StoreDirectory, stores_in
+from tiered.util import CommandErrors
 
 #: Exit statuses of ``tiered fsck`` (``tiered inspect`` uses OK, PROBLEMS for an unreadable store, USAGE).
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
@@ -72,15 +73,12 @@ def inspect_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr
 
 
 def _inspect_one(path: str, err: TextIO, *, quiet: bool) -> "tuple[int, Optional[InspectReport]]":
-    try:
+    with CommandErrors("tiered inspect", {ValueError: EXIT_USAGE, (ManifestError, OSError): EXIT_PROBLEMS},
+                       err) as failed:
         with StoreDirectory.open(path, allow_in_use=True) as directory:
             report = inspect_store(directory)
-    except ValueError as exc:
-        print(f"tiered inspect: {exc}", file=err)
-        return EXIT_USAGE, None
-    except (ManifestError, OSError) as exc:
-        print(f"tiered inspect: {exc}", file=err)
-        return EXIT_PROBLEMS, None
+    if failed.status is not None:
+        return failed.status, None
     if report.in_use_by is not None and not quiet:
         print(f"tiered inspect: the store {path} is open in process {report.in_use_by}; showing what it has "
               f"committed", file=err)
@@ -121,19 +119,16 @@ def _fsck_one(path: str, args: argparse.Namespace, err: TextIO) -> "tuple[int, O
         return ByteProgress("verifying", total, enabled=not args.no_progress and total >= PROGRESS_MIN_BYTES,
                             stream=err)
 
-    try:
+    statuses = {(ValueError, StoreLockedError): EXIT_USAGE, (ManifestError, OSError): EXIT_PROBLEMS}
+    with CommandErrors("tiered fsck", statuses, err) as failed:
         with StoreDirectory.open(path, exclusive=repair) as directory:
             report = check_store(directory, threads=args.threads, progress=progress)
             if repair:
                 report = repair_store(
                     directory, report, delete_damaged=args.delete_damaged, reclaim_space=args.reclaim
                 )
-    except (ValueError, StoreLockedError) as exc:
-        print(f"tiered fsck: {exc}", file=err)
-        return EXIT_USAGE, None
-    except (ManifestError, OSError) as exc:
-        print(f"tiered fsck: {exc}", file=err)
-        return EXIT_PROBLEMS, None
+    if failed.status is not None:
+        return failed.status, None
     return (EXIT_OK if report.healthy else EXIT_PROBLEMS), report
 
 

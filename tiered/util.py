@@ -1,0 +1,112 @@
+"""Helpers of the store that packages built on it may use, under stable names.
+
+- :func:`crc32`: the CRC-32 the store checksums data with (libdeflate when present, else zlib).
+- :func:`round_up`, :func:`anonymous_map`: page- and O_DIRECT-aligned sizes and memory.
+- :class:`SequentialWriter`, :class:`RangeReader`: a file written or read in large O_DIRECT blocks.
+- :func:`wait_all`: wait for a batch of futures, then raise the first error.
+- :func:`format_bytes`, :func:`parse_size`: ``1.5 MiB`` and back; :class:`ByteProgress`: a byte bar.
+- :func:`nearest_existing_directory`: where a directory the store would create lives.
+- :class:`CommandErrors`: a command's errors as one line and an exit status.
+- :data:`CODEC_CACHE_BYTES`: the idle buffers a compressing codec keeps for reuse;
+  :data:`POOLED_RESULT_BYTES`: gets of at least this many bytes return memory from the store's result
+  pool (``StoreConfig.result_pool_bytes``). Memory estimates count both.
+
+The modules they come from are the store's internals and may move; these names stay. The engine
+(``engine/``) reaches the store through ``tiered``, this module and the ``tiered`` command's
+:mod:`tiered.cli` only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from types import TracebackType
+from typing import Mapping, Optional, TextIO, Union
+
+from tiered.codecs.bplane import CACHE_BYTES as CODEC_CACHE_BYTES
+from tiered.config import GiB, KiB, MiB
+from tiered.io.aligned import anonymous_map, round_up
+from tiered.io.bulk import RangeReader, SequentialWriter
+from tiered.io.crc import crc32
+from tiered.io.futures import wait_all
+from tiered.offline.progress import ByteProgress
+from tiered.offline.render import format_bytes
+from tiered.spans import DIRECT_RESULT_BYTES as POOLED_RESULT_BYTES
+
+_UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
+          "g": GiB, "gb": GiB, "gib": GiB}
+
+
+Errors = Union[type[BaseException], tuple[type[BaseException], ...]]
+
+
+class CommandErrors:
+    """The errors a command reports as one line, ``<prog>: <message>``, with an exit status.
+
+    ``with CommandErrors("tiered export", {(ValueError, OSError): 1}) as failed: ...`` runs the block;
+    an exception that is an instance of one of ``statuses``' keys (tried in order) is printed to
+    ``stream`` (default: stderr) and swallowed, and ``failed.status`` becomes its status. Any other
+    exception propagates. ``status`` stays None when the block raised nothing it handles.
+    """
+
+    def __init__(self, prog: str, statuses: Mapping[Errors, int], stream: Optional[TextIO] = None) -> None:
+        self.prog = prog
+        self.statuses = statuses
+        self.stream = stream
+        self.status: Optional[int] = None
+
+    def __enter__(self) -> "CommandErrors":
+        return self
+
+    def __exit__(self, kind: Optional[type[BaseException]], exc: Optional[BaseException],
+                 traceback: Optional[TracebackType]) -> bool:
+        if exc is None:
+            return False
+        for errors, status in self.statuses.items():
+            if isinstance(exc, errors):
+                print(f"{self.prog}: {exc}", file=self.stream if self.stream is not None else sys.stderr)
+                self.status = status
+                return True
+        return False
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"``, ``"4k"``, ``"1.5GiB"`` or ``"4096"`` as bytes (binary units).
+
+    Raises:
+        ValueError: ``text`` is not a size, or not a positive one; the message names it.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64KiB, 8MiB, 2GiB)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return value
+
+
+def nearest_existing_directory(path: str) -> str:
+    """``path`` made absolute if it is a directory, else its nearest ancestor that is one: where a
+    directory the store would create lives (its filesystem, its free space)."""
+    existing = os.path.abspath(path)
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    return existing
+
+
+__all__ = [
+    "CODEC_CACHE_BYTES",
+    "POOLED_RESULT_BYTES",
+    "ByteProgress",
+    "CommandErrors",
+    "RangeReader",
+    "SequentialWriter",
+    "anonymous_map",
+    "crc32",
+    "format_bytes",
+    "nearest_existing_directory",
+    "parse_size",
+    "round_up",
+    "wait_all",
+]
