@@ -8,9 +8,10 @@ hooks; from then on the model is called as usual and the hooks fetch and release
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,10 @@ from torch import nn
 from engine.checkpoint import export, full_state
 from engine.checkpoint import sharded as checkpoint
 from engine.config import EngineConfig
+from engine.errors import EngineClosedError
+from engine.extensions import DEFAULT_EXTENSIONS, Extensions
 from engine.io.progress import byte_progress
-from engine.io.weights import StateDictLike, WeightSource
+from engine.io.weights import StateDictLike, open_weights
 from engine.optim.accumulation import GradientAccumulation
 from engine.optim.scaled_loss import scale_in_backward
 from engine.paging.backward import BackwardTracker, SavedTensorHooks, register_grad_final_hooks
@@ -46,10 +49,6 @@ if TYPE_CHECKING:
     from engine.optim.training import Training
 
 
-class EngineClosedError(RuntimeError):
-    """The engine was unwrapped or closed; wrap the model again to page it."""
-
-
 class Engine:
     """A wrapped model: its parameters live in ``store`` and hooks page them in and out.
 
@@ -66,9 +65,11 @@ class Engine:
         meter: MemoryMeter,
         shard_io: ShardIO,
         optimizer: Optional[torch.optim.Optimizer],
+        extensions: Extensions = DEFAULT_EXTENSIONS,
     ) -> None:
         # Built by wrap() once every parameter is in the store.
         self._model = model
+        self._extensions = extensions
         self._config = config
         self._device = placement.device
         self._store = store
@@ -193,6 +194,12 @@ class Engine:
     def config(self) -> EngineConfig:
         """The configuration the engine was made with."""
         return self._config
+
+    @property
+    def extensions(self) -> Extensions:
+        """What the engine consults for the model's library (:mod:`engine.extensions`): the weight
+        layout :meth:`save_weights` writes."""
+        return self._extensions
 
     @property
     def store(self) -> TieredStore:
@@ -471,7 +478,8 @@ class Engine:
         calls it; rank 0 writes. Returns the files written. DeepSpeed's ``save_16bit_model``."""
         self._check_open()
         return export.save_weights(self._checkpoint_parts(), path, max_shard_bytes=max_shard_bytes, dtype=dtype,
-                                   master_weights=master_weights, exclude_frozen_parameters=exclude_frozen_parameters)
+                                   master_weights=master_weights, exclude_frozen_parameters=exclude_frozen_parameters,
+                                   extensions=self._extensions)
 
     def save_checkpoint(
         self, path: "str | os.PathLike[str]", tag: Optional[str] = None,
@@ -577,18 +585,8 @@ class Engine:
         store_stats = self._last_store_stats if self._closed else self._store.stats()
         assert store_stats is not None
         now = bytes_out_by_tier(store_stats)
-        c = self._counters
         return EngineStats(
-            steps=c.steps,
-            fetches=c.fetches,
-            prefetch_issued=c.prefetch_issued,
-            prefetch_hits=c.prefetch_hits,
-            prefetch_misses=c.prefetch_misses,
-            prefetch_wasted=c.prefetch_wasted,
-            on_demand_fetches=c.on_demand_fetches,
-            stall_seconds=c.stall_seconds,
-            rerecords=c.rerecords,
-            writebacks=c.writebacks,
+            **dataclasses.asdict(self._counters),  # EngineStats repeats every counter under its own name
             bytes_fetched={tier: now[tier] - self._baseline[tier] for tier in now},
             materialized_bytes=self._meter.current,
             peak_materialized_bytes=self._meter.peak,
@@ -722,7 +720,9 @@ class Engine:
             )
 
 
-E = TypeVar("E", bound=Engine)
+#: Builds the engine :func:`wrap` returns from :class:`Engine`'s constructor arguments: ``Engine``, a
+#: subclass, or a ``functools.partial`` of one that fills the subclass's own arguments.
+EngineFactory = Callable[..., Engine]
 
 
 def wrap(
@@ -733,37 +733,44 @@ def wrap(
     process_group: Optional[Any] = None,
     init_fn: Optional[InitFn] = None,
     state_dict: Optional[StateDictLike] = None,
+    extensions: Extensions = DEFAULT_EXTENSIONS,
+    engine_class: EngineFactory = Engine,
 ) -> Engine:
     """Keep ``model``'s parameters in a tiered store and page them in around each use.
 
-    ``config.store`` is opened as the store. ``optimizer``: a ``torch.optim.Optimizer`` built on the
-    model's parameters before wrap (its step fetches them and writes them back). ``init_fn(module)``
-    initializes a module whose parameters are on the meta device (default: its
-    ``reset_parameters()``, then for a Hugging Face model its ``_init_weights`` for the module and
-    the modules enclosing it, as transformers initializes a model: leave it out for those);
-    ``state_dict`` (a mapping, or a path to a .safetensors or torch file) supplies parameter and
-    buffer values, read one tensor at a time. ``process_group``: the
-    ``torch.distributed`` group to shard over; None uses the default group when
-    ``torch.distributed`` is initialized (each rank then keeps 1/world of every parameter in the
-    ``rank{N}`` subdirectory of the store's paths), and no sharding otherwise; a group of size 1
-    does not shard (docs/training.md, "Multiple processes").
+    Args:
+        model: the model, unmodified; its ``nn.Parameter`` objects stay the same objects. It may be
+            built on the meta device (then ``init_fn`` or ``state_dict`` gives it its values).
+        config: the engine's configuration; ``config.store`` is opened as the store.
+        optimizer: ``engine.AdamW(...)`` (offloaded: its state lives in the store), or a
+            ``torch.optim.Optimizer`` built on the model's parameters before wrap (its step fetches
+            them and writes them back), or None (inference).
+        process_group: the ``torch.distributed`` group to shard over; None uses the default group
+            when ``torch.distributed`` is initialized (each rank then keeps 1/world of every
+            parameter in the ``rank{N}`` subdirectory of the store's paths), and no sharding
+            otherwise; a group of size 1 does not shard (docs/training.md, "Multiple processes").
+        init_fn: ``init_fn(module)`` initializes a module whose parameters are on the meta device
+            (default: its ``reset_parameters()``, then for a Hugging Face model its ``_init_weights``
+            for the module and the modules enclosing it, as transformers initializes a model).
+        state_dict: parameter and buffer values, read one tensor at a time: a mapping, or a path to a
+            .safetensors or torch file, a ``save_pretrained`` directory or an ``eng.save_checkpoint``
+            directory (:func:`engine.io.weights.open_weights`).
+        extensions: what depends on the model's library (:mod:`engine.extensions`): by default the
+            transformers weight layout, so a transformers 5 model loads checkpoints in the layout
+            ``save_pretrained`` writes and :meth:`Engine.save_weights` writes that layout back.
+        engine_class: builds the engine from :class:`Engine`'s constructor arguments (an ``Engine``
+            subclass or a partial of one); ``engine.initialize`` passes its DeepSpeed-shaped engine.
+
+    Returns:
+        The engine; the model object is the one passed, called as usual.
+
+    Raises:
+        TypeError: an argument of the wrong type (named in the message).
+        ValueError: a configuration the engine cannot honour (a shard larger than its tier's budget,
+            ``resume=True`` without ``engine.AdamW``, an optimizer holding none of the model's
+            parameters, ...), or weights that do not fit the model; nothing is left changed.
+        tiered.TieredError: the store could not be opened (locked, damaged, full).
     """
-    return wrap_as(Engine, model, config=config, optimizer=optimizer, process_group=process_group, init_fn=init_fn,
-                   state_dict=state_dict)
-
-
-def wrap_as(
-    engine_class: Callable[..., E],
-    model: nn.Module,
-    *,
-    config: EngineConfig,
-    optimizer: Optional[torch.optim.Optimizer] = None,
-    process_group: Optional[Any] = None,
-    init_fn: Optional[InitFn] = None,
-    state_dict: Optional[StateDictLike] = None,
-) -> E:
-    """:func:`wrap`, the engine built by ``engine_class`` (an :class:`Engine` subclass, or a partial
-    of one, taking Engine's constructor arguments): ``engine.initialize``'s DeepSpeed-shaped engine."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap takes an nn.Module, got {type(model).__name__}")
     if not isinstance(config, EngineConfig):
@@ -781,11 +788,11 @@ def wrap_as(
     group, rank, world = _rank_and_world(process_group)
     _check_fits(model, config, world, training=_is_engine_optimizer(optimizer))
     device = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
-    source = WeightSource.open(state_dict)
-    if source is not None:  # a Hugging Face checkpoint's layout, as transformers 5 converts it for this model
-        from engine.io.transformers_conversion import converted
-
-        source = converted(model, source)
+    if not isinstance(extensions, Extensions):
+        raise TypeError(f"extensions must be an engine.extensions.Extensions, got {type(extensions).__name__}")
+    source = open_weights(state_dict)
+    if source is not None:  # a library's on-disk layout, under the model's own names
+        source = extensions.loading(model, source)
     collectives = Collectives(group) if group is not None else None  # its thread starts on first use
     try:
         store = TieredStore.open(rank_store_config(config.store, rank, world))
@@ -820,7 +827,7 @@ def wrap_as(
                 same_draws = rank0_random_state(collectives, device)  # meta tensors: drawn alike on every rank
             with bar, same_draws:
                 placement.run(on_placed=bar.advance)
-            engine = engine_class(model, config, store, placement, meter, shard_io, optimizer)
+            engine = engine_class(model, config, store, placement, meter, shard_io, optimizer, extensions=extensions)
             try:
                 engine._start_training(config.resume)
             except BaseException:

@@ -19,7 +19,7 @@ from torch import nn
 
 import engine
 import tiered
-from engine.paging.released import ReleasedParameterError
+from engine.errors import ReleasedParameterError
 
 SCENARIO = [""]  # the scenario running, for the output lines
 

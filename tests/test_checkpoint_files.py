@@ -17,9 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.io.checkpoint_files import (
-    FORMAT, METADATA_FILE, VERSION, CheckpointError, CheckpointFiles, rank_file, tensor_name,
-)
+from engine.io.checkpoint_files import FORMAT, METADATA_FILE, VERSION, CheckpointFiles, rank_file, tensor_name
+from engine.errors import CheckpointError
 from engine.paging.layout import ShardLayout
 from engine.io.safetensors_stream import SafetensorsWriter, TensorSpec
 

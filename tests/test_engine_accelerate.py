@@ -25,7 +25,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import engine
 from engine.integrations.hf.accelerate import deepspeed_config_from_accelerate, register_engine_state
-from engine.paging.released import ReleasedParameterError
+from engine.errors import ReleasedParameterError
 from engine_models import store_config
 from test_engine_distributed import run_ranks
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import engine
-from engine.optim.loss_scaler import LossScaling
+from engine.config import LossScaling
 from engine_models import TinyGPT
 from test_engine_loss_scaling import INITIAL, GROWTH, Reference
 from test_engine_training import LR, assert_trained_equal, gpt_loss, training_config

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 import engine
-from engine.checkpoint.sharded import METADATA_FILE, CheckpointError, rank_file
+from engine.checkpoint.sharded import METADATA_FILE, rank_file
+from engine.errors import CheckpointError
 from engine_models import ConvNet, TinyGPT, engine_config, gpt_tokens, images, store_config
 
 KiB = 1024
@@ -413,7 +414,8 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
 
 
 def test_safetensors_streams_interoperate_with_the_library(tmp_path):
-    from engine.io.safetensors_stream import SafetensorsFormatError, SafetensorsReader, SafetensorsWriter, TensorSpec
+    from engine.io.safetensors_stream import SafetensorsReader, SafetensorsWriter, TensorSpec
+    from engine.errors import SafetensorsFormatError
 
     tensors = {
         "a": torch.arange(5, dtype=torch.bfloat16), "b": torch.randn(3, 4), "c": torch.tensor(7, dtype=torch.int64),

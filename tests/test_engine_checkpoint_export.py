@@ -16,7 +16,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import engine
 import engine.cli
-from engine.checkpoint.sharded import METADATA_FILE, CheckpointError, rank_file
+from engine.checkpoint.sharded import METADATA_FILE, rank_file
+from engine.errors import CheckpointError
 from engine.checkpoint.export import INDEX_FILE
 from engine_models import TinyGPT, gpt_tokens, store_config
 

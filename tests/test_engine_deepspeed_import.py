@@ -20,7 +20,8 @@ from deepspeed_fixtures import (
     BETAS, EPS, FIXTURES, FIXTURES_ALL, FROZEN_EXCLUDED, LR, STEPS_AFTER, STEPS_BEFORE, WEIGHT_DECAY, ZERO12_FIXTURES,
     batch, continue_run, ds_config, make_model, param_groups,
 )
-from engine.io.checkpoint_files import STATE_NAMES, CheckpointError, CheckpointFiles, tensor_name
+from engine.io.checkpoint_files import STATE_NAMES, CheckpointFiles, tensor_name
+from engine.errors import CheckpointError
 from engine.cli import main as cli_main
 from engine.config import EngineConfig
 from engine.integrations.deepspeed.optimizer import optimizer_from_deepspeed, scheduler_from_deepspeed

@@ -15,7 +15,7 @@ from test_engine_distributed import run_ranks
 from torch import nn
 
 import engine
-from engine.paging.released import ReleasedParameterError
+from engine.errors import ReleasedParameterError
 
 
 def small_gpt() -> nn.Module:

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 import engine
-from engine.optim.loss_scaler import LossScaler, LossScaling
+from engine.optim.loss_scaler import LossScaler
+from engine.config import LossScaling
 from engine.optim.step_record import StepRecord
 from engine_models import TinyGPT, store_config
 from conftest import MiB

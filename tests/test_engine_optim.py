@@ -14,7 +14,8 @@ import tiered
 from engine.optim import step as optimizer_step
 from engine.optim.clip import clip_coefficient, global_grad_norm, grad_norms
 from engine.optim.step_io import plan_groups
-from engine.optim.types import AdamHyper, OptimizerStateError, OptimShard
+from engine.optim.types import AdamHyper, OptimShard
+from engine.errors import OptimizerStateError
 
 KiB = 1024
 #: Odd sizes; with GROUP_BYTES they make several groups, one shard larger than a group on its own.

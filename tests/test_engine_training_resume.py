@@ -17,7 +17,8 @@ import torch
 import engine
 import tiered
 from engine.paging.layout import optim_keys
-from engine.optim.step_record import StepRecord, StepRecordError
+from engine.optim.step_record import StepRecord
+from engine.errors import StepRecordError
 from engine_models import TinyGPT, gpt_tokens, store_config
 
 KiB = 1024

@@ -21,7 +21,8 @@ from small_filesystems import fill
 
 import engine
 import tiered
-from engine.optim.step_record import STEP_RECORD_KEY, StepRecord, StepRecordError
+from engine.optim.step_record import STEP_RECORD_KEY, StepRecord
+from engine.errors import StepRecordError
 from tiered import CapacityError, TransferError
 from tiered.io import Syscalls
 

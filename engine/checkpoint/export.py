@@ -12,7 +12,7 @@ the model. The layout is the one ``save_pretrained`` writes and ``from_pretraine
 Tensors are named as in ``model.state_dict()``; a tied parameter is written once, under its first
 name (``save_pretrained`` drops the tied names too, and ``from_pretrained`` ties them again). A
 transformers 5 model whose weights it fuses or renames in memory (MoE experts) is written in the
-layout its ``save_pretrained`` writes, converted back (``engine.io.transformers_export``).
+layout its ``save_pretrained`` writes, converted back (the engine's :mod:`engine.extensions`).
 
 Publishing order, so that a crash never leaves a loadable mix of two saves: every file is
 written to ``<name>.partial`` and fsynced; then the previous save's ``model.safetensors`` and
@@ -30,9 +30,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from engine.checkpoint.sharded import EngineParts, agree, attempt, check_between_steps, fsync_dir, gather_objects
+from engine.extensions import DEFAULT_EXTENSIONS, Extensions
 from engine.io.progress import byte_progress
 from engine.io.read_ahead import read_ahead
-from engine.io.safetensors_stream import SafetensorsWriter, TensorSpec, dtype_name
+from engine.io.safetensors_stream import Reader, SafetensorsWriter, TensorSpec, export_dtype
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -47,6 +48,7 @@ _PARTIAL = ".partial"
 def save_weights(
     parts: EngineParts, path: "str | os.PathLike[str]", *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: Optional[torch.dtype] = None, master_weights: bool = False, exclude_frozen_parameters: bool = False,
+    extensions: Extensions = DEFAULT_EXTENSIONS,
 ) -> list[str]:
     """Write the model's weights to the directory ``path`` (created if missing); return the files
     written, index last. With ``master_weights``, a parameter ``engine.AdamW`` has stepped is its
@@ -57,9 +59,7 @@ def save_weights(
     io = parts.io
     masters = _master_keys(parts) if master_weights else {}
     tensors = _tensors(parts, dtype, masters, exclude_frozen_parameters)  # the same on every rank
-    from engine.io.transformers_export import hub_layout
-
-    tensors = hub_layout(parts.model, tensors)  # what transformers 5 fuses in memory, split as it saves it
+    tensors = extensions.saving(parts.model, tensors)  # e.g. what transformers 5 fuses in memory, split as it saves it
     writing = io.rank == 0
     error = attempt(lambda: check_between_steps(parts, "save weights"))
     if writing and error is None:
@@ -80,17 +80,6 @@ def check_export_arguments(max_shard_bytes: int, dtype: Optional[torch.dtype]) -
         raise ValueError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-
-
-Reader = Callable[[], torch.Tensor]
-
-
-def export_dtype(saved: torch.dtype, dtype: Optional[torch.dtype]) -> torch.dtype:
-    """The dtype a tensor held as ``saved`` is exported in (``dtype``, when given, for floating
-    tensors); ValueError now, before anything is written, for one safetensors has no name for."""
-    target = dtype if dtype is not None and saved.is_floating_point else saved
-    dtype_name(target)
-    return target
 
 
 def write_weights(

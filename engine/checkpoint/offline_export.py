@@ -20,18 +20,13 @@ from typing import Optional
 
 import torch
 
-from engine.checkpoint.export import (
-    DEFAULT_MAX_SHARD_BYTES,
-    Reader,
-    check_export_arguments,
-    export_dtype,
-    write_weights,
-)
-from engine.io.checkpoint_files import CheckpointFiles, dtype_of
+from engine.checkpoint.export import DEFAULT_MAX_SHARD_BYTES, check_export_arguments, write_weights
+from engine.extensions.transformers_layout import TransformersLayout, meta_model
+from engine.io.checkpoint_files import CheckpointFiles
 from engine.io.checkpoint_paths import resolve_checkpoint
+from engine.io.checkpoint_weights import checkpoint_tensors
 from engine.io.progress import byte_progress
-from engine.io.safetensors_stream import TensorSpec
-from engine.io.weights import WeightSource
+from engine.io.safetensors_stream import Reader, TensorSpec
 
 
 def checkpoint_state_dict(
@@ -46,7 +41,7 @@ def checkpoint_state_dict(
     check_export_arguments(DEFAULT_MAX_SHARD_BYTES, dtype)
     out: dict[str, torch.Tensor] = {}
     with CheckpointFiles(resolve_checkpoint(path, tag)) as files:
-        for _, read, names in _sources(files, master_weights, dtype):
+        for _, read, names in checkpoint_tensors(files, master_weights, dtype):
             value = read()
             for name in names:
                 out[name] = value
@@ -72,16 +67,12 @@ def export_checkpoint(
     directory = os.path.abspath(os.fspath(out))
     hf = None
     if hf_config is not None:
-        from engine.integrations.hf.pretrained import meta_model
-
         hf = meta_model(hf_config)
     with CheckpointFiles(resolve_checkpoint(path, tag)) as files:
         tensors: list[tuple[TensorSpec, Reader]] = [(spec, read) for spec, read, _ in
-                                                    _sources(files, master_weights, dtype)]
+                                                    checkpoint_tensors(files, master_weights, dtype)]
         if hf is not None:
-            from engine.io.transformers_export import hub_layout
-
-            tensors = hub_layout(hf, tensors)
+            tensors = TransformersLayout().saving(hf, tensors)
         os.makedirs(directory, exist_ok=True)
         bar = byte_progress("exporting checkpoint", sum(spec.nbytes for spec, _ in tensors), enabled=progress)
         with bar:
@@ -94,50 +85,4 @@ def export_checkpoint(
     return written
 
 
-def open_checkpoint_weights(path: "str | os.PathLike[str]") -> WeightSource:
-    """A checkpoint directory (or a directory of tagged ones, through its ``latest``) as an
-    ``engine.wrap(state_dict=...)`` source: the weights :func:`checkpoint_state_dict` would give,
-    each read when placement asks for it, so a model larger than memory loads one tensor at a time."""
-    files = CheckpointFiles(resolve_checkpoint(path))
-    try:
-        readers: dict[str, Reader] = {}
-        shapes: dict[str, tuple[int, ...]] = {}
-        for spec, read, names in _sources(files, True, None):
-            for name in names:
-                readers[name], shapes[name] = read, spec.shape
-    except BaseException:
-        files.close()
-        raise
-    return WeightSource(readers, lambda name: readers[name](), shapes.__getitem__, files.__exit__, origin=files.path)
-
-
-def _sources(files: CheckpointFiles, master_weights: bool, dtype: Optional[torch.dtype]
-             ) -> list[tuple[TensorSpec, Reader, list[str]]]:
-    """Each parameter (master or training copy) and buffer of the checkpoint: its spec as
-    exported, a reader, and every name it goes by."""
-    out: list[tuple[TensorSpec, Reader, list[str]]] = []
-    for name, record in files.params.items():
-        state = "master" if master_weights and files.has_state(name) else None
-        saved = torch.float32 if state else dtype_of(record["dtype"])
-        target = export_dtype(saved, dtype)
-        names = [str(n) for n in record.get("names") or [name]]
-        out.append((TensorSpec(name, target, tuple(record["shape"])), _param_reader(files, name, state, target), names))
-    for record in files.metadata["buffers"]:
-        if not record.get("persistent", True):
-            continue  # not in the model's state_dict (Llama's rotary inv_freq): rebuilt by the model itself
-        name = record["name"]
-        saved = dtype_of(record["dtype"])
-        target = export_dtype(saved, dtype)
-        out.append((TensorSpec(name, target, tuple(record["shape"])), _buffer_reader(files, name, target), [name]))
-    return out
-
-
-def _param_reader(files: CheckpointFiles, name: str, state: Optional[str], dtype: torch.dtype) -> Reader:
-    return lambda: files.whole(name, state).to(dtype)
-
-
-def _buffer_reader(files: CheckpointFiles, name: str, dtype: torch.dtype) -> Reader:
-    return lambda: files.buffer(name).to(dtype)
-
-
-__all__ = ["checkpoint_state_dict", "export_checkpoint", "open_checkpoint_weights"]
+__all__ = ["checkpoint_state_dict", "export_checkpoint"]

@@ -42,6 +42,7 @@ from torch import nn
 
 from engine.checkpoint import torch_optimizer
 from engine.config import EngineConfig
+from engine.errors import CheckpointError
 from engine.io.checkpoint_files import (
     CRC_CHUNK_BYTES,
     FORMAT,
@@ -49,7 +50,6 @@ from engine.io.checkpoint_files import (
     PARTIAL_SUFFIX,
     STATE_NAMES,
     VERSION,
-    CheckpointError,
     CheckpointFiles,
     dtype_str,
     jsonable,
@@ -65,7 +65,7 @@ from engine.paging.handle import ParamHandle
 from engine.paging.layout import ShardLayout
 from engine.paging.pager import Pager
 from engine.paging.shard_io import ShardIO
-from tiered.io.futures import wait_all
+from tiered.util import wait_all
 
 OLD_SUFFIX = ".old"
 #: Bytes of puts in flight while a checkpoint is loaded into the store.

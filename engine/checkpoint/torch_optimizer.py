@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from engine.io.checkpoint_files import CheckpointError, jsonable
+from engine.errors import CheckpointError
+from engine.io.checkpoint_files import jsonable
 from engine.io.safetensors_stream import TensorSpec
 
 PREFIX = "torch_optimizer/"

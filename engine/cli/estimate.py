@@ -18,7 +18,7 @@ from torch import nn
 from engine.cli.train import DEMO_SIZE_OPTIONS, add_demo_size_arguments, demo_config
 from engine.config import EngineConfig
 from tiered import StoreConfig
-from tiered.bench.system import nearest_existing_directory
+from tiered.util import nearest_existing_directory
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -80,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
     if args.ds_config is not None:
         config = _initialize_budgets(config, model, args)
     from engine.paging.memory_estimate import estimate_memory
-    from tiered.offline.render import format_bytes
+    from tiered.util import format_bytes
 
     est = estimate_memory(model, config, world_size=args.world_size, training=not args.inference)
     disk = _disk_check(est.during_step.nvme, config.store, args.dir)

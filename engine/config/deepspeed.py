@@ -14,19 +14,31 @@ has the full table.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import json
-import math
 import os
 import warnings
 from typing import Any, Callable, Collection, Mapping, Optional, Union
 
+from engine.config.deepspeed_optimizer import optimizer_problems, scheduler_problems
+from engine.config.deepspeed_schema import (
+    ACCEPT,
+    DEFAULT_ONLY,
+    MAP,
+    InvalidValue,
+    Key,
+    Schema,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    raise_problems,
+    walk_schema,
+)
+from engine.config.loss_scaling import LossScaling
 from tiered import StoreConfig
 
 DeepSpeedConfig = Union[Mapping[str, Any], str, "os.PathLike[str]"]
 
-MAP, ACCEPT, DEFAULT_ONLY = "map", "accept", "default-only"
 ALIGNMENT = 4096
 #: DeepSpeed's own aio defaults, for an ``aio`` section that sets one of the two but not the other.
 DEEPSPEED_AIO_QUEUE_DEPTH = 8
@@ -43,76 +55,18 @@ MAX_MAPPED_IO_THREADS = 256
 FP32_BYTES = 4
 
 
-class _Bad(ValueError):
-    """A value of the wrong type or range (message: what was expected)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Key:
-    """How one DeepSpeed key is handled: ``check`` normalizes its value (raising on a bad one),
-    ``action`` is MAP, ACCEPT or DEFAULT_ONLY, ``why`` says what it maps to or why it has no effect."""
-
-    check: Callable[[Any], Any]
-    action: str
-    why: str
-    default: Any = None
-
-
-Schema = Mapping[str, Union[Key, "Schema"]]  # type: ignore[misc]
-
-
 # ---------------------------------------------------------------------------------------- checkers
-
-
-def _bool(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise _Bad("must be true or false")
-    return v
-
-
-def _int(minimum: Optional[int] = 0) -> Callable[[Any], int]:
-    def check(v: Any) -> int:
-        # JSON writes 5e7 as a float; DeepSpeed (pydantic) accepts integral floats for int fields.
-        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
-            v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise _Bad("must be an integer")
-        if minimum is not None and v < minimum:
-            raise _Bad(f"must be >= {minimum}")
-        return v
-
-    return check
-
-
-def _number(low: float = 0.0, high: Optional[float] = None) -> Callable[[Any], float]:
-    def check(v: Any) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise _Bad("must be a number")
-        if v < low or (high is not None and v > high):
-            raise _Bad(f"must be in [{low}, {high}]" if high is not None else f"must be >= {low}")
-        return float(v)
-
-    return check
-
-
-def _choice(*choices: str) -> Callable[[Any], str]:
-    def check(v: Any) -> str:
-        if not isinstance(v, str) or v.lower() not in choices:
-            raise _Bad(f"must be one of {list(choices)}")
-        return v.lower()
-
-    return check
 
 
 def _path(v: Any) -> str:
     if not isinstance(v, (str, os.PathLike)) or not os.fspath(v):
-        raise _Bad("must be a directory path")
+        raise InvalidValue("must be a directory path")
     return os.fspath(v)
 
 
 def _text(v: Any) -> str:
     if not isinstance(v, str):
-        raise _Bad("must be a string")
+        raise InvalidValue("must be a string")
     return v
 
 
@@ -123,7 +77,7 @@ def _any(v: Any) -> Any:
 def _fp32_or_null(v: Any) -> Optional[str]:
     if v is None or (isinstance(v, str) and v.lower() in ("fp32", "float32")):
         return v
-    raise _Bad('only "fp32" or null: the engine reduces and accumulates gradients in fp32')
+    raise InvalidValue('only "fp32" or null: the engine reduces and accumulates gradients in fp32')
 
 
 def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -132,14 +86,14 @@ def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 def _mapping_or_none(v: Any) -> Any:
     if v is not None and not isinstance(v, Mapping):
-        raise _Bad("must be an object or null")
+        raise InvalidValue("must be an object or null")
     return v
 
 
 def _block_size(v: Any) -> int:
-    n = _int(ALIGNMENT)(v)
+    n = check_int(ALIGNMENT)(v)
     if n % ALIGNMENT:
-        raise _Bad(f"must be a multiple of {ALIGNMENT} (the store's O_DIRECT alignment)")
+        raise InvalidValue(f"must be a multiple of {ALIGNMENT} (the store's O_DIRECT alignment)")
     return n
 
 
@@ -163,29 +117,29 @@ _RESIDENT = ("the engine pages every parameter through the store; hot ones stay 
              "device/host tiers by the recorded access order (Belady eviction)")
 
 OFFLOAD_PARAM: Schema = {
-    "device": Key(_choice("none", "cpu", "nvme"), MAP, "param_tier: none -> device, cpu -> host, nvme -> nvme "
+    "device": Key(check_choice("none", "cpu", "nvme"), MAP, "param_tier: none -> device, cpu -> host, nvme -> nvme "
                   "(engine.initialize's own store gives the device or host tier room for what goes there)"),
     "nvme_path": Key(_optional(_path), MAP, "StoreConfig.nvme_paths (with offload_optimizer.nvme_path)"),
-    "pin_memory": Key(_bool, ACCEPT, _PINNED),
-    "buffer_count": Key(_int(), ACCEPT, _BUFFERS),
-    "buffer_size": Key(_int(), ACCEPT, _BUFFERS),
-    "max_in_cpu": Key(_int(), ACCEPT, "host memory is StoreConfig.host_bytes, one budget for all data"),
+    "pin_memory": Key(check_bool, ACCEPT, _PINNED),
+    "buffer_count": Key(check_int(), ACCEPT, _BUFFERS),
+    "buffer_size": Key(check_int(), ACCEPT, _BUFFERS),
+    "max_in_cpu": Key(check_int(), ACCEPT, "host memory is StoreConfig.host_bytes, one budget for all data"),
 }
 
 OFFLOAD_OPTIMIZER: Schema = {
-    "device": Key(_choice("none", "cpu", "nvme"), MAP,
+    "device": Key(check_choice("none", "cpu", "nvme"), MAP,
                   "optimizer_tier: cpu -> host, nvme -> nvme, none -> host (the optimizer always runs on the "
                   "CPU; the host tier is the closest place for its state, and engine.initialize's own store "
                   "gives that tier room for it)"),
     "nvme_path": Key(_optional(_path), MAP, "StoreConfig.nvme_paths (with offload_param.nvme_path)"),
-    "pin_memory": Key(_bool, ACCEPT, _PINNED),
-    "buffer_count": Key(_int(), ACCEPT, "the step streams groups of optimizer_group_bytes (sub_group_size)"),
-    "fast_init": Key(_bool, ACCEPT, "state is created lazily at each shard's first step; nothing to speed up"),
-    "pipeline_read": Key(_bool, ACCEPT, "the step always reads group i+1 while updating group i"),
-    "pipeline_write": Key(_bool, ACCEPT, "the step always writes group i-1 while updating group i"),
-    "ratio": Key(_number(0.0, 1.0), DEFAULT_ONLY, "partial optimizer offload is not supported", 1.0),
-    "super_offload": Key(_bool, DEFAULT_ONLY, "SuperOffload (Grace Hopper) is not supported", False),
-    "cpuadam_cores_perc": Key(_number(0.0, 1.0), ACCEPT, "used only with super_offload, which is off"),
+    "pin_memory": Key(check_bool, ACCEPT, _PINNED),
+    "buffer_count": Key(check_int(), ACCEPT, "the step streams groups of optimizer_group_bytes (sub_group_size)"),
+    "fast_init": Key(check_bool, ACCEPT, "state is created lazily at each shard's first step; nothing to speed up"),
+    "pipeline_read": Key(check_bool, ACCEPT, "the step always reads group i+1 while updating group i"),
+    "pipeline_write": Key(check_bool, ACCEPT, "the step always writes group i-1 while updating group i"),
+    "ratio": Key(check_number(0.0, 1.0), DEFAULT_ONLY, "partial optimizer offload is not supported", 1.0),
+    "super_offload": Key(check_bool, DEFAULT_ONLY, "SuperOffload (Grace Hopper) is not supported", False),
+    "cpuadam_cores_perc": Key(check_number(0.0, 1.0), ACCEPT, "used only with super_offload, which is off"),
 }
 
 #: ``stage3_`` keys DeepSpeed's ZeRO config also takes by their field names, without the prefix.
@@ -194,52 +148,53 @@ _STAGE3_UNPREFIXED = ("prefetch_bucket_size", "param_persistence_threshold", "mo
                       "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
 
 ZERO: Schema = {
-    "stage": Key(_int(), MAP, "1, 2 or 3, each run as ZeRO-3: the engine shards parameters, gradients and optimizer "
-                 "state (at 1 and 2 too: the same steps, less memory per rank); 0 (no sharding) is refused"),
+    "stage": Key(check_int(), MAP, "1, 2 or 3, each run as ZeRO-3: the engine shards parameters, gradients and "
+                 "optimizer state (at 1 and 2 too: the same steps, less memory per rank); 0 (no sharding) is refused"),
     "offload_param": OFFLOAD_PARAM,
     "offload_optimizer": OFFLOAD_OPTIMIZER,
-    "stage3_prefetch_bucket_size": Key(_int(), MAP, "prefetch_bytes = elements x training-dtype bytes"),
-    "sub_group_size": Key(_int(1), MAP, "optimizer_group_bytes = elements x 4 (fp32)"),
-    "cpu_offload": Key(_bool, MAP, "deprecated DeepSpeed name: true = offload_optimizer.device cpu"),
-    "cpu_offload_param": Key(_bool, MAP, "deprecated DeepSpeed name: true = offload_param.device cpu"),
-    "cpu_offload_use_pin_memory": Key(_bool, ACCEPT, _PINNED),
-    "stage3_max_live_parameters": Key(_int(), ACCEPT, "the engine releases each module's parameters right after "
+    "stage3_prefetch_bucket_size": Key(check_int(), MAP, "prefetch_bytes = elements x training-dtype bytes"),
+    "sub_group_size": Key(check_int(1), MAP, "optimizer_group_bytes = elements x 4 (fp32)"),
+    "cpu_offload": Key(check_bool, MAP, "deprecated DeepSpeed name: true = offload_optimizer.device cpu"),
+    "cpu_offload_param": Key(check_bool, MAP, "deprecated DeepSpeed name: true = offload_param.device cpu"),
+    "cpu_offload_use_pin_memory": Key(check_bool, ACCEPT, _PINNED),
+    "stage3_max_live_parameters": Key(check_int(), ACCEPT, "the engine releases each module's parameters right after "
                                       "use; materialized memory is bounded by the largest module plus prefetch_bytes"),
-    "stage3_max_reuse_distance": Key(_int(), ACCEPT, _RESIDENT),
-    "stage3_param_persistence_threshold": Key(_int(), ACCEPT, _RESIDENT),
-    "stage3_model_persistence_threshold": Key(_int(), ACCEPT, _RESIDENT),
-    "stage3_gather_16bit_weights_on_model_save": Key(_bool, ACCEPT, _CONSOLIDATED),
-    "stage3_gather_fp16_weights_on_model_save": Key(_bool, ACCEPT, _CONSOLIDATED),
-    "stage3_module_granularity_threshold": Key(_int(None), ACCEPT, _MODEL_SIDE),
-    "stage3_use_all_reduce_for_fetch_params": Key(_bool, ACCEPT, _COMM),
-    "stage3_allgather_sequential": Key(_bool, ACCEPT, _COMM),
-    "overlap_comm": Key(_bool, ACCEPT, _ASYNC),
-    "contiguous_gradients": Key(_bool, ACCEPT, "each gradient shard goes to the store as soon as it is final"),
-    "reduce_scatter": Key(_bool, ACCEPT, "gradients are always reduce-scattered when world size > 1"),
-    "reduce_bucket_size": Key(_int(), ACCEPT, _COMM),
-    "allgather_partitions": Key(_bool, ACCEPT, _COMM),
-    "allgather_bucket_size": Key(_int(), ACCEPT, _COMM),
-    "use_multi_rank_bucket_allreduce": Key(_bool, ACCEPT, _COMM),
-    "ignore_unused_parameters": Key(_bool, ACCEPT, "a parameter without a gradient is skipped, as torch does"),
-    "round_robin_gradients": Key(_bool, ACCEPT, _ZERO12),
-    "compute_grad_norm": Key(_bool, ACCEPT, _ZERO12),
-    "parameter_alignment": Key(_bool, ACCEPT, _ZERO12),
-    "memory_efficient_linear": Key(_bool, ACCEPT, _MODEL_SIDE),
-    "override_module_apply": Key(_bool, ACCEPT, _MODEL_SIDE),
-    "log_trace_cache_warnings": Key(_bool, ACCEPT, _LOGGING),
-    "enable_sanity_checks": Key(_bool, ACCEPT, "DeepSpeed's internal checks; the engine's invariants are always on"),
-    "load_from_fp32_weights": Key(_bool, DEFAULT_ONLY, "checkpoints always restore the fp32 master weights", True),
-    "elastic_checkpoint": Key(_bool, DEFAULT_ONLY, "elastic checkpoints are not supported", False),
-    "legacy_stage1": Key(_bool, DEFAULT_ONLY, "DeepSpeed's legacy stage-1 implementation is not supported", False),
-    "pipeline_loading_checkpoint": Key(_bool, DEFAULT_ONLY, "pipeline-parallel loading is not supported", False),
-    "zero_hpz_partition_size": Key(_int(), DEFAULT_ONLY, "ZeRO++ hierarchical partitioning is not supported", 1),
-    "zero_quantized_weights": Key(_bool, DEFAULT_ONLY, "ZeRO++ quantized weights are not supported", False),
-    "zero_quantized_nontrainable_weights": Key(_bool, DEFAULT_ONLY, "quantized weights are not supported", False),
-    "zero_quantized_gradients": Key(_bool, DEFAULT_ONLY, "ZeRO++ quantized gradients are not supported", False),
+    "stage3_max_reuse_distance": Key(check_int(), ACCEPT, _RESIDENT),
+    "stage3_param_persistence_threshold": Key(check_int(), ACCEPT, _RESIDENT),
+    "stage3_model_persistence_threshold": Key(check_int(), ACCEPT, _RESIDENT),
+    "stage3_gather_16bit_weights_on_model_save": Key(check_bool, ACCEPT, _CONSOLIDATED),
+    "stage3_gather_fp16_weights_on_model_save": Key(check_bool, ACCEPT, _CONSOLIDATED),
+    "stage3_module_granularity_threshold": Key(check_int(None), ACCEPT, _MODEL_SIDE),
+    "stage3_use_all_reduce_for_fetch_params": Key(check_bool, ACCEPT, _COMM),
+    "stage3_allgather_sequential": Key(check_bool, ACCEPT, _COMM),
+    "overlap_comm": Key(check_bool, ACCEPT, _ASYNC),
+    "contiguous_gradients": Key(check_bool, ACCEPT, "each gradient shard goes to the store as soon as it is final"),
+    "reduce_scatter": Key(check_bool, ACCEPT, "gradients are always reduce-scattered when world size > 1"),
+    "reduce_bucket_size": Key(check_int(), ACCEPT, _COMM),
+    "allgather_partitions": Key(check_bool, ACCEPT, _COMM),
+    "allgather_bucket_size": Key(check_int(), ACCEPT, _COMM),
+    "use_multi_rank_bucket_allreduce": Key(check_bool, ACCEPT, _COMM),
+    "ignore_unused_parameters": Key(check_bool, ACCEPT, "a parameter without a gradient is skipped, as torch does"),
+    "round_robin_gradients": Key(check_bool, ACCEPT, _ZERO12),
+    "compute_grad_norm": Key(check_bool, ACCEPT, _ZERO12),
+    "parameter_alignment": Key(check_bool, ACCEPT, _ZERO12),
+    "memory_efficient_linear": Key(check_bool, ACCEPT, _MODEL_SIDE),
+    "override_module_apply": Key(check_bool, ACCEPT, _MODEL_SIDE),
+    "log_trace_cache_warnings": Key(check_bool, ACCEPT, _LOGGING),
+    "enable_sanity_checks": Key(check_bool, ACCEPT,
+                                "DeepSpeed's internal checks; the engine's invariants are always on"),
+    "load_from_fp32_weights": Key(check_bool, DEFAULT_ONLY, "checkpoints always restore the fp32 master weights", True),
+    "elastic_checkpoint": Key(check_bool, DEFAULT_ONLY, "elastic checkpoints are not supported", False),
+    "legacy_stage1": Key(check_bool, DEFAULT_ONLY, "DeepSpeed's legacy stage-1 implementation is not supported", False),
+    "pipeline_loading_checkpoint": Key(check_bool, DEFAULT_ONLY, "pipeline-parallel loading is not supported", False),
+    "zero_hpz_partition_size": Key(check_int(), DEFAULT_ONLY, "ZeRO++ hierarchical partitioning is not supported", 1),
+    "zero_quantized_weights": Key(check_bool, DEFAULT_ONLY, "ZeRO++ quantized weights are not supported", False),
+    "zero_quantized_nontrainable_weights": Key(check_bool, DEFAULT_ONLY, "quantized weights are not supported", False),
+    "zero_quantized_gradients": Key(check_bool, DEFAULT_ONLY, "ZeRO++ quantized gradients are not supported", False),
     "zeropp_loco_param": Key(_mapping_or_none, DEFAULT_ONLY, "LoCo-Zero++ is not supported", None),
-    "mics_shard_size": Key(_int(None), DEFAULT_ONLY, "MiCS sharding is not supported", -1),
-    "mics_hierarchical_params_gather": Key(_bool, DEFAULT_ONLY, "MiCS sharding is not supported", False),
-    "save_muon_momentum_buffer_in_memory": Key(_bool, DEFAULT_ONLY, "the Muon optimizer is not supported", False),
+    "mics_shard_size": Key(check_int(None), DEFAULT_ONLY, "MiCS sharding is not supported", -1),
+    "mics_hierarchical_params_gather": Key(check_bool, DEFAULT_ONLY, "MiCS sharding is not supported", False),
+    "save_muon_momentum_buffer_in_memory": Key(check_bool, DEFAULT_ONLY, "the Muon optimizer is not supported", False),
     "zenflow": Key(_mapping_or_none, DEFAULT_ONLY, "ZenFlow is not supported", None),
     "leaf_module": Key(_mapping_or_none, DEFAULT_ONLY, "ZeRO-3 leaf modules are not supported: every module "
                        "with parameters is hooked on its own", None),
@@ -247,48 +202,49 @@ ZERO: Schema = {
 
 AIO: Schema = {
     "block_size": Key(_block_size, MAP, "StoreConfig.block_size"),
-    "queue_depth": Key(_int(1), MAP, "StoreConfig.queue_depth and io_threads: queue_depth x intra_op_parallelism "
+    "queue_depth": Key(check_int(1), MAP, "StoreConfig.queue_depth and io_threads: queue_depth x intra_op_parallelism "
                        "(the requests DeepSpeed keeps in flight, one libaio queue per thread)"),
-    "intra_op_parallelism": Key(_int(1), MAP, "StoreConfig.queue_depth and io_threads, with aio.queue_depth"),
-    "thread_count": Key(_int(1), MAP, "as intra_op_parallelism (its older DeepSpeed name)"),
-    "single_submit": Key(_bool, ACCEPT, "libaio submission detail; each store I/O thread issues one syscall per block"),
-    "overlap_events": Key(_bool, ACCEPT, "libaio completion detail; store blocks complete independently"),
-    "use_gds": Key(_bool, DEFAULT_ONLY, "GPUDirect Storage is not supported yet (docs/architecture.md)", False),
+    "intra_op_parallelism": Key(check_int(1), MAP, "StoreConfig.queue_depth and io_threads, with aio.queue_depth"),
+    "thread_count": Key(check_int(1), MAP, "as intra_op_parallelism (its older DeepSpeed name)"),
+    "single_submit": Key(check_bool, ACCEPT,
+                         "libaio submission detail; each store I/O thread issues one syscall per block"),
+    "overlap_events": Key(check_bool, ACCEPT, "libaio completion detail; store blocks complete independently"),
+    "use_gds": Key(check_bool, DEFAULT_ONLY, "GPUDirect Storage is not supported yet (docs/architecture.md)", False),
 }
 
 FP16: Schema = {
-    "enabled": Key(_bool, MAP, "train_dtype: true -> float16, with loss_scaling (fp32 master weights kept)"),
-    "loss_scale": Key(_number(), MAP, "loss_scaling: 0 -> dynamic, > 0 -> LossScaling.static(value)"),
-    "initial_scale_power": Key(_int(0), MAP, "LossScaling.initial_scale = 2 ** value"),
-    "loss_scale_window": Key(_int(1), MAP, "LossScaling.growth_interval"),
-    "hysteresis": Key(_int(1), MAP, "LossScaling.hysteresis"),
-    "consecutive_hysteresis": Key(_bool, MAP, "LossScaling.consecutive_hysteresis"),
-    "min_loss_scale": Key(_number(), MAP, "LossScaling.min_scale"),
-    "auto_cast": Key(_bool, MAP, "cast_forward_inputs: floating forward inputs cast to float16"),
-    "fp16_master_weights_and_grads": Key(_bool, DEFAULT_ONLY, "master weights and gradients are fp32", False),
+    "enabled": Key(check_bool, MAP, "train_dtype: true -> float16, with loss_scaling (fp32 master weights kept)"),
+    "loss_scale": Key(check_number(), MAP, "loss_scaling: 0 -> dynamic, > 0 -> LossScaling.static(value)"),
+    "initial_scale_power": Key(check_int(0), MAP, "LossScaling.initial_scale = 2 ** value"),
+    "loss_scale_window": Key(check_int(1), MAP, "LossScaling.growth_interval"),
+    "hysteresis": Key(check_int(1), MAP, "LossScaling.hysteresis"),
+    "consecutive_hysteresis": Key(check_bool, MAP, "LossScaling.consecutive_hysteresis"),
+    "min_loss_scale": Key(check_number(), MAP, "LossScaling.min_scale"),
+    "auto_cast": Key(check_bool, MAP, "cast_forward_inputs: floating forward inputs cast to float16"),
+    "fp16_master_weights_and_grads": Key(check_bool, DEFAULT_ONLY, "master weights and gradients are fp32", False),
 }
 
 BF16: Schema = {
-    "enabled": Key(_bool, MAP, "train_dtype: true -> bfloat16 (fp32 master weights kept, as in DeepSpeed)"),
-    "immediate_grad_update": Key(_bool, ACCEPT, "gradient shards always go to the store when final"),
-    "check_grad_overflow": Key(_bool, ACCEPT, "no loss scaling in bf16, so no overflow skipping"),
-    "check_overflow": Key(_bool, ACCEPT, "no loss scaling in bf16, so no overflow skipping"),
-    "bf16_master_weights_and_grads": Key(_bool, DEFAULT_ONLY, "master weights and gradients are fp32", False),
-    "bf16_optimizer_states": Key(_bool, DEFAULT_ONLY, "Adam moments are fp32", False),
+    "enabled": Key(check_bool, MAP, "train_dtype: true -> bfloat16 (fp32 master weights kept, as in DeepSpeed)"),
+    "immediate_grad_update": Key(check_bool, ACCEPT, "gradient shards always go to the store when final"),
+    "check_grad_overflow": Key(check_bool, ACCEPT, "no loss scaling in bf16, so no overflow skipping"),
+    "check_overflow": Key(check_bool, ACCEPT, "no loss scaling in bf16, so no overflow skipping"),
+    "bf16_master_weights_and_grads": Key(check_bool, DEFAULT_ONLY, "master weights and gradients are fp32", False),
+    "bf16_optimizer_states": Key(check_bool, DEFAULT_ONLY, "Adam moments are fp32", False),
 }
 
 _CHECKPOINT_API = ("applies to deepspeed.checkpointing.checkpoint; use torch.utils.checkpoint, which the engine "
                    "supports (docs/engine.md)")
 
 ACTIVATION_CHECKPOINTING: Schema = {
-    "cpu_checkpointing": Key(_bool, MAP, "activation_tier: true -> \"host\" (every saved tensor of at least "
+    "cpu_checkpointing": Key(check_bool, MAP, "activation_tier: true -> \"host\" (every saved tensor of at least "
                              "activation_min_bytes goes to the store during forward, not only checkpoint inputs)"),
-    "partition_activations": Key(_bool, ACCEPT, "splits checkpoints across model-parallel ranks; the engine has no "
-                                 "model parallelism, so each rank's activations are its own"),
-    "contiguous_memory_optimization": Key(_bool, ACCEPT, _CHECKPOINT_API),
-    "number_checkpoints": Key(_optional(_int(1)), ACCEPT, _CHECKPOINT_API),
-    "synchronize_checkpoint_boundary": Key(_bool, ACCEPT, _CHECKPOINT_API),
-    "profile": Key(_bool, ACCEPT, _LOGGING),
+    "partition_activations": Key(check_bool, ACCEPT, "splits checkpoints across model-parallel ranks; the engine has "
+                                 "no model parallelism, so each rank's activations are its own"),
+    "contiguous_memory_optimization": Key(check_bool, ACCEPT, _CHECKPOINT_API),
+    "number_checkpoints": Key(_optional(check_int(1)), ACCEPT, _CHECKPOINT_API),
+    "synchronize_checkpoint_boundary": Key(check_bool, ACCEPT, _CHECKPOINT_API),
+    "profile": Key(check_bool, ACCEPT, _LOGGING),
 }
 
 _MONITOR = ("engine.initialize's engine writes DeepSpeed's events (lr, fp16 loss_scale, wall_clock_breakdown's "
@@ -296,19 +252,20 @@ _MONITOR = ("engine.initialize's engine writes DeepSpeed's events (lr, fp16 loss
 _MONITOR_DIR = "the files go to output_path/job_name (DeepSpeed's defaults: \"\" and \"DeepSpeedJobName\")"
 
 TENSORBOARD: Schema = {
-    "enabled": Key(_bool, ACCEPT, _MONITOR + ", as TensorBoard scalars (needs the tensorboard package)"),
+    "enabled": Key(check_bool, ACCEPT, _MONITOR + ", as TensorBoard scalars (needs the tensorboard package)"),
     "output_path": Key(_text, ACCEPT, _MONITOR_DIR),
     "job_name": Key(_text, ACCEPT, _MONITOR_DIR),
 }
 
 CSV_MONITOR: Schema = {
-    "enabled": Key(_bool, ACCEPT, _MONITOR + ", one CSV file per event name"),
+    "enabled": Key(check_bool, ACCEPT, _MONITOR + ", one CSV file per event name"),
     "output_path": Key(_text, ACCEPT, _MONITOR_DIR),
     "job_name": Key(_text, ACCEPT, _MONITOR_DIR),
 }
 
 WANDB: Schema = {
-    "enabled": Key(_bool, ACCEPT, _MONITOR + ", to the script's W&B run, or one it starts (needs the wandb package)"),
+    "enabled": Key(check_bool, ACCEPT,
+                   _MONITOR + ", to the script's W&B run, or one it starts (needs the wandb package)"),
     "group": Key(_optional(_text), ACCEPT, "wandb.init's group, for a run the engine starts"),
     "team": Key(_optional(_text), ACCEPT, "wandb.init's entity, for a run the engine starts"),
     "project": Key(_text, ACCEPT, "wandb.init's project, for a run the engine starts (DeepSpeed's default: deepspeed)"),
@@ -317,22 +274,22 @@ WANDB: Schema = {
 _PROFILE = "engine.initialize's engine prints DeepSpeed's flops profile of that optimizer step on rank 0"
 
 FLOPS_PROFILER: Schema = {
-    "enabled": Key(_bool, ACCEPT, _PROFILE + " (forward flops counted by torch.utils.flop_counter)"),
-    "profile_step": Key(_int(0), ACCEPT, "the optimizer step profiled: the one taken at this global_steps (DeepSpeed's "
-                         "default: 1, the second)"),
-    "module_depth": Key(_int(-1), ACCEPT, "deepest module level listed (-1, the default: all)"),
-    "top_modules": Key(_int(1), ACCEPT, "modules listed at each depth, most flops first (default 1)"),
-    "detailed": Key(_bool, ACCEPT, "adds the per-module, per-operator flop table (default true)"),
-    "recompute_fwd_factor": Key(_number(0.0), ACCEPT, "forward recomputed in backward (activation checkpointing): "
+    "enabled": Key(check_bool, ACCEPT, _PROFILE + " (forward flops counted by torch.utils.flop_counter)"),
+    "profile_step": Key(check_int(0), ACCEPT, "the optimizer step profiled: the one taken at this global_steps "
+                        "(DeepSpeed's default: 1, the second)"),
+    "module_depth": Key(check_int(-1), ACCEPT, "deepest module level listed (-1, the default: all)"),
+    "top_modules": Key(check_int(1), ACCEPT, "modules listed at each depth, most flops first (default 1)"),
+    "detailed": Key(check_bool, ACCEPT, "adds the per-module, per-operator flop table (default true)"),
+    "recompute_fwd_factor": Key(check_number(0.0), ACCEPT, "forward recomputed in backward (activation checkpointing): "
                                 "bwd flops = (2 + factor) x fwd flops (default 0)"),
     "output_file": Key(_optional(_text), ACCEPT, "write the profile to this file instead of stdout"),
 }
 
 TIMERS: Schema = {
     "throughput": {
-        "enabled": Key(_bool, ACCEPT, "engine.initialize's engine prints DeepSpeed's samples/second line with each "
-                       "steps_per_print progress line (default true)"),
-        "synchronized": Key(_bool, ACCEPT, "with CUDA, synchronize the device when the throughput timer reads the "
+        "enabled": Key(check_bool, ACCEPT, "engine.initialize's engine prints DeepSpeed's samples/second line with "
+                       "each steps_per_print progress line (default true)"),
+        "synchronized": Key(check_bool, ACCEPT, "with CUDA, synchronize the device when the throughput timer reads the "
                             "clock (default true)"),
     },
 }
@@ -340,23 +297,24 @@ TIMERS: Schema = {
 _COMET_START = "passed to comet_ml.start"
 
 COMET: Schema = {
-    "enabled": Key(_bool, ACCEPT, _MONITOR + ", to a Comet experiment (needs the comet_ml package)"),
-    "samples_log_interval": Key(_int(1), ACCEPT, "an event name is logged at most once per this many samples "
+    "enabled": Key(check_bool, ACCEPT, _MONITOR + ", to a Comet experiment (needs the comet_ml package)"),
+    "samples_log_interval": Key(check_int(1), ACCEPT, "an event name is logged at most once per this many samples "
                                 "(DeepSpeed's default: 100)"),
     "project": Key(_optional(_text), ACCEPT, _COMET_START),
     "workspace": Key(_optional(_text), ACCEPT, _COMET_START),
     "api_key": Key(_optional(_text), ACCEPT, _COMET_START),
     "experiment_name": Key(_optional(_text), ACCEPT, "the experiment's name (set_name)"),
     "experiment_key": Key(_optional(_text), ACCEPT, _COMET_START),
-    "online": Key(_optional(_bool), ACCEPT, _COMET_START),
-    "mode": Key(_optional(_choice("get", "create", "get_or_create")), ACCEPT, _COMET_START),
+    "online": Key(_optional(check_bool), ACCEPT, _COMET_START),
+    "mode": Key(_optional(check_choice("get", "create", "get_or_create")), ACCEPT, _COMET_START),
 }
 
 CHECKPOINT: Schema = {
-    "tag_validation": Key(_choice("ignore", "warn", "fail"), ACCEPT,
+    "tag_validation": Key(check_choice("ignore", "warn", "fail"), ACCEPT,
                           "every rank's tag is always checked: different tags are an error"),
-    "load_universal": Key(_bool, ACCEPT, "a checkpoint loads at any world size without conversion"),
-    "use_node_local_storage": Key(_bool, DEFAULT_ONLY, "every rank must reach every rank's checkpoint file", False),
+    "load_universal": Key(check_bool, ACCEPT, "a checkpoint loads at any world size without conversion"),
+    "use_node_local_storage": Key(check_bool, DEFAULT_ONLY, "every rank must reach every rank's checkpoint file",
+                                  False),
     "parallel_write": Key(_mapping_or_none, ACCEPT, "every rank writes its own shard files; the setting is for "
                           "pipeline stages, which are not here"),
 }
@@ -366,7 +324,7 @@ DATA_TYPES: Schema = {
 }
 
 TORCH_AUTOCAST: Schema = {
-    "enabled": Key(_bool, DEFAULT_ONLY, "the forward is not autocast for you: run it under torch.autocast(...) in "
+    "enabled": Key(check_bool, DEFAULT_ONLY, "the forward is not autocast for you: run it under torch.autocast(...) in "
                    "the script, or train in bf16 (the bf16 section)", False),
     "dtype": Key(_any, ACCEPT, "used only with enabled, which is off"),
     "lower_precision_safe_modules": Key(_any, ACCEPT, "used only with enabled, which is off"),
@@ -379,20 +337,22 @@ TOP: Schema = {
     "bf16": BF16,
     "bfloat16": BF16,
     "fp16": FP16,
-    "gradient_clipping": Key(_number(), MAP, "max_grad_norm (0 -> None, no clipping; left out -> 1.0, as DeepSpeed)"),
+    "gradient_clipping": Key(check_number(), MAP,
+                             "max_grad_norm (0 -> None, no clipping; left out -> 1.0, as DeepSpeed)"),
     "optimizer": Key(_mapping_or_none, MAP, "validated here; build it with optimizer_from_deepspeed(ds)"),
     "scheduler": Key(_mapping_or_none, MAP, "validated here; build it with scheduler_from_deepspeed(ds, optimizer)"),
-    "train_batch_size": Key(_int(1), MAP, _ACCUMULATION),
-    "train_micro_batch_size_per_gpu": Key(_int(1), MAP, _ACCUMULATION),
-    "gradient_accumulation_steps": Key(_int(1), MAP, _ACCUMULATION),
-    "dataloader_drop_last": Key(_bool, ACCEPT, "engine.initialize(training_data=)'s loader drops a last short batch"),
-    "steps_per_print": Key(_optional(_int()), ACCEPT, _PROGRESS_LINE),
-    "wall_clock_breakdown": Key(_bool, ACCEPT, _TIMERS),
-    "memory_breakdown": Key(_bool, ACCEPT, "engine.initialize's engine prints DeepSpeed's memory lines after each "
+    "train_batch_size": Key(check_int(1), MAP, _ACCUMULATION),
+    "train_micro_batch_size_per_gpu": Key(check_int(1), MAP, _ACCUMULATION),
+    "gradient_accumulation_steps": Key(check_int(1), MAP, _ACCUMULATION),
+    "dataloader_drop_last": Key(check_bool, ACCEPT,
+                                "engine.initialize(training_data=)'s loader drops a last short batch"),
+    "steps_per_print": Key(_optional(check_int()), ACCEPT, _PROGRESS_LINE),
+    "wall_clock_breakdown": Key(check_bool, ACCEPT, _TIMERS),
+    "memory_breakdown": Key(check_bool, ACCEPT, "engine.initialize's engine prints DeepSpeed's memory lines after each "
                             "forward, backward and step, with the store's tiers and the materialized parameters, "
                             "on rank 0"),
-    "dump_state": Key(_bool, ACCEPT, "engine.initialize's engine prints the EngineConfig (store settings included) "
-                      "the config became, on rank 0"),
+    "dump_state": Key(check_bool, ACCEPT, "engine.initialize's engine prints the EngineConfig (store settings "
+                      "included) the config became, on rank 0"),
     "tensorboard": TENSORBOARD,
     "wandb": WANDB,
     "csv_monitor": CSV_MONITOR,
@@ -401,11 +361,11 @@ TOP: Schema = {
     "comms_logger": Key(_mapping_or_none, ACCEPT, _LOGGING),
     "timers": TIMERS,
     "checkpoint": CHECKPOINT,
-    "zero_allow_untested_optimizer": Key(_bool, ACCEPT, "relaxes DeepSpeed's check of client optimizers"),
-    "zero_force_ds_cpu_optimizer": Key(_bool, ACCEPT, "the engine's optimizer is always its own CPU AdamW"),
-    "prescale_gradients": Key(_bool, DEFAULT_ONLY, "gradient prescaling is not supported", False),
-    "gradient_predivide_factor": Key(_number(), DEFAULT_ONLY, "gradient predivision is not supported", 1.0),
-    "sparse_gradients": Key(_bool, DEFAULT_ONLY, "sparse gradients are not supported", False),
+    "zero_allow_untested_optimizer": Key(check_bool, ACCEPT, "relaxes DeepSpeed's check of client optimizers"),
+    "zero_force_ds_cpu_optimizer": Key(check_bool, ACCEPT, "the engine's optimizer is always its own CPU AdamW"),
+    "prescale_gradients": Key(check_bool, DEFAULT_ONLY, "gradient prescaling is not supported", False),
+    "gradient_predivide_factor": Key(check_number(), DEFAULT_ONLY, "gradient predivision is not supported", 1.0),
+    "sparse_gradients": Key(check_bool, DEFAULT_ONLY, "sparse gradients are not supported", False),
     "communication_data_type": Key(_fp32_or_null, ACCEPT, "gradients are reduce-scattered in fp32 into their fp32 "
                                    "shards; fp32 (or null) only"),
     "seq_parallel_communication_data_type": Key(_any, ACCEPT, "used only with sequence parallelism, which is not here"),
@@ -456,7 +416,7 @@ def deepspeed_settings(ds_config: DeepSpeedConfig) -> tuple[dict[str, Any], list
     """Walk the config against the schema: (values of the keys present, by dotted path; problems)."""
     found: dict[str, Any] = {}
     problems: list[str] = []
-    _walk(_stage3_names(load_deepspeed_config(ds_config), problems), TOP, "", found, problems)
+    walk_schema(_stage3_names(load_deepspeed_config(ds_config), problems), TOP, "", found, problems)
     return found, problems
 
 
@@ -473,9 +433,7 @@ def config_from_deepspeed(cls: type, ds_config: DeepSpeedConfig, *, store: Store
         raise TypeError(f"store must be a tiered.StoreConfig, got {type(store).__name__}")
     found, problems = deepspeed_settings(ds_config)
     engine_fields, store_fields = _map(found, problems)
-    if problems:
-        lines = "\n  ".join(problems)
-        raise ValueError(f"the DeepSpeed config has {len(problems)} unsupported or invalid setting(s):\n  {lines}")
+    raise_problems(problems)
     _warn_unreported(found, reports)
     return cls(store=store.replace(**store_fields), **{**engine_fields, **overrides})
 
@@ -516,45 +474,6 @@ def _stage3_names(ds: dict[str, Any], problems: list[str]) -> dict[str, Any]:
             continue
         renamed[name] = value
     return {**ds, "zero_optimization": renamed}
-
-
-def _walk(section: Mapping[str, Any], schema: Schema, path: str, found: dict[str, Any], problems: list[str]) -> None:
-    for key, value in section.items():
-        where = f"{path}.{key}" if path else str(key)
-        spec = schema.get(key) if isinstance(key, str) else None
-        if spec is None:
-            close = difflib.get_close_matches(str(key), list(schema), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append(f"{where}: unknown key, or a DeepSpeed setting the engine does not support{hint}")
-            continue
-        if isinstance(value, str) and value == "auto":
-            continue  # the Hugging Face integration's placeholder: treated as not set
-        if not isinstance(spec, Key):
-            if value is None:
-                continue
-            if not isinstance(value, Mapping):
-                problems.append(f"{where}: must be an object, got {_show(value)}")
-                continue
-            found[where] = value
-            _walk(value, spec, where, found, problems)
-            continue
-        try:
-            normalized = spec.check(value)
-        except _Bad as exc:
-            problems.append(f"{where}: {exc}, got {_show(value)}")
-            continue
-        if spec.action == DEFAULT_ONLY and normalized != spec.default:
-            problems.append(f"{where}: {spec.why} (only {_show(spec.default)} is accepted), got {_show(value)}")
-            continue
-        found[where] = normalized
-
-
-def _show(value: Any) -> str:
-    """A value as the JSON the user wrote (repr for what JSON cannot hold)."""
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
 
 
 def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -619,8 +538,6 @@ def _map(found: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any],
     # DeepSpeed clips only when > 0, and at its default when the key is left out
     eng["max_grad_norm"] = found.get("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING) or None
 
-    from engine.integrations.deepspeed.optimizer import optimizer_problems, scheduler_problems
-
     if found.get("optimizer") is not None:
         problems.extend(optimizer_problems(found["optimizer"]))
     if found.get("scheduler") is not None:
@@ -673,8 +590,6 @@ def _world_size() -> int:
 
 def _map_loss_scaling(found: Mapping[str, Any], eng: dict[str, Any], problems: list[str]) -> None:
     """``fp16``'s scaling keys as an engine.LossScaling (DeepSpeed's defaults for keys left out)."""
-    from engine.optim.loss_scaler import LossScaling
-
     static = found.get("fp16.loss_scale", 0.0)
     fields: dict[str, Any] = {}
     for key, field in (("loss_scale_window", "growth_interval"), ("hysteresis", "hysteresis"),

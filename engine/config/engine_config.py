@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional, Union
 
-from engine.optim.loss_scaler import LossScaling
+from engine.config.loss_scaling import LossScaling
 from tiered import StoreConfig
 
 MiB = 1024 * 1024
@@ -162,6 +162,7 @@ class EngineConfig:
         ``aio`` and ``gradient_clipping``; unknown or unsupported keys raise ``ValueError`` naming
         them. ``overrides`` set EngineConfig fields directly. docs/training.md has the mapping.
         """
+        # Imported here: the key tables are large, and `import engine` needs none of them.
         from engine.config.deepspeed import config_from_deepspeed
 
         return config_from_deepspeed(cls, ds_config, store=store, **overrides)

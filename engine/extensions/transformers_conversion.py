@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
-from engine.io.weights import WeightSource
+from engine.io.weight_source import WeightSource
 
 
 class ConversionGroup:

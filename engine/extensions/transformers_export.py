@@ -13,15 +13,13 @@ written, keeping them until the last is.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from engine.io.safetensors_stream import TensorSpec
-from engine.io.transformers_conversion import ConversionGroup
-
-Reader = Callable[[], torch.Tensor]
+from engine.extensions.transformers_conversion import ConversionGroup
+from engine.io.safetensors_stream import Reader, TensorSpec
 
 
 def hub_layout(model: nn.Module, tensors: list[tuple[TensorSpec, Reader]]) -> list[tuple[TensorSpec, Reader]]:

@@ -25,8 +25,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from engine.io.safetensors_stream import SafetensorsFormatError, SafetensorsReader, TensorSpec
-from tiered.io.crc import crc32
+from engine.errors import CheckpointError, SafetensorsFormatError
+from engine.io.safetensors_stream import SafetensorsReader, TensorSpec
+from tiered.util import crc32
 
 FORMAT = "tiered-engine-checkpoint"
 VERSION = 1
@@ -36,11 +37,6 @@ PARTIAL_SUFFIX = ".partial"
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 #: Saves record a CRC-32 per this many bytes of each larger tensor, so a part can be read and checked alone.
 CRC_CHUNK_BYTES = 8 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the engine loading it, is incomplete or is damaged; or saving
-    failed on some rank. The message says which and what to do."""
 
 
 def rank_file(rank: int) -> str:

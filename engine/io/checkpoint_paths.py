@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from engine.io.checkpoint_files import METADATA_FILE, CheckpointError
+from engine.errors import CheckpointError
+from engine.io.checkpoint_files import METADATA_FILE
 
 LATEST_FILE = "latest"
 #: The engine checkpoint's directory inside a Trainer checkpoint or an ``accelerator.save_state`` one.

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.io.weights import WeightSource
+from engine.io.weight_source import WeightSource
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -40,7 +40,7 @@ def open_hf_weights(path: str) -> WeightSource:
             )
         path = found[0]
         if not path.endswith(".index.json"):
-            return WeightSource.open(path)  # type: ignore[return-value]
+            return WeightSource.from_file(path)
     return _open_index(path)
 
 

@@ -8,7 +8,7 @@ with ``EngineConfig.progress`` (default on), and only for operations of at least
 
 from __future__ import annotations
 
-from tiered.offline.progress import ByteProgress
+from tiered.util import ByteProgress
 
 #: Operations moving fewer bytes than this draw no bar (they finish in about a second).
 MIN_BYTES = 256 * 1024 * 1024

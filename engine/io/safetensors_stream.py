@@ -17,13 +17,13 @@ import json
 import math
 import os
 import struct
-from typing import BinaryIO, Iterable, Mapping, Optional
+from typing import BinaryIO, Callable, Iterable, Mapping, Optional
 
 import torch
 
-from tiered.errors import TransferError
-from tiered.io.bulk import RangeReader, SequentialWriter
-from tiered.io.crc import crc32
+from engine.errors import SafetensorsFormatError
+from tiered import TransferError
+from tiered.util import RangeReader, SequentialWriter, crc32
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -39,8 +39,8 @@ _NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()
 MAX_HEADER_BYTES = 100_000_000
 
 
-class SafetensorsFormatError(ValueError):
-    """A file is not a well-formed safetensors file (or not the one expected)."""
+#: Reads one tensor when called: what a writer is handed beside each :class:`TensorSpec`.
+Reader = Callable[[], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         raise ValueError(f"dtype {dtype} has no safetensors name; supported: {sorted(map(str, _NAMES))}")
     return name
+
+
+def export_dtype(saved: torch.dtype, dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype a tensor held as ``saved`` is exported in (``dtype``, when given, for floating
+    tensors); ValueError now, before anything is written, for one safetensors has no name for."""
+    target = dtype if dtype is not None and saved.is_floating_point else saved
+    dtype_name(target)
+    return target
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -1,132 +1,53 @@
-"""WeightSource: named tensors read one at a time from a state dict, a safetensors file, a torch
-file, a Hugging Face weights directory or an engine checkpoint directory.
-
-Files are never read whole: safetensors through ``safe_open`` (each ``get_tensor`` reads one
-tensor), torch files through ``torch.load(mmap=True, weights_only=True)`` (pages come in as a
-tensor is copied out).
+"""The weights ``engine.wrap(state_dict=...)`` reads: :func:`open_weights` opens what the caller
+passed (a mapping, a file, a ``save_pretrained`` directory, an engine checkpoint) as one
+:class:`~engine.io.weight_source.WeightSource`, read one tensor at a time.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import Mapping, Optional, Union
 
 import torch
 
 from engine.io.checkpoint_paths import holds_checkpoint
+from engine.io.checkpoint_weights import open_checkpoint_weights
+from engine.io.pretrained_weights import open_hf_weights
+from engine.io.weight_source import WeightSource
 
-StateDictLike = Union[Mapping[str, torch.Tensor], str, "os.PathLike[str]", "WeightSource"]
+StateDictLike = Union[Mapping[str, torch.Tensor], str, "os.PathLike[str]", WeightSource]
 
 
-class WeightSource:
-    """A read-only view of named tensors; ``used`` records which names were read."""
+def open_weights(state_dict: Optional[StateDictLike]) -> Optional[WeightSource]:
+    """A source over ``state_dict``; None for None.
 
-    def __init__(
-        self, tensors: Mapping[str, Any], getter: Any, shape: Any, closer: Any = None, origin: str = "state dict"
-    ) -> None:
-        self._names = set(tensors)
-        self._get = getter
-        self._shape = shape
-        self._close = closer
-        self.origin = origin
-        self.used: set[str] = set()
+    Args:
+        state_dict: a mapping of name -> tensor; a path to a ``.safetensors`` or ``torch.save`` file;
+            a directory ``eng.save_checkpoint`` wrote (or one of its tagged ones, through ``latest``);
+            a Hugging Face ``save_pretrained`` directory or its ``*.index.json``; or a source already
+            open (it is returned as it is).
 
-    @classmethod
-    def open(cls, state_dict: Optional[StateDictLike]) -> Optional["WeightSource"]:
-        """A source over ``state_dict`` (a mapping, or a path to a .safetensors or torch file); None for None."""
-        if state_dict is None:
-            return None
-        if isinstance(state_dict, WeightSource):  # already open (e.g. engine.integrations.hf.peft.peft_base_weights)
-            return state_dict
-        if isinstance(state_dict, Mapping):
-            _check_tensors(state_dict, "state_dict")
-            return cls(state_dict, state_dict.__getitem__, lambda name: tuple(state_dict[name].shape))
-        if not isinstance(state_dict, (str, os.PathLike)):
-            raise TypeError(
-                f"state_dict must be a mapping of name -> tensor or a path to a .safetensors or torch file, "
-                f"got {type(state_dict).__name__}"
-            )
-        path = os.fspath(state_dict)
-        if os.path.isdir(path) and holds_checkpoint(path):
-            from engine.checkpoint.offline_export import open_checkpoint_weights  # an eng.save_checkpoint directory
+    Returns:
+        The source, which the caller closes; None when ``state_dict`` is None.
 
-            return open_checkpoint_weights(path)
-        if os.path.isdir(path) or path.endswith(".index.json"):  # a Hugging Face save_pretrained directory
-            from engine.io.pretrained_weights import open_hf_weights
-
-            return open_hf_weights(path)
-        if not os.path.isfile(path):
-            raise ValueError(f"state_dict file {path!r} does not exist")
-        if path.endswith(".safetensors"):
-            try:
-                from safetensors import safe_open
-            except ImportError as exc:  # pragma: no cover - safetensors ships with the test extras
-                raise ImportError("reading a .safetensors file needs the safetensors package") from exc
-            handle = safe_open(path, framework="pt", device="cpu")
-            names = {name: None for name in handle.keys()}
-            shape = lambda name: tuple(handle.get_slice(name).get_shape())  # noqa: E731 - reads the header only
-            return cls(names, handle.get_tensor, shape, getattr(handle, "__exit__", None), origin=path)
-        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        if not isinstance(loaded, Mapping):
-            raise ValueError(f"{path!r} holds a {type(loaded).__name__}, not a state dict (mapping of name -> tensor)")
-        _check_tensors(loaded, path)
-        return cls(loaded, loaded.__getitem__, lambda name: tuple(loaded[name].shape), origin=path)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def names(self) -> list[str]:
-        """Every tensor name the source has (in no particular order)."""
-        return list(self._names)
-
-    def find(self, names: tuple[str, ...]) -> Optional[str]:
-        """The first of ``names`` (a tensor's aliases) the source has, or None."""
-        for name in names:
-            if name in self._names:
-                return name
+    Raises:
+        TypeError: ``state_dict`` is none of these, or a mapping holds something else than tensors.
+        ValueError: the path does not exist or does not hold weights (the message says why).
+    """
+    if state_dict is None:
         return None
-
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor called ``name`` (read now, one at a time)."""
-        self.used.add(name)
-        return self._get(name)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The shape of the tensor called ``name``, without reading its data."""
-        return self._shape(name)
-
-    def unused(self) -> list[str]:
-        """Names never read, sorted."""
-        return sorted(self._names - self.used)
-
-    def renamed(self, names: Mapping[str, str]) -> "WeightSource":
-        """This source under other names: ``names`` maps a new name to the name here it reads (several
-        new names may read one tensor). Names here that no new name reads stay visible to
-        :meth:`unused` (as entries that match nothing), so a file with tensors the model lacks is
-        still reported."""
-        targeted = {old for old in names.values() if old in self._names}
-        mapped = {new: old for new, old in names.items() if old in self._names}
-        untouched = self._names - targeted
-
-        def get(name: str) -> Any:
-            return self.read(mapped[name]) if name in mapped else self.read(name)
-
-        def shape(name: str) -> tuple[int, ...]:
-            return self._shape(mapped.get(name, name))
-
-        view = WeightSource({**dict.fromkeys(mapped), **dict.fromkeys(untouched)}, get, shape, self._close,
-                            origin=self.origin)
-        self._close = None  # the view closes the file now
-        return view
-
-    def close(self) -> None:
-        """Release the file (safetensors)."""
-        if self._close is not None:
-            self._close(None, None, None)
-            self._close = None
-
-
-def _check_tensors(mapping: Mapping[str, Any], origin: str) -> None:
-    bad = [k for k, v in mapping.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
-    if bad:
-        raise TypeError(f"{origin} must map names to tensors; these entries do not: {bad[:5]}")
+    if isinstance(state_dict, WeightSource):  # already open (e.g. engine.integrations.hf.peft.peft_base_weights)
+        return state_dict
+    if isinstance(state_dict, Mapping):
+        return WeightSource.from_mapping(state_dict)
+    if not isinstance(state_dict, (str, os.PathLike)):
+        raise TypeError(
+            f"state_dict must be a mapping of name -> tensor or a path to a .safetensors or torch file, "
+            f"got {type(state_dict).__name__}"
+        )
+    path = os.fspath(state_dict)
+    if os.path.isdir(path) and holds_checkpoint(path):  # an eng.save_checkpoint directory
+        return open_checkpoint_weights(path)
+    if os.path.isdir(path) or path.endswith(".index.json"):  # a Hugging Face save_pretrained directory
+        return open_hf_weights(path)
+    return WeightSource.from_file(path)

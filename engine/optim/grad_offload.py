@@ -33,10 +33,9 @@ from typing import Callable, Optional
 import torch
 
 from engine.optim.clip import shard_norms
-from engine.optim.step_io import gather_all, run_sync
 from engine.paging.handle import ParamHandle
 from engine.paging.layout import GRAD_KEY_PREFIX, grad_key
-from engine.paging.shard_io import ShardIO
+from engine.paging.shard_io import ShardIO, delete_keys
 from tiered import TieredStore
 
 
@@ -174,15 +173,3 @@ class GradOffload:
             future.result()
         except BaseException as exc:  # noqa: BLE001 - kept and raised by flush(), outside the autograd hook
             self._error = self._error or exc
-
-
-def delete_keys(store: TieredStore, keys: list[str]) -> None:
-    """Delete ``keys`` from the store, all in flight together (those already absent are skipped)."""
-    present = [k for k in keys if k in store]
-    if not present:
-        return
-
-    async def run() -> None:
-        await gather_all(store.delete(k) for k in present)
-
-    run_sync(run())

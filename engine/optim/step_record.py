@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from engine.errors import StepRecordError
 from tiered import TieredStore
 
 #: The store key of the record.
@@ -23,10 +24,6 @@ STEP_RECORD_KEY = "engine/step"
 RECORD_FORMAT = 1
 #: Slot of a shard that has no optimizer state yet (it never took a step).
 NO_STATE = -1
-
-
-class StepRecordError(RuntimeError):
-    """The store's step record is unreadable or does not match the model being resumed."""
 
 
 @dataclasses.dataclass(frozen=True)

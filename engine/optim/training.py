@@ -43,19 +43,20 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.errors import StepRecordError
 from engine.optim.adamw import AdamW
 from engine.optim.clip import AllReduceSum, total_norm
-from engine.optim.grad_offload import GradOffload, delete_keys
+from engine.optim.grad_offload import GradOffload
 from engine.optim.loss_scaler import LossScaler
 from engine.optim.prefetch import StatePrefetch
 from engine.optim.step import EventHook, init_state
 from engine.optim.step_io import gather_all, plan_groups, run_sync
-from engine.optim.step_record import NO_STATE, STEP_RECORD_KEY, ShardState, StepRecord, StepRecordError
+from engine.optim.step_record import NO_STATE, STEP_RECORD_KEY, ShardState, StepRecord
 from engine.optim.types import OptimShard, OptimStepStats
 from engine.paging.handle import ParamHandle
 from engine.paging.layout import GRAD_KEY_PREFIX, OPTIM_KEY_PREFIX, grad_key, optim_keys
 from engine.paging.pager import Pager
-from engine.paging.shard_io import ShardIO
+from engine.paging.shard_io import ShardIO, delete_keys
 from tiered import ChecksumError, TieredStore
 
 

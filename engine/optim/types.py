@@ -11,11 +11,6 @@ import torch
 FP32_BYTES = 4
 
 
-class OptimizerStateError(RuntimeError):
-    """The optimizer state in the store does not match what the caller says it should be (for
-    example a shard that has taken steps but whose fp32 master copy is gone)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class OptimShard:
     """One rank's shard of one parameter, as the optimizer step sees it: where its pieces live in

@@ -19,10 +19,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.paging.placement import model_device
-from tiered.codecs.bplane import CACHE_BYTES
-from tiered.io.aligned import round_up
-from tiered.offline.render import format_bytes
-from tiered.spans import DIRECT_RESULT_BYTES
+from tiered.util import CODEC_CACHE_BYTES, POOLED_RESULT_BYTES, format_bytes, round_up
 
 MiB = 1024 * 1024
 #: Stored / original bytes of fp32 master weights and Adam moments under ``compress_optimizer``:
@@ -234,7 +231,7 @@ def _host_rss_bound(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, m
     store = config.store
     rss = store.host_bytes + store.block_size * min(store.staging_buffers, store.queue_depth) + RUNTIME_BYTES
     rss += materialized_in_host
-    if max(p.largest for p in parts) >= DIRECT_RESULT_BYTES:
+    if max(p.largest for p in parts) >= POOLED_RESULT_BYTES:
         rss += store.result_pool_bytes  # freed get results this large wait there for reuse
     store_device = store.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(store_device).type == "cpu":
@@ -252,7 +249,7 @@ def _host_rss_bound(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, m
         rss += min(3 * group, fp32_total) * (state + extra) // 4
         rss += min(config.optimizer_group_bytes, fp32_total) + 2 * largest  # gradient puts in flight
         if config.compress_optimizer:
-            rss += CACHE_BYTES + largest  # the codec's idle buffers + one being coded
+            rss += CODEC_CACHE_BYTES + largest  # the codec's idle buffers + one being coded
     return rss
 
 

@@ -18,7 +18,7 @@ from engine.paging.param_buffers import ParamBuffers
 from engine.paging.schedule import Schedule
 from engine.paging.shard_io import ShardIO
 from engine.stats import EngineCounters, MemoryMeter
-from tiered.io.futures import wait_all
+from tiered.util import wait_all
 
 
 class Pager:

@@ -29,7 +29,7 @@ import mmap
 
 import torch
 
-from tiered.io.aligned import anonymous_map
+from tiered.util import anonymous_map
 
 #: Parameters smaller than this keep torch's allocator: malloc serves them from heap memory already
 #: touched, and below 1 MiB the store does not read in place anyway (tiered.spans.DIRECT_TENSOR_BYTES).

@@ -32,7 +32,7 @@ from engine.paging.init_scope import InitScope, hf_initializers
 from engine.paging.layout import ShardLayout, is_dense, param_key
 from engine.paging.shard_io import ShardIO
 from engine.stats import MemoryMeter
-from tiered.io.futures import wait_all
+from tiered.util import wait_all
 
 InitFn = Callable[[nn.Module], None]
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.io.safetensors_stream import tensor_bytes
 from engine.paging.collectives import Collectives
-from tiered.io.crc import crc32
+from tiered.util import crc32
 
 
 def take_rank0_values(model: nn.Module, collectives: Collectives) -> list[str]:

@@ -25,7 +25,8 @@ import torch.nn.parallel.distributed
 import torch.nn.utils.clip_grad
 from torch import nn
 
-from engine.paging.access_mode import reads_data
+from engine.errors import ReleasedParameterError
+from engine.paging.tensor_reads import reads_data
 
 #: Conversions that return the tensor itself when nothing changes (``model.float()`` on a float model).
 _DTYPE_CONVERSIONS = {
@@ -45,12 +46,6 @@ _CLIP_FILE = torch.nn.utils.clip_grad.__file__
 #: Its functions that read ``param.grad`` to change it by a 2-norm bound, and the one by a value.
 _NORM_CLIPPING = ("clip_grad_norm_", "clip_grad_norm", "_clip_grads_with_norm_")
 _VALUE_CLIPPING = "clip_grad_value_"
-
-
-class ReleasedParameterError(RuntimeError):
-    """A parameter the engine released (its values are in the store) was read or written outside the
-    wrapped model's forward. Read it inside ``with eng.gathered():``, or before wrap / after
-    ``eng.unwrap()``."""
 
 
 def released_class(base: type, name: str) -> type:

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from engine.optim.grad_offload import delete_keys
+from engine.paging.shard_io import delete_keys
 from tiered import Tier, TieredStore
 
 #: Store keys of offloaded activations: this prefix and a sequence number (scratch: deleted once

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Iterable, Optional, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ from engine.paging.collectives import Collectives
 from engine.paging.handle import ParamHandle
 from engine.paging.layout import ShardLayout
 from tiered import Tier, TieredStore, TransferError
+from tiered.util import wait_all
 
 T = TypeVar("T")
 
@@ -235,3 +236,7 @@ def _on_device_of(tensor: torch.Tensor, fn: Callable[..., T]) -> Callable[..., T
     return call
 
 
+def delete_keys(store: TieredStore, keys: Iterable[str]) -> None:
+    """Delete ``keys`` from the store, all in flight together (those already absent are skipped);
+    after every delete has finished, raise the first error."""
+    wait_all([store.sync.delete_future(k) for k in keys if k in store])

@@ -40,12 +40,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from engine.checkpoint.sharded import buffer_record, param_record, prepare_partial, publish, write_tensors
+from engine.errors import CheckpointError
 from engine.io.checkpoint_files import (
     FORMAT,
     PARTIAL_SUFFIX,
     STATE_NAMES,
     VERSION,
-    CheckpointError,
     deepspeed_model_file,
     deepspeed_zero12_model_file,
     rank_file,

@@ -25,10 +25,10 @@ import torch
 
 from engine.checkpoint import sharded as checkpoint
 from engine.config.deepspeed import micro_batch_size
+from engine.errors import CheckpointError
 from engine.integrations.deepspeed.monitor import DeepSpeedMonitor
 from engine.integrations.deepspeed.reports import DeepSpeedReports
 from engine.integrations.deepspeed.store import ScratchStoreEngine
-from engine.io.checkpoint_files import CheckpointError
 from engine.io.checkpoint_paths import holds_checkpoint, resolve_checkpoint, tagged_path
 from tiered import Tier
 

@@ -38,7 +38,7 @@ from engine.config.deepspeed import (
     load_deepspeed_config,
     micro_batch_size,
 )
-from engine.engine import wrap_as
+from engine.engine import wrap
 from engine.integrations.deepspeed.engine import DeepSpeedEngine
 from engine.integrations.deepspeed.monitor import DeepSpeedMonitor, enabled_monitors
 from engine.integrations.deepspeed.optimizer import optimizer_from_deepspeed, scheduler_from_deepspeed
@@ -151,8 +151,9 @@ def _initialize(
     monitor = _monitor(ds, engine_config.gradient_accumulation_steps)
     scratch = default.scratch if default is not None else None
     try:
-        eng = wrap_as(functools.partial(DeepSpeedEngine, deepspeed_config=ds, scratch_dir=scratch, monitor=monitor),
-                      model, optimizer=optimizer, config=engine_config, init_fn=init_fn, state_dict=state_dict)
+        eng = wrap(model, optimizer=optimizer, config=engine_config, init_fn=init_fn, state_dict=state_dict,
+                   engine_class=functools.partial(DeepSpeedEngine, deepspeed_config=ds, scratch_dir=scratch,
+                                                  monitor=monitor))
     except BaseException:
         monitor.close()
         raise

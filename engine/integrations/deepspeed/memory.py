@@ -11,7 +11,7 @@ import torch
 
 from engine.stats import EngineStats
 from tiered import Tier
-from tiered.offline.render import format_bytes
+from tiered.util import format_bytes
 
 GiB = float(1 << 30)
 

@@ -7,16 +7,14 @@ Everything prints on rank 0 only, as DeepSpeed's; the timers run on every rank."
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Mapping, Optional
+from typing import Any, ContextManager, Iterator, Mapping, Optional
 
 from engine.config.deepspeed import micro_batch_size
+from engine.engine import Engine
 from engine.integrations.deepspeed.flops import FlopsProfile, FlopsProfilerSettings, StepFigures
 from engine.integrations.deepspeed.memory import configuration_lines, memory_lines
 from engine.integrations.deepspeed.monitor import DeepSpeedMonitor, Event
 from engine.integrations.deepspeed.timers import ThroughputMeter, WallClockBreakdown, window_line
-
-if TYPE_CHECKING:
-    from engine.integrations.deepspeed.engine import DeepSpeedEngine
 
 #: DeepSpeed's event names for the three timed phases.
 ELAPSED_EVENTS = {"fwd": "Train/Samples/elapsed_time_ms_forward", "bwd": "Train/Samples/elapsed_time_ms_backward",
@@ -25,9 +23,11 @@ ELAPSED_EVENTS = {"fwd": "Train/Samples/elapsed_time_ms_forward", "bwd": "Train/
 
 class DeepSpeedReports:
     """The reports of one engine, made once it is wrapped; ``monitor`` is the config's monitors
-    (``model_engine.monitor``), closed by :meth:`close`."""
+    (``model_engine.monitor``), closed by :meth:`close`. ``engine`` is the
+    :class:`~engine.integrations.deepspeed.engine.DeepSpeedEngine` that owns them (typed as its base
+    class here, which that module's import of this one would otherwise make circular)."""
 
-    def __init__(self, engine: "DeepSpeedEngine", ds: Mapping[str, Any], monitor: DeepSpeedMonitor) -> None:
+    def __init__(self, engine: Engine, ds: Mapping[str, Any], monitor: DeepSpeedMonitor) -> None:
         self._engine = engine
         self.monitor = monitor
         self._rank0 = engine.global_rank == 0

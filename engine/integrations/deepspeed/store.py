@@ -24,7 +24,7 @@ from engine.engine import Engine
 from engine.integrations.deepspeed.memory import memory_sizes
 from engine.paging.memory_estimate import estimate_memory
 from tiered import StoreConfig
-from tiered.offline.render import format_bytes
+from tiered.util import format_bytes
 
 MiB = 1 << 20
 

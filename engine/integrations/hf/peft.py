@@ -21,7 +21,9 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from engine.io.weights import StateDictLike, WeightSource
+from engine.extensions import TransformersLayout
+from engine.io.weight_source import WeightSource
+from engine.io.weights import StateDictLike, open_weights
 
 #: The prefix a PEFT model puts before its base model's names.
 _PEFT_PREFIX = "base_model.model."
@@ -51,14 +53,12 @@ def peft_base_weights(model: nn.Module, weights: StateDictLike) -> WeightSource:
     them, for ``engine.wrap(model, state_dict=...)``. The adapters' tensors are not in it: wrap
     initializes them (pass ``init_fn=lora_init(model)``). A checkpoint in the layout transformers 5
     converts on load (an MoE's per-expert matrices, ...) is converted for the base model first."""
-    source = WeightSource.open(weights)
+    source = open_weights(weights)
     assert source is not None
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     base = _base_model(model)
     if base is not None:
-        from engine.io.transformers_conversion import converted
-
-        source = converted(base, source, {base_name(n): tuple(t.shape) for n, t in tensors})
+        source = TransformersLayout().loading(base, source, {base_name(n): tuple(t.shape) for n, t in tensors})
     return source.renamed({name: base_name(name) for name, _ in tensors})
 
 

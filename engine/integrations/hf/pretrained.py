@@ -28,6 +28,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine, wrap
+from engine.extensions.transformers_layout import meta_model
 from engine.integrations.hf.device_map import accelerate_config
 from engine.io.pretrained_weights import WEIGHT_FILES
 
@@ -115,47 +116,6 @@ def from_pretrained(
     return wrap(model, config=config, optimizer=optimizer, state_dict=folder)
 
 
-def meta_model(folder: "str | os.PathLike[str]", *, model_class: Any = None, dtype: "torch.dtype | str | None" = "auto",
-               trust_remote_code: bool = False, attn_implementation: Optional[str] = None,
-               config_overrides: Optional[Mapping[str, Any]] = None, hf_config: Any = None) -> Any:
-    """The model ``folder``'s ``config.json`` (or ``hf_config``) describes (with ``config_overrides``
-    set on it), on the meta device, built as ``from_pretrained`` builds it: parameters in ``dtype`` (see
-    :func:`from_pretrained`), buffers as the model's code makes them (a rotary embedding's
-    ``inv_freq`` stays fp32)."""
-    import transformers
-
-    unused: dict[str, Any] = {}
-    if hf_config is None:
-        hf_config, unused = transformers.AutoConfig.from_pretrained(
-            os.fspath(folder), trust_remote_code=trust_remote_code, return_unused_kwargs=True,
-            **(config_overrides or {}))
-    if unused:
-        raise TypeError(f"from_pretrained got keyword arguments that are neither its own nor settings of "
-                        f"{type(hf_config).__name__}: {sorted(unused)}")
-    cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
-    dtype_name = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    kwargs: dict[str, Any] = {dtype_name: _dtype(dtype, hf_config)}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    with torch.device("meta"):
-        if callable(getattr(cls, "from_config", None)):  # the Auto classes
-            return cls.from_config(hf_config, trust_remote_code=trust_remote_code, **kwargs)
-        return cls._from_config(hf_config, **kwargs)
-
-
-def _dtype(dtype: "torch.dtype | str | None", hf_config: Any) -> torch.dtype:
-    """The parameters' dtype: the checkpoint's for "auto" (its config's, else fp32), else ``dtype``."""
-    if dtype == "auto":
-        saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        dtype = saved if saved is not None else torch.float32
-    if dtype is None:
-        dtype = torch.get_default_dtype()
-    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
-    if not isinstance(found, torch.dtype) or not found.is_floating_point:
-        raise ValueError(f"from_pretrained: dtype must be 'auto', None or a floating torch dtype, got {dtype!r}")
-    return found
-
-
 def _resolve(name: str, hub: dict[str, Any]) -> str:
     """A local directory holding the model's config and weights: ``name`` itself, or a Hub snapshot
     (``hub``: snapshot_download's revision, local_files_only, cache_dir and token)."""
@@ -171,4 +131,4 @@ def _resolve(name: str, hub: dict[str, Any]) -> str:
     return folder
 
 
-__all__ = ["from_pretrained", "meta_model"]
+__all__ = ["from_pretrained"]

@@ -36,7 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from engine.config.deepspeed import DeepSpeedConfig
-from engine.engine import wrap_as
+from engine.engine import wrap
 from engine.integrations.deepspeed.optimizer import scheduler_from_deepspeed
 from engine.integrations.deepspeed.store import ScratchStoreEngine, removed_on_failure
 from engine.integrations.hf.trainer_deepspeed import plan_for_trainer, scheduled_config, training_arguments_source
@@ -152,8 +152,9 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
                                 trainer_optimizer=Trainer.get_optimizer_cls_and_kwargs)
         default = plan.default_store
         with removed_on_failure(default):
-            eng = wrap_as(functools.partial(ScratchStoreEngine, scratch_dir=default.scratch if default else None),
-                          model, optimizer=plan.optimizer, config=plan.config, **wrap_kwargs)
+            scratch = default.scratch if default else None
+            eng = wrap(model, optimizer=plan.optimizer, config=plan.config, **wrap_kwargs,
+                       engine_class=functools.partial(ScratchStoreEngine, scratch_dir=scratch))
         if "scheduler" in plan.deepspeed_config:
             self._deepspeed_schedule = plan.deepspeed_config
         if "args" in kwargs:
