@@ -4,16 +4,16 @@ the model's code or a process group (DeepSpeed's ``zero_to_fp32.py CKPT OUT``)."
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Optional, Sequence
 
 import torch
 
 from engine.checkpoint.export import DEFAULT_MAX_SHARD_BYTES
 from engine.checkpoint.offline_export import export_checkpoint
-from engine.io.checkpoint_files import CheckpointError, summarize
+from engine.errors import CheckpointError
+from engine.io.checkpoint_files import summarize
 from engine.io.checkpoint_paths import resolve_checkpoint
-from tiered.bench.options import parse_size
+from tiered.util import CommandErrors, parse_size
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,16 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``tiered export``; return the exit status."""
     args = build_parser().parse_args(argv)
-    try:
+    with CommandErrors("tiered export", {(CheckpointError, ValueError, OSError): 1}) as failed:
         max_shard = DEFAULT_MAX_SHARD_BYTES if args.max_shard_size is None else parse_size(args.max_shard_size)
         source = resolve_checkpoint(args.checkpoint, args.tag)
         summary = summarize(source)
         written = export_checkpoint(source, args.out, master_weights=not args.training_weights,
                                     dtype=_DTYPES.get(args.dtype), max_shard_bytes=max_shard,
                                     hf_config=args.hf_config)
-    except (CheckpointError, ValueError, OSError) as exc:
-        print(f"tiered export: {exc}", file=sys.stderr)
-        return 1
+    if failed.status is not None:
+        return failed.status
     weights = "training-dtype weights" if args.training_weights or not summary.stepped else (
         f"fp32 master weights of {summary.stepped} of {summary.params} parameters")
     print(f"{source} (saved by {summary.world_size} rank(s)): {summary.params} parameters, {weights}")

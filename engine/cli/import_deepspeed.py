@@ -4,11 +4,12 @@ which ``eng.load_checkpoint(OUT)`` resumes at any world size."""
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Optional, Sequence
 
+from engine.errors import CheckpointError
 from engine.integrations.deepspeed.checkpoint_import import import_deepspeed_checkpoint
-from engine.io.checkpoint_files import CheckpointError, summarize
+from engine.io.checkpoint_files import summarize
+from tiered.util import CommandErrors
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,13 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``tiered import-deepspeed``; return the exit status."""
     args = build_parser().parse_args(argv)
-    try:
+    with CommandErrors("tiered import-deepspeed", {(CheckpointError, ValueError, OSError): 1}) as failed:
         out = import_deepspeed_checkpoint(args.checkpoint, args.out, tag=args.tag, overwrite=args.overwrite,
                                           trust_pickle=args.trust_pickle)
         summary = summarize(out)
-    except (CheckpointError, ValueError, OSError) as exc:
-        print(f"tiered import-deepspeed: {exc}", file=sys.stderr)
-        return 1
+    if failed.status is not None:
+        return failed.status
     source = summary.imported_from
     assert source is not None
     skipped = f", {source['skipped_steps']} of them skipped (fp16 overflow)" if source["skipped_steps"] else ""

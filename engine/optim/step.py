@@ -37,18 +37,19 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
+from engine.errors import OptimizerStateError
 from engine.optim.clip import AllReduceSum, clip_coefficient, global_grad_norm, grad_norms_async
 from engine.optim.step_io import (
     AsyncTensorStore,
     IOCounter,
     ModifyBlocks,
+    blocking,
     check_shards,
     drain,
     gather_all,
     plan_groups,
-    run_sync,
 )
-from engine.optim.types import AdamHyper, OptimizerStateError, OptimShard, OptimStepStats
+from engine.optim.types import AdamHyper, OptimShard, OptimStepStats
 from tiered import Tier
 
 MiB = 1024 * 1024
@@ -202,30 +203,8 @@ async def step_async(
     )
 
 
-def step(
-    store: AsyncTensorStore,
-    shards: Sequence[OptimShard],
-    hypers: Union[AdamHyper, Sequence[AdamHyper]],
-    steps: Mapping[str, int],
-    *,
-    state_tier: str = "nvme",
-    param_tier: str = "nvme",
-    compress: bool = False,
-    group_bytes: int = 64 * MiB,
-    max_grad_norm: Optional[float] = None,
-    grad_norms: Optional[Mapping[str, torch.Tensor]] = None,
-    all_reduce: Optional[AllReduceSum] = None,
-    on_event: Optional[EventHook] = None,
-    grad_scale: float = 1.0,
-    grad_norm: Optional[torch.Tensor] = None,
-    in_place: bool = False,
-) -> OptimStepStats:
-    """Blocking :func:`step_async` (same arguments), for ``eng.step()``: runs on a private event loop."""
-    return run_sync(step_async(
-        store, shards, hypers, steps, state_tier=state_tier, param_tier=param_tier, compress=compress,
-        group_bytes=group_bytes, max_grad_norm=max_grad_norm, grad_norms=grad_norms, all_reduce=all_reduce,
-        on_event=on_event, grad_scale=grad_scale, grad_norm=grad_norm, in_place=in_place,
-    ))
+#: Blocking :func:`step_async`, for ``eng.step()``: the same arguments, run on a private event loop.
+step = blocking(step_async)
 
 
 async def init_state_async(
@@ -259,10 +238,8 @@ async def init_state_async(
     return created
 
 
-def init_state(store: AsyncTensorStore, shards: Sequence[OptimShard], *, state_tier: str = "nvme",
-               compress: bool = False, group_bytes: int = 64 * MiB) -> int:
-    """Blocking :func:`init_state_async` (same arguments)."""
-    return run_sync(init_state_async(store, shards, state_tier=state_tier, compress=compress, group_bytes=group_bytes))
+#: Blocking :func:`init_state_async`: the same arguments, run on a private event loop.
+init_state = blocking(init_state_async)
 
 
 # ---------------------------------------------------------------------------------------- pipeline

@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import time
-from typing import Any, Awaitable, Coroutine, Iterable, Optional, Protocol, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Iterable, Optional, ParamSpec, Protocol, Sequence, TypeVar
 
 import torch
 
 from engine.optim.types import OptimShard
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class AsyncTensorStore(Protocol):
@@ -165,3 +167,17 @@ def run_sync(coro: "Coroutine[Any, Any, T]") -> T:
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-optim") as pool:
         return pool.submit(asyncio.run, coro).result()
+
+
+def blocking(function: "Callable[P, Coroutine[Any, Any, T]]") -> "Callable[P, T]":
+    """``function`` (a coroutine function, ``name_async``) as a blocking call ``name`` with the same
+    arguments, run by :func:`run_sync`: one signature for both, so they cannot drift apart."""
+
+    @functools.wraps(function)
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        return run_sync(function(*args, **kwargs))
+
+    run.__name__ = function.__name__.removesuffix("_async")
+    run.__qualname__ = function.__qualname__.removesuffix("_async")
+    run.__doc__ = f"Blocking :func:`{function.__name__}` (same arguments), run on a private event loop."
+    return run
