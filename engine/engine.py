@@ -52,8 +52,13 @@ if TYPE_CHECKING:
 class Engine:
     """A wrapped model: its parameters live in ``store`` and hooks page them in and out.
 
-    Made by :func:`wrap`. The model object, its modules and its ``nn.Parameter`` objects are the
-    user's own, unchanged except that a released parameter's storage is 0 bytes.
+    Made by :func:`wrap`, which builds every constructor argument (the placement that put the
+    parameters in the store, the memory meter, the shard I/O); an integration subclasses it and
+    passes its class as ``wrap(..., engine_class=...)``. The model object, its modules and its
+    ``nn.Parameter`` objects are the user's own, unchanged except that a released parameter's
+    storage is 0 bytes (see [Note: Released parameters]). Every method of a closed engine raises
+    :class:`engine.EngineClosedError`; invalid arguments raise ``TypeError`` or ``ValueError``
+    naming them.
     """
 
     def __init__(
@@ -283,7 +288,7 @@ class Engine:
 
     def with_loss_scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` for a training loop that calls ``loss.backward()`` itself (the Hugging Face
-        Trainer: :class:`engine.integrations.hf.trainer.EngineTrainer` uses it): the same value, and a backward
+        Trainer: :class:`engine.integrations.hf.EngineTrainer` uses it): the same value, and a backward
         through it multiplies the gradient by :attr:`loss_scale`, as :meth:`backward` does. Returns
         ``loss`` as it is without ``EngineConfig.loss_scaling``. Gradient accumulation in the
         engine (``EngineConfig.gradient_accumulation_steps`` > 1) still needs :meth:`backward`."""
@@ -522,7 +527,7 @@ class Engine:
         ``path/tag``, or the tag ``path/latest`` names. Returns the saved ``client_state`` (``{}``
         if none); with ``load_optimizer``, :attr:`lr_scheduler` (when set) takes its
         ``"lr_scheduler"`` entry, as DeepSpeed's ``load_checkpoint`` restores its scheduler. Raises
-        ``engine.checkpoint.sharded.CheckpointError`` naming any mismatch."""
+        ``engine.CheckpointError`` naming any mismatch."""
         return self._load_checkpoint(path, tag, load_optimizer=load_optimizer, load_lr_scheduler=load_optimizer)
 
     def _load_checkpoint(
@@ -664,7 +669,7 @@ class Engine:
         """A parameter's gradient is final for this backward (post-accumulate-grad).
 
         Multi-rank training reduce-scatters ``handle.param.grad`` and hands the gradient shard to
-        the store here, before the backward hold is released.
+        the store here, before the backward hold is released (see [Note: Backward holds]).
         """
         if self._optimizer is not None:
             self._accumulation.check_final_grad()

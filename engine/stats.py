@@ -60,7 +60,8 @@ class EngineStats:
     ``on_demand_fetches`` counts parameters found by the access mode: read outside every module
     that holds them. ``rerecords`` counts steps that departed from the recorded order.
     Materialized bytes are parameter storage currently allocated (held by running modules, by
-    backward, or prefetched); ``wrap_peak_materialized_bytes`` is the peak during :func:`engine.wrap`.
+    backward, or prefetched; see [Note: Memory bound] in engine.paging.pager);
+    ``wrap_peak_materialized_bytes`` is the peak during :func:`engine.wrap`.
 
     With ``engine.AdamW`` (0 otherwise): ``optimizer_steps`` run by this engine, their total
     ``optimizer_seconds`` (commit included), ``optimizer_bytes_read``/``optimizer_bytes_written``

@@ -12,6 +12,7 @@ import ast
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -239,3 +240,23 @@ def test_the_documented_names_are_reachable(names, module):
     found = importlib.import_module(module)
     missing = [name for name in names if not hasattr(found, name)]
     assert not missing, f"{module} lacks {missing}"
+
+
+def test_every_cited_note_exists_once():
+    """A ``[Note: Title]`` cited anywhere in the packages is defined by exactly one ``# [Note: Title]``
+    comment block beside the code it explains."""
+    defined: dict[str, list[str]] = {}
+    cited: dict[str, str] = {}
+    for package in ("engine", "tiered"):
+        for name, path in modules(package).items():
+            with open(path, encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    for title in re.findall(r"\[Note: ([^\]]+)\]", line):
+                        if line.strip() == f"# [Note: {title}]":
+                            defined.setdefault(title, []).append(f"{name}:{number}")
+                        else:
+                            cited.setdefault(title, f"{name}:{number}")
+    assert defined, "no note found: the scan is broken"
+    assert not {t: w for t, w in defined.items() if len(w) > 1}, "notes defined twice"
+    missing = {title: where for title, where in cited.items() if title not in defined}
+    assert not missing, f"cited notes that no comment block defines: {missing}"

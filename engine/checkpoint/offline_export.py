@@ -37,7 +37,14 @@ def checkpoint_state_dict(
     consolidated ``{name: tensor}`` dict on the CPU (every parameter whole, under each of its tied
     names; every persistent buffer as rank 0 saved it), which a plain model's ``load_state_dict``
     accepts. Floating tensors are cast to ``dtype`` when given. DeepSpeed's
-    ``get_fp32_state_dict_from_zero_checkpoint``; holds the whole model in memory."""
+    ``get_fp32_state_dict_from_zero_checkpoint``; holds the whole model in memory.
+
+    Raises:
+        engine.CheckpointError: ``path`` holds no complete, undamaged checkpoint (the message says
+            what is missing or wrong).
+        TypeError: ``dtype`` is not a floating torch dtype.
+        ValueError: ``tag`` is not a directory name.
+    """
     check_export_arguments(DEFAULT_MAX_SHARD_BYTES, dtype)
     out: dict[str, torch.Tensor] = {}
     with CheckpointFiles(resolve_checkpoint(path, tag)) as files:
@@ -62,7 +69,15 @@ def export_checkpoint(
     draws a byte bar on a terminal for exports of 256 MiB or more. ``hf_config``: the model's
     Hugging Face config (a directory holding ``config.json``): it is written to ``out`` too, and
     what transformers 5 fuses in memory (an MoE's experts) is written in the layout its
-    ``save_pretrained`` writes, from a model built on the meta device (``AutoModelForCausalLM``)."""
+    ``save_pretrained`` writes, from a model built on the meta device (``AutoModelForCausalLM``).
+
+    Raises:
+        engine.CheckpointError: ``path`` holds no complete, undamaged checkpoint.
+        ValueError: ``max_shard_bytes`` below 1, a ``tag`` that is not a directory name, or a dtype
+            safetensors cannot hold.
+        TypeError: ``dtype`` is not a floating torch dtype.
+        OSError: ``out`` cannot be written; nothing of this export is left published there.
+    """
     check_export_arguments(max_shard_bytes, dtype)
     directory = os.path.abspath(os.fspath(out))
     hf = None

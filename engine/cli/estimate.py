@@ -25,6 +25,7 @@ GiB = 1024 * MiB
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``tiered estimate``."""
     p = argparse.ArgumentParser(
         prog="tiered estimate",
         description="Bytes per tier (device, host, nvme) one rank needs to train or run a model with the engine, "

@@ -19,6 +19,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``tiered export``."""
     p = argparse.ArgumentParser(
         prog="tiered export",
         description="Write the weights of a checkpoint saved by eng.save_checkpoint (any world size) to OUT in "

@@ -13,6 +13,7 @@ from tiered.util import CommandErrors
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``tiered import-deepspeed``."""
     p = argparse.ArgumentParser(
         prog="tiered import-deepspeed",
         description="Convert a checkpoint written by DeepSpeed's model_engine.save_checkpoint under ZeRO stage 1, "

@@ -34,6 +34,7 @@ class StepLine:
     stall_fraction: float
 
     def render(self) -> str:
+        """The line as the demo prints it."""
         width = 24
         filled = width * self.step // self.steps
         return (f"step {self.step:>4}/{self.steps} [{'#' * filled}{'.' * (width - filled)}] loss {self.loss:7.4f} "
@@ -42,6 +43,7 @@ class StepLine:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``tiered train``."""
     p = argparse.ArgumentParser(
         prog="tiered train",
         description="Train a GPT-style model with its parameters, gradients and AdamW states paged through a "

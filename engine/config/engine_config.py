@@ -21,11 +21,15 @@ TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Configuration of :func:`engine.wrap`.
+    """Configuration of :func:`engine.wrap`: every field below, validated when it is made.
 
     ``store`` configures the :class:`tiered.TieredStore` the engine opens (one per rank, in a
     ``rank{N}`` subdirectory of ``store.path`` when the world size is above 1). Byte figures are
-    per rank.
+    per rank. :meth:`from_deepspeed` builds one from a DeepSpeed JSON config.
+
+    Raises:
+        ValueError: a field has a value it cannot take (the message names the field and the value).
+        TypeError: ``store`` is not a ``tiered.StoreConfig``.
     """
 
     store: StoreConfig

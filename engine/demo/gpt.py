@@ -50,6 +50,7 @@ class Block(nn.Module):
         self.fc_out = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block applied to ``x`` (batch, time, channels): attention, then the MLP, each residual."""
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln_1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
@@ -86,6 +87,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
 
     def forward(self, idx: torch.Tensor, targets: "torch.Tensor | None" = None) -> torch.Tensor:
+        """Logits for the token ids ``idx`` (batch, time); with ``targets``, the mean cross-entropy loss."""
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens is longer than GPTConfig.seq_len={self.cfg.seq_len}")

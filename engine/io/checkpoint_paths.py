@@ -21,8 +21,8 @@ ENGINE_SUBDIR = "engine"
 
 def engine_checkpoint(checkpoint: "str | os.PathLike[str]") -> str:
     """The engine checkpoint saved inside ``checkpoint``, a Trainer checkpoint
-    (``engine.integrations.hf.trainer.EngineCheckpointCallback``) or an ``accelerator.save_state`` directory
-    (``engine.integrations.hf.accelerate.register_engine_state``)."""
+    (``engine.integrations.hf.EngineCheckpointCallback``) or an ``accelerator.save_state`` directory
+    (``engine.integrations.hf.register_engine_state``)."""
     return os.path.join(os.fspath(checkpoint), ENGINE_SUBDIR)
 
 

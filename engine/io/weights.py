@@ -36,7 +36,7 @@ def open_weights(state_dict: Optional[StateDictLike]) -> Optional[WeightSource]:
     """
     if state_dict is None:
         return None
-    if isinstance(state_dict, WeightSource):  # already open (e.g. engine.integrations.hf.peft.peft_base_weights)
+    if isinstance(state_dict, WeightSource):  # already open (e.g. engine.integrations.hf.peft_base_weights)
         return state_dict
     if isinstance(state_dict, Mapping):
         return WeightSource.from_mapping(state_dict)

@@ -14,6 +14,16 @@ from engine.paging.handle import ParamHandle
 from engine.paging.tensor_reads import reads_data
 
 
+# [Note: Parameters read outside their module]
+# While the wrapped forward runs, the access mode (torch's TorchFunctionMode protocol) looks at the
+# arguments of every torch function: a managed parameter that nothing holds is acquired for the
+# innermost running module until the function returns, counted in ``on_demand_fetches``, and added
+# to that module's extras, so the next step's pre-hook fetches it up front (which changes the order
+# once: that step re-records). Functions that read only metadata (engine.paging.tensor_reads) do
+# not fetch. Outside the forward nothing fetches: a released parameter answers through its released
+# class instead (see [Note: Released parameters]).
+
+
 class ParamAccessMode(TorchFunctionMode):
     """Calls ``on_read(handle)`` before any op that reads a managed parameter nothing holds;
     ``on_read`` returns a callable to run after the op (releasing it) or None."""

@@ -26,6 +26,29 @@ from engine.paging.pager import Pager
 from engine.paging.saved_activations import SavedActivation, SavedActivations
 
 
+# [Note: Backward holds]
+# The saved-tensor hooks pack a saved tensor whose storage is a managed parameter's (matched by the
+# storage's identity, so views count) as (handle, tensor); unpack holds the handle for backward,
+# fetching it if released, and returns the same tensor. A backward hold ends at the first of:
+# - the parameter's post-accumulate-grad hook: its gradient is final (every node taking it ran);
+# - the module's post-backward, a ``register_multi_grad_hook`` on the module's non-leaf inputs that
+#   fires once their gradients exist. Without it a frozen parameter (LoRA-style training) or a tied
+#   weight whose accumulation waits for the embedding's backward would stay materialized to the end
+#   of backward, breaking [Note: Memory bound]. Leaf inputs are left out: ``autograd.grad`` cannot
+#   evaluate multi-grad hooks on leaves;
+# - the end of that backward (a callback queued on the autograd engine), which catches the rest
+#   (``autograd.grad`` of inputs only, inputs that need no gradient).
+# A node that unpacks a parameter released earlier fetches it again: results never depend on when
+# a parameter was released.
+#
+# [Note: Saved tensors are detached]
+# Every tensor a pack hook keeps or returns is detached (the parameters' aliases here, the
+# activations engine.paging.saved_activations keeps or offloads). A saved output keeps its
+# ``grad_fn``, which holds what pack returns; returning the tensor itself would make a reference
+# cycle through C++ that the garbage collector cannot see, keeping alive a graph that is never run
+# backward. Autograd attaches the ``grad_fn`` again on unpack.
+
+
 def in_backward() -> bool:
     """True on a thread that is running an autograd backward pass."""
     return torch._C._current_graph_task_id() != -1
@@ -127,9 +150,7 @@ class SavedTensorHooks:
         except (RuntimeError, NotImplementedError):  # tensors without plain storage (subclasses)
             return tensor.detach()
         handle = self._by_storage.get(storage._cdata)
-        # Detached: a saved output keeps its grad_fn, which holds what pack returns; returning the
-        # tensor itself would make a cycle through C++ that keeps a graph never run backward alive.
-        # Autograd attaches the grad_fn again on unpack.
+        # Detached: see [Note: Saved tensors are detached].
         if handle is not None:
             return _SavedParam(handle, tensor.detach())
         return tensor.detach() if self._activations is None else self._activations.pack(tensor, storage)
@@ -157,7 +178,7 @@ def register_module_post_backward(
 ) -> Optional[Any]:
     """Release ``handles``' backward holds once the gradients of a module's inputs are computed
     (its backward is over). None when no input requires a gradient (then post-accumulate-grad
-    hooks and the end of backward release them)."""
+    hooks and the end of backward release them). See [Note: Backward holds]."""
     # Leaves are left out: autograd.grad() cannot evaluate a multi-grad hook on a leaf.
     tensors = [t for t in _tensors(inputs) if t.requires_grad and t.grad_fn is not None]
     if not tensors or not handles:

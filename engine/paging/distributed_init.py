@@ -54,6 +54,11 @@ def init_distributed(
     ``dist_backend``: ``"gloo"``, ``"nccl"``, ...; default NCCL with CUDA, gloo without. Returns
     True when this call initialized the group; False when it already was, or when no launcher
     started this process (one process: the engine then needs no group).
+
+    Raises:
+        ValueError: ``WORLD_SIZE`` or ``LOCAL_RANK`` is not an integer, or the environment lacks
+            what the process group needs (named in the message).
+        RuntimeError: a launcher started this process but torch has no ``torch.distributed``.
     """
     present = [name for name in LAUNCHER_VARIABLES if name in os.environ]
     if not present:

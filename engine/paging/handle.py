@@ -13,6 +13,34 @@ from engine.paging.released import mark_closed, mark_grads_in_store, released_cl
 from engine.stats import MemoryMeter
 
 
+# [Note: Released parameters]
+# Release is ``param.untyped_storage().resize_(0)``: the ``nn.Parameter`` and every view of it keep
+# their identity and metadata; only the bytes go. Fetch resizes the storage back and has the store
+# fill it (``SyncStore.get_future(key, out=<flat view of the parameter>)``, a non-blocking get
+# straight into the parameter's own storage). A view taken earlier (autograd saves ``W.t()`` for a
+# linear layer) sees the refilled bytes, because a view reads through its storage. No parameter is
+# ever replaced, so an optimizer built on ``model.parameters()`` before wrap holds the same objects,
+# and tied weights (one ``Parameter`` under two names) are one handle and one store entry.
+#
+# A kernel would read a null pointer from the 0-byte storage, so while released the parameter's
+# class is a subclass of its own (engine.paging.released) that answers metadata reads and raises
+# ReleasedParameterError for value reads. Only ``__class__`` changes: the object, its ``__dict__``,
+# its autograd state and its C++ tensor stay, so autograd and the optimizer are unaffected, and
+# allocation gives the class back. A meta tensor swapped in through ``param.data`` would not do:
+# torch refuses ``set_data`` across device types, and ``swap_tensors`` moves ``grad`` and hooks
+# with the data.
+#
+# [Note: Parameter versions]
+# The parameter's autograd version counter says when the model changed a materialized parameter in
+# place (``nn.Embedding(max_norm=...)`` renormalizes its weight in forward; weight clipping does the
+# same): such a parameter is written back to the store before its storage is freed. The store's own
+# writes into the storage bump the counter too (a copy in is an in-place op), so the handle
+# subtracts them: ``version`` counts only the user's changes and ``synced`` is its value when the
+# storage last matched the store. The same counter restores autograd's "modified by an inplace
+# operation" error, which saved-tensor hooks otherwise switch off: unpack compares the version at
+# save time with the current one.
+
+
 class HandleState(enum.Enum):
     """Where a parameter's bytes are.
 
@@ -29,18 +57,16 @@ class HandleState(enum.Enum):
 class ParamHandle:
     """One managed parameter (tied weights share one handle, named by their first name).
 
-    The ``nn.Parameter`` object is never replaced: release resizes its storage to 0 bytes, which
-    keeps every view of it (views autograd saved included) valid for the next refill, and gives the
-    parameter its released class (``engine.paging.released``: metadata reads work, value reads raise
-    ``ReleasedParameterError`` instead of reading 0 bytes); allocation gives its own class back. A handle is
-    *held* while a running module uses it (``users``) or backward still needs it (``bwd_hold``);
-    an unheld handle is either RELEASED or ``prefetched`` (materialized ahead of its next need).
+    Args:
+        param: the model's own parameter; never replaced (see [Note: Released parameters]).
+        names: every fully qualified name it has in the model, first one first.
+        layout: how it is flattened and sharded (:class:`~engine.paging.layout.ShardLayout`).
+        key: its shard's store key.
 
-    Versions: the parameter's autograd version counter also counts the store's own writes into
-    its storage (a copy from the host tier is an in-place op), so those are subtracted:
-    ``version`` counts only the user's in-place changes, and ``synced`` is its value when the
-    storage last matched the store. A released parameter whose ``version != synced`` is written
-    back first (an ``nn.Embedding(max_norm=...)`` renormalizes its weight in forward).
+    A handle is *held* while a running module uses it (``users``) or backward still needs it
+    (``bwd_hold``); an unheld handle is either RELEASED or ``prefetched`` (materialized ahead of
+    its next need). ``version`` and ``synced`` track the user's in-place changes (see
+    [Note: Parameter versions]).
     """
 
     def __init__(self, param: torch.nn.Parameter, names: tuple[str, ...], layout: ShardLayout, key: str) -> None:

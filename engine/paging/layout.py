@@ -15,7 +15,8 @@ PARAM_KEY_PREFIX = "param/"
 
 
 def param_key(name: str) -> str:
-    """The store key of the parameter called ``name`` (its first fully qualified name)."""
+    """The store key of the parameter called ``name`` (its first fully qualified name):
+    ``param/<name>``, where ``eng.store`` keeps that parameter's shard."""
     return PARAM_KEY_PREFIX + name
 
 

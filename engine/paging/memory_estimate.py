@@ -128,6 +128,14 @@ def estimate_memory(
     trainable element); False for inference, parameters only. Reads shapes and dtypes only, so
     the model may be on the meta device. Uses docs/training.md's memory model; compressed state is
     estimated at :data:`COMPRESSED_STATE_RATIO`, so those figures are approximate.
+
+    Returns:
+        The estimate; its ``problems`` name what ``engine.wrap`` would refuse (it raises them).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``config`` not an EngineConfig, or
+            ``training`` not a bool.
+        ValueError: ``world_size`` is not an int >= 1.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"estimate_memory takes an nn.Module, got {type(model).__name__}")

@@ -21,6 +21,28 @@ from engine.paging.pager import Pager
 from engine.stats import EngineCounters
 
 
+# [Note: Forward scope]
+# The pre-hook (registered with ``prepend=True``, so it runs before the user's own pre-hooks)
+# acquires the module's direct parameters plus the extras it was seen reading last time; the
+# post-hook (``always_call=True``, so an exception still releases) releases them and tops up the
+# prefetch. The outermost hooked module opens the scope: the access mode and, outside backward, the
+# saved-tensor hooks (see [Note: Parameters read outside their module], [Note: Backward holds]);
+# the root module's call starts a step. Nested containers, a module called several times per step
+# (each call is a need and a release) and shared submodules need nothing special. One forward at a
+# time per engine: the hooks share one scope.
+#
+# [Note: Activation checkpointing]
+# Reentrant: the first pass runs under no_grad (fetch, release, nothing saved); in backward the
+# checkpoint re-runs the forward: the hooks see they are inside a backward (``in_backward()``),
+# fetch as usual and turn each module's use into a backward hold instead of releasing it (its
+# gradients are still to come), released by the inner backward's post-accumulate-grad hooks and its
+# end. Non-reentrant: the checkpoint's own saved-tensor hooks are innermost during the first pass,
+# so nothing of the region is packed by ours; the recompute in backward runs under the same
+# backward-hold rule and our saved-tensor hooks are not opened there, so the checkpoint's
+# recomputation hooks keep collecting. A checkpointed region's parameters are all held while its
+# backward runs (as in FSDP2).
+
+
 class _Frame:
     """One running module call: its hooks and the handles it acquired (extras appended as found)."""
 
@@ -84,7 +106,7 @@ class ForwardScope:
         try:
             backward = in_backward()
             for handle in frame.acquired:
-                if backward:
+                if backward:  # a forward re-run by backward: see [Note: Activation checkpointing]
                     self._tracker.hold(handle)
                 self._pager.release(handle)
         finally:
@@ -119,7 +141,7 @@ class ForwardScope:
 
 
 class ModuleHooks:
-    """The forward pre/post hooks of one module of the wrapped model."""
+    """The forward pre/post hooks of one module of the wrapped model (see [Note: Forward scope])."""
 
     def __init__(self, module: torch.nn.Module, handles: list[ParamHandle], scope: ForwardScope) -> None:
         self.module = module

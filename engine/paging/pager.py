@@ -21,6 +21,36 @@ from engine.stats import EngineCounters, MemoryMeter
 from tiered.util import wait_all
 
 
+# [Note: Prefetch window]
+# After every need and release, ``_top_up`` walks the recorded order from the cursor and starts a
+# non-blocking get into the storage of each released parameter while the prefetched bytes fit in
+# ``prefetch_bytes``, strictly in order: one that does not fit stops the walk. A released parameter
+# may stay materialized as prefetched when the order needs it again within the part of the window
+# already scanned and it fits (otherwise a free would be followed by an immediate refetch).
+#
+# In a step with gradients the window never crosses the end of the recorded step, so nothing is
+# fetched before an optimizer step that may change it; the end of the outermost backward drops what
+# is still prefetched. Forward-only steps (no_grad, inference_mode) let the window run on into the
+# next step's beginning (the order repeated once): the last parameters of one forward and the first
+# of the next load while the caller is between calls, and a parameter needed both last and first
+# (GPT-2's tied wte / lm_head) stays materialized instead of being read twice per forward. The walk
+# also reserves room for a parameter it passes while that parameter is in use or prefetched for an
+# earlier need, and a parameter needed again later in the same forward-only step keeps its room
+# from its first need on, so the window is not filled with later parameters first. What was
+# prefetched for the next step is kept only when that step has the same mode and this one followed
+# its whole record; an optimizer step, ``load_state_dict``, a departure, a training forward or
+# ``drop_prefetched`` drops it first, so no forward computes on values older than the store's.
+#
+# [Note: Memory bound]
+# Materialized parameter bytes = held + prefetched <= (parameters of the modules running at once)
+# + ``prefetch_bytes``. With parameters in leaf modules the first term is the largest module's
+# direct parameters, in forward and in backward; a parent that owns parameters adds its own while
+# its children run, and a checkpointed region holds its parameters during its backward.
+# ``EngineStats.peak_materialized_bytes`` measures it; tests/test_engine_schedule.py asserts it.
+# Buffers, gradients, activations and the store's pools are not part of it; idle parameter buffers
+# (engine.paging.param_buffers) add at most the largest parameter.
+
+
 class Pager:
     """Holds, needs, releases and the prefetch window. Thread-safe (one lock), called by the hooks."""
 
@@ -57,7 +87,8 @@ class Pager:
     # ------------------------------------------------------------------ steps
 
     def begin_step(self, mode: Hashable, *, wrap_around: bool = False) -> None:
-        """A new step starts (the root module's forward): follow (or record) ``mode``'s order.
+        """A new step starts (the root module's forward): follow (or record) ``mode``'s order (see
+        [Note: Recorded order] and [Note: Prefetch window]).
 
         ``wrap_around`` (forward-only steps, where nothing writes parameters between steps) lets the
         prefetch window run past the end of this step into the next one's beginning: a parameter
@@ -205,7 +236,7 @@ class Pager:
         upcoming = self.schedule.next_position(handle, wrap=self._wrap)
         if upcoming is not None and upcoming < self._scan:
             # The prefetcher already passed its next need (it was held then): keep it if it fits
-            # (it does when the prefetcher reserved room for it).
+            # (it does when the prefetcher reserved room for it). See [Note: Prefetch window].
             if self._window + handle.nbytes <= self._prefetch_bytes:
                 self._mark(handle)
                 self._carried |= upcoming >= len(self.schedule.order)

@@ -11,7 +11,9 @@ autograd state (``grad``, hooks) and its C++ tensor are untouched: only ``__clas
 nothing autograd or the optimizer holds is affected. Fetching the parameter restores its class.
 
 Inside the wrapped forward the engine's access mode sees a read first and fetches the parameter
-(docs/engine.md), so this class only ever answers reads from outside the engine's hooks.
+(see [Note: Parameters read outside their module] in engine.paging.access_mode), so this class only
+ever answers reads from outside the engine's hooks; see [Note: Released parameters] in
+engine.paging.handle for the storage side.
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ def _message(cls: type, what: str) -> str:
             "Trainer apply it at world size > 1). The engine already shards the parameters and averages the "
             "gradients across ranks: leave the model out of DDP (with accelerate, prepare only the optimizer and "
             "the data loaders, and run the forward in `with accelerator.autocast():` for its mixed_precision; "
-            "with the Trainer, use engine.integrations.hf.trainer.EngineTrainer; docs/migrating.md)."
+            "with the Trainer, use engine.integrations.hf.EngineTrainer; docs/migrating.md)."
         )
     return (
         f"parameter {name!r} is released by the tiered engine: its values are in the store, not in memory, so "
@@ -182,7 +184,7 @@ def _clip_message(cls: type) -> str:
         "engine.AdamW the gradients are in the store (param.grad stays None), so it would clip nothing and return "
         "0. Call eng.clip_grad_norm_(max_norm) instead (with accelerate, in place of "
         "accelerator.clip_grad_norm_(model.parameters(), max_norm); with the Hugging Face Trainer, use "
-        "engine.integrations.hf.trainer.EngineTrainer, which does); eng.full_grad(param) reads a gradient."
+        "engine.integrations.hf.EngineTrainer, which does); eng.full_grad(param) reads a gradient."
     )
 
 

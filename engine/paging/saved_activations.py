@@ -121,7 +121,7 @@ class SavedActivations:
 
     def pack(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> Any:
         """A token for ``tensor`` (strided, not meta) with its ``storage`` on the way to the store, or
-        ``tensor`` detached when it stays (detached: see ``SavedTensorHooks.pack``)."""
+        ``tensor`` detached when it stays (see [Note: Saved tensors are detached])."""
         if type(tensor) is not torch.Tensor or self._closed:  # subclasses keep their own semantics
             return tensor.detach()
         nbytes = storage.nbytes()

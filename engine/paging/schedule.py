@@ -18,6 +18,18 @@ from typing import Generic, Hashable, Optional, Sequence, TypeVar
 T = TypeVar("T", bound=Hashable)
 
 
+# [Note: Recorded order]
+# A step starts at the root module's forward pre-hook (outside backward). The first step in a grad
+# mode records the order of needs, forward and backward; later steps follow it and prefetch along
+# it (see [Note: Prefetch window]). One record per grad mode, so evaluation forwards between
+# training steps do not force re-recording. A need that is not the next recorded one departs: the
+# prefetched parameters are dropped (``EngineStats.prefetch_wasted``), the rest of the step fetches
+# on demand, and when the step ends its own sequence replaces the record (``rerecords``). Results
+# never depend on the schedule: a departure only costs waiting. The same order (keys, with repeats)
+# goes to the store's ``set_access_order``, so its Belady policy evicts the entry used furthest in
+# the future when a budget is full.
+
+
 class Schedule(Generic[T]):
     """Record and replay of need orders; pure bookkeeping, no I/O."""
 

@@ -470,7 +470,13 @@ def import_deepspeed_checkpoint(path: "str | os.PathLike[str]", out: "str | os.P
 
     ``eng.load_checkpoint(out)`` then resumes training from it at any world size, with an
     ``engine.AdamW`` whose parameter groups hold the same parameters as DeepSpeed's did (checked
-    by name on load). One process, no process group; one tensor in memory at a time."""
+    by name on load). One process, no process group; one tensor in memory at a time.
+
+    Raises:
+        engine.CheckpointError: ``path`` is not a DeepSpeed ZeRO checkpoint this can read (a
+            missing rank's file, an optimizer other than Adam or AdamW, a pickled object without
+            ``trust_pickle``, ...; the message says which), or ``out`` exists without ``overwrite``.
+        OSError: ``out`` cannot be written; nothing is left at ``out`` then."""
     target = os.path.abspath(os.fspath(out))
     partial = target + PARTIAL_SUFFIX
     os.makedirs(os.path.dirname(target), exist_ok=True)

@@ -51,6 +51,7 @@ class CsvMonitor(MonitorBackend):
         self.log_dir = log_dir
 
     def write_events(self, events: Sequence[Event]) -> None:
+        """Record each ``(name, value, step)`` of ``events``."""
         for name, value, step in events:
             path = os.path.join(self.log_dir, name.replace("/", "_").replace(" ", "_") + ".csv")
             with open(path, "a", newline="", encoding="utf-8") as f:
@@ -70,11 +71,13 @@ class TensorBoardMonitor(MonitorBackend):
         self._writer = SummaryWriter(log_dir=log_dir)
 
     def write_events(self, events: Sequence[Event]) -> None:
+        """Record each ``(name, value, step)`` of ``events``."""
         for name, value, step in events:
             self._writer.add_scalar(name, value, step)
         self._writer.flush()
 
     def close(self) -> None:
+        """Flush and close the event file."""
         self._writer.close()
 
 
@@ -87,6 +90,7 @@ class WandbMonitor(MonitorBackend):
         self._run = wandb.run if wandb.run is not None else wandb.init(project=project, group=group, entity=team)
 
     def write_events(self, events: Sequence[Event]) -> None:
+        """Record each ``(name, value, step)`` of ``events``."""
         for name, value, step in events:
             self._run.log({name: value}, step=step)
 
@@ -105,6 +109,7 @@ class CometMonitor(MonitorBackend):
         self._last_logged: dict[str, int] = {}
 
     def write_events(self, events: Sequence[Event]) -> None:
+        """Record each ``(name, value, step)`` of ``events``."""
         for name, value, step in events:
             last = self._last_logged.get(name)
             if last is not None and step - last < self._interval:

@@ -42,7 +42,13 @@ def optimizer_from_deepspeed(ds_config: DeepSpeedConfig, model_parameters: Optio
     """An :class:`engine.AdamW` from the config's ``optimizer`` section (type Adam or AdamW);
     without one, ``engine.AdamW()`` with torch's defaults. ``model_parameters``: parameter groups
     with their own settings, as ``deepspeed.initialize(model_parameters=...)`` takes them (default:
-    every parameter, one group). ValueError names unsupported settings."""
+    every parameter, one group).
+
+    Raises:
+        ValueError: the section has unsupported or invalid settings (each named by its path), or
+            the JSON file cannot be read.
+        TypeError: ``ds_config`` is neither a mapping nor a path.
+    """
     section = load_deepspeed_config(ds_config).get("optimizer")
     if section is None:
         return AdamW(model_parameters)
@@ -66,7 +72,13 @@ def optimizer_from_deepspeed(ds_config: DeepSpeedConfig, model_parameters: Optio
 def scheduler_from_deepspeed(ds_config: DeepSpeedConfig, optimizer: torch.optim.Optimizer) -> Optional[LRScheduler]:
     """The config's ``scheduler`` on ``optimizer`` (None if the config has none): DeepSpeed's
     WarmupLR, WarmupDecayLR or WarmupCosineLR (``engine.integrations.deepspeed.schedules``, same lr sequence as
-    DeepSpeed's), or any ``torch.optim.lr_scheduler`` class by name, as DeepSpeed allows."""
+    DeepSpeed's), or any ``torch.optim.lr_scheduler`` class by name, as DeepSpeed allows.
+
+    Raises:
+        ValueError: the section names an unsupported scheduler or has invalid settings (each named
+            by its path), or the JSON file cannot be read.
+        TypeError: ``ds_config`` is neither a mapping nor a path.
+    """
     section = load_deepspeed_config(ds_config).get("scheduler")
     if section is None:
         return None

@@ -52,7 +52,15 @@ def peft_base_weights(model: nn.Module, weights: StateDictLike) -> WeightSource:
     file, a mapping) of ``model``'s base model, under the names ``model`` (a PEFT model) gives
     them, for ``engine.wrap(model, state_dict=...)``. The adapters' tensors are not in it: wrap
     initializes them (pass ``init_fn=lora_init(model)``). A checkpoint in the layout transformers 5
-    converts on load (an MoE's per-expert matrices, ...) is converted for the base model first."""
+    converts on load (an MoE's per-expert matrices, ...) is converted for the base model first.
+
+    Returns:
+        An open source (``engine.wrap`` closes it), read one tensor at a time.
+
+    Raises:
+        TypeError, ValueError: ``weights`` is not something ``engine.wrap(state_dict=...)`` reads
+            (see :func:`engine.io.weights.open_weights`).
+    """
     source = open_weights(weights)
     assert source is not None
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]

@@ -1,6 +1,6 @@
 """The Hugging Face Trainer's DeepSpeed integration, on the engine: what ``Trainer`` does with
 ``TrainingArguments(deepspeed=ds_config)`` (``--deepspeed ds_config.json`` in its example scripts),
-done for :class:`engine.integrations.hf.trainer.EngineTrainer` when it is given no engine.
+done for :class:`engine.integrations.hf.EngineTrainer` when it is given no engine.
 
 The Trainer fills the config's ``"auto"`` values from its arguments and checks the others against
 them (transformers' ``HfTrainerDeepSpeedConfig``); the same is done here, then the model is wrapped
