@@ -20,8 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 import engine
 import tiered
-from engine.integrations.hf.peft import lora_init, peft_base_weights
-from engine.integrations.hf.trainer import EngineTrainer
+from engine.integrations.hf import EngineTrainer, lora_init, peft_base_weights
 
 MiB = 1 << 20
 
