@@ -782,6 +782,8 @@ def wrap(
         raise TypeError(f"config must be an engine.EngineConfig, got {type(config).__name__}")
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn must be callable (module) -> None, got {type(init_fn).__name__}")
+    if not isinstance(extensions, Extensions):
+        raise TypeError(f"extensions must be an engine.extensions.Extensions, got {type(extensions).__name__}")
     _check_optimizer(optimizer)
     _check_optimizer_params(model, optimizer)
     _check_loss_scaling(config, optimizer)
@@ -793,8 +795,6 @@ def wrap(
     group, rank, world = _rank_and_world(process_group)
     _check_fits(model, config, world, training=_is_engine_optimizer(optimizer))
     device = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
-    if not isinstance(extensions, Extensions):
-        raise TypeError(f"extensions must be an engine.extensions.Extensions, got {type(extensions).__name__}")
     source = open_weights(state_dict)
     if source is not None:  # a library's on-disk layout, under the model's own names
         source = extensions.loading(model, source)
