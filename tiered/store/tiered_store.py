@@ -41,9 +41,9 @@ from tiered.manifest import Manifest, Record
 from tiered.policy import EvictionPolicy, FutureOrderPolicy
 from tiered.spans import Span, new_result, spans_of_tensor
 from tiered.stats import NvmeSpace, StoreStats, SwapExtent
-from tiered.store_batch import BatchCalls
-from tiered.store_errors import naming_key, read_error, unusable_directory
-from tiered.store_input import (
+from tiered.store.batch import BatchCalls
+from tiered.store.error_messages import naming_key, read_error, unusable_directory
+from tiered.store.validation import (
     check_compress,
     check_key,
     check_out,
@@ -53,15 +53,15 @@ from tiered.store_input import (
     plain,
     ready_event,
 )
-from tiered.store_modify import Modification, Modifications
-from tiered.store_payload import Payload
-from tiered.store_prefetch import Prefetch
-from tiered.store_process import LOCK_NAME, acquire_lock, close_at_exit
-from tiered.store_sync import SyncStore
-from tiered.store_tiers import TierBookkeeping
+from tiered.store.modify import Modifications
+from tiered.store.payload import Payload
+from tiered.store.prefetch import Prefetch
+from tiered.store.process import LOCK_NAME, acquire_lock, close_at_exit
+from tiered.store.sync import SyncStore
+from tiered.store.tiers import TierBookkeeping
 from tiered.tier import TIERS_TOP_DOWN, Tier
 
-__all__ = ["LOCK_NAME", "Modification", "Prefetch", "SyncStore", "TieredStore"]
+__all__ = ["TieredStore"]
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tiered.errors import StoreLockedError
 
 if TYPE_CHECKING:
-    from tiered.store import TieredStore
+    from tiered.store.tiered_store import TieredStore
 
 LOCK_NAME = "LOCK"
 

@@ -11,7 +11,7 @@ from typing import Optional
 from tiered.backends import Copy
 from tiered.entry import Entry
 from tiered.errors import CapacityError, TieredError
-from tiered.store_errors import naming_key
+from tiered.store.error_messages import naming_key
 from tiered.tier import Tier
 
 
