@@ -62,7 +62,7 @@ def snapshot(path) -> dict:
 def file_position(path, key: str, logical: int) -> tuple[str, int]:
     """Swap file and offset holding byte ``logical`` of ``key``'s stored bytes."""
     with StoreDirectory.open(path) as d:
-        record = next(r for r in d.records if r.key == key)
+        record = next(r.record for r in d.rows if r.record.key == key)
         for e in record.extents:
             if logical < e.length:
                 return d.swap_files[e.file].path, e.offset + logical

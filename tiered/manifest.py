@@ -7,19 +7,13 @@ All methods block; the store calls them on its manifest thread.
 
 from __future__ import annotations
 
-import array
-import dataclasses
 import json
 import os
 import sqlite3
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
-import torch
-
-from tiered.backends.nvme import FileExtent
-from tiered.config import ALIGNMENT
-from tiered.entry import RAW
 from tiered.errors import CapacityError, ManifestError
+from tiered.records import COLUMN_NAMES, COLUMNS, SELECT_ROWS, Record, parse_row, to_row
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.sqlite"
@@ -29,52 +23,11 @@ RECOVERY_ADVICE = (
     "directory aside and open an empty store there; `tiered fsck DIR` reports what is readable"
 )
 
-_SCHEMA = """
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS entries (
-    key TEXT PRIMARY KEY,
-    dtype TEXT NOT NULL,
-    shape TEXT NOT NULL,
-    nbytes INTEGER NOT NULL,
-    stored_nbytes INTEGER NOT NULL,
-    codec TEXT NOT NULL,
-    codec_meta BLOB NOT NULL,
-    chunk INTEGER NOT NULL,
-    extents BLOB NOT NULL,
-    crcs BLOB,
-    generation INTEGER NOT NULL
-);
+CREATE TABLE IF NOT EXISTS entries ({", ".join(f"{name} {decl}" for name, decl in COLUMNS)});
 """
-
-
-@dataclasses.dataclass(frozen=True)
-class Record:
-    """Everything needed to find, check and decode one committed tensor."""
-
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    stored_nbytes: int
-    codec: str
-    codec_meta: bytes
-    chunk: int
-    extents: tuple[FileExtent, ...]
-    crcs: Optional[tuple[int, ...]]
-    generation: int
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """'float32' for torch.float32."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """torch.float32 for 'float32'; ManifestError for names this torch lacks."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ManifestError(f"manifest names dtype {name!r}, which this PyTorch ({torch.__version__}) lacks")
-    return dtype
+_INSERT = f"INSERT OR REPLACE INTO entries ({', '.join(COLUMN_NAMES)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
 
 class Manifest:
@@ -139,22 +92,19 @@ class Manifest:
     def load(self) -> list[Record]:
         """Every committed record; ManifestError (with recovery advice) when any is unreadable."""
         try:
-            rows = self._db.execute(
-                "SELECT key, dtype, shape, nbytes, stored_nbytes, codec, codec_meta, chunk, extents, crcs, generation "
-                "FROM entries"
-            ).fetchall()
+            rows = self._db.execute(SELECT_ROWS).fetchall()
         except sqlite3.DatabaseError as exc:
             raise ManifestError(f"cannot read the manifest {self.path}: {exc}; {RECOVERY_ADVICE}") from exc
         records = []
-        for row in rows:
-            try:
-                records.append(_record_from_row(row))
-            except (ValueError, TypeError, OverflowError, ManifestError) as exc:
+        for rowid, *values in rows:
+            row = parse_row(values, rowid=rowid)
+            if not row.ok:
                 raise ManifestError(
-                    f"the record of {row[0]!r} in {self.path} is damaged ({exc}); `tiered fsck "
-                    f"{os.path.dirname(self.path)} --delete-damaged` removes it and keeps the other entries, or "
-                    "restore the store directory from a backup"
-                ) from exc
+                    f"the record of {row.record.key!r} in {self.path} is damaged ({'; '.join(row.problems)}); "
+                    f"`tiered fsck {os.path.dirname(self.path)} --delete-damaged` removes it and keeps the other "
+                    "entries, or restore the store directory from a backup"
+                )
+            records.append(row.record)
         return records
 
     def commit(self, upserts: Sequence[Record], deletes: Iterable[str] = ()) -> None:
@@ -167,10 +117,7 @@ class Manifest:
             with self._db:
                 self._db.execute("BEGIN")
                 self._db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in deletes])
-                self._db.executemany(
-                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [_row_from_record(r) for r in upserts],
-                )
+                self._db.executemany(_INSERT, [to_row(r) for r in upserts])
         except sqlite3.Error as exc:
             if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
                 raise CapacityError(
@@ -187,70 +134,3 @@ class Manifest:
             pass
         finally:
             self._db.close()
-
-
-def _row_from_record(r: Record) -> tuple:
-    ext = array.array("q", [v for e in r.extents for v in (e.file, e.offset, e.length)])
-    crcs = array.array("I", r.crcs).tobytes() if r.crcs is not None else None
-    return (
-        r.key,
-        dtype_name(r.dtype),
-        json.dumps(list(r.shape)),
-        r.nbytes,
-        r.stored_nbytes,
-        r.codec,
-        r.codec_meta,
-        r.chunk,
-        ext.tobytes(),
-        crcs,
-        r.generation,
-    )
-
-
-def _record_from_row(row: tuple) -> Record:
-    """Parse one row, checking that its fields agree, so a damaged record can never be read as a
-    tensor of another size; ValueError/TypeError/ManifestError otherwise."""
-    key, dtype, shape, nbytes, stored, codec, codec_meta, chunk, ext_blob, crc_blob, generation = row
-    if not isinstance(key, str):
-        raise TypeError(f"key is {type(key).__name__}, not text")
-    ext = array.array("q")
-    ext.frombytes(ext_blob)
-    if len(ext) % 3:
-        raise ValueError(f"extents blob of {len(ext_blob)} bytes is not a list of (file, offset, length)")
-    extents = tuple(FileExtent(ext[i], ext[i + 1], ext[i + 2]) for i in range(0, len(ext), 3))
-    crcs: Optional[tuple[int, ...]] = None
-    if crc_blob is not None:
-        a = array.array("I")
-        a.frombytes(crc_blob)
-        crcs = tuple(a)
-    parsed_shape = json.loads(shape)
-    if not isinstance(parsed_shape, list) or not all(type(d) is int and d >= 0 for d in parsed_shape):
-        raise ValueError(f"shape {shape!r} is not a list of sizes")
-    record = Record(
-        key, dtype_from_name(dtype), tuple(parsed_shape), nbytes, stored, codec, bytes(codec_meta), chunk,
-        extents, crcs, generation,
-    )
-    numel = 1
-    for d in record.shape:
-        numel *= d
-    if not all(type(v) is int for v in (nbytes, stored, chunk, generation)) or nbytes != numel * record.dtype.itemsize:
-        raise ValueError(f"nbytes {nbytes!r} does not match dtype {dtype} and shape {record.shape}")
-    if any(e.file < 0 or e.offset < 0 or e.length <= 0 or (e.offset | e.length) % ALIGNMENT for e in extents):
-        raise ValueError(f"extents {extents} are not positive, {ALIGNMENT}-aligned ranges")
-    if not 0 <= stored <= sum(e.length for e in extents) or (stored and chunk <= 0):
-        raise ValueError(f"{stored} stored bytes do not fit its extents {extents} (chunk {chunk})")
-    if codec == RAW and stored != nbytes:
-        raise ValueError(f"a raw record stores {stored} bytes of a {nbytes}-byte tensor")
-    if crcs is not None and len(crcs) != _chunk_count(extents, stored, chunk):
-        raise ValueError(f"{len(crcs)} checksums for {_chunk_count(extents, stored, chunk)} chunks")
-    return record
-
-
-def _chunk_count(extents: Sequence[FileExtent], stored: int, chunk: int) -> int:
-    """Checksummed chunks of a record: each extent's share of ``stored`` cut into ``chunk`` bytes."""
-    count, left = 0, stored
-    for e in extents:
-        n = min(e.length, left)
-        count += -(-n // chunk) if n > 0 else 0
-        left -= n
-    return count

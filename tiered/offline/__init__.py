@@ -5,16 +5,14 @@ reads, so they also work on a store whose process crashed, and they respect the 
 """
 
 from tiered.offline.fsck import Damage, FsckReport, check_store, repair_store
-from tiered.offline.inspection import EntryRow, InspectReport, inspect_store
-from tiered.offline.storedir import StoreDirectory, StoredRecord, SwapFileInfo
+from tiered.offline.inspection import InspectReport, inspect_store
+from tiered.offline.storedir import StoreDirectory, SwapFileInfo
 
 __all__ = [
     "Damage",
-    "EntryRow",
     "FsckReport",
     "InspectReport",
     "StoreDirectory",
-    "StoredRecord",
     "SwapFileInfo",
     "check_store",
     "inspect_store",

@@ -13,24 +13,17 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import math
 import os
 import threading
 from typing import Callable, ContextManager, Iterator, Optional, Protocol, Sequence
 
-import torch
-
-from tiered.codecs import BytePlaneCodec, ZstdCodec
 from tiered.config import ALIGNMENT
-from tiered.entry import RAW
 from tiered.io.aligned import AlignedBuffer, round_up
 from tiered.io.crc import crc32
 from tiered.io.files import FileHandle, Syscalls, pread_full
 from tiered.offline.space import FileSpace, Reclaimed, account_space, reclaim
-from tiered.offline.storedir import StoreDirectory, StoredRecord
-
-#: Codecs this version of tiered decodes.
-KNOWN_CODECS = (RAW, BytePlaneCodec.name, ZstdCodec.name)
+from tiered.offline.storedir import StoreDirectory
+from tiered.records import Record, Row
 
 
 class ProgressSink(Protocol):
@@ -44,13 +37,13 @@ class ProgressSink(Protocol):
 class Damage:
     """A record that cannot be read back intact, with every reason found."""
 
-    record: StoredRecord
+    row: Row
     reasons: tuple[str, ...]
 
     @property
     def key(self) -> str:
         """The damaged record's key."""
-        return self.record.key
+        return self.row.record.key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +93,7 @@ class FsckReport:
             "verified_bytes": self.verified_bytes,
             "unverified": list(self.unverified),
             "damaged": [
-                {"key": d.key, "generation": d.record.generation, "reasons": list(d.reasons)} for d in self.damaged
+                {"key": d.key, "generation": d.row.record.generation, "reasons": list(d.reasons)} for d in self.damaged
             ],
             "deleted": list(self.deleted),
             "orphaned_bytes": self.orphaned_bytes,
@@ -137,14 +130,14 @@ def check_store(
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    records = directory.records
+    rows = directory.rows
+    records = [row.record for row in rows]
     reasons: dict[int, list[str]] = collections.defaultdict(list)
     readable: list[int] = []
-    for i, record in enumerate(records):
-        found = _field_problems(record)
-        layout = _extent_problems(record, directory)
-        reasons[i].extend(found + layout)
-        if not layout:
+    for i, row in enumerate(rows):
+        layout = _extent_problems(row, directory)
+        reasons[i].extend(list(row.problems) + layout)
+        if not layout and row.ok:
             readable.append(i)
     for i, reason in _overlaps(records):
         reasons[i].append(reason)
@@ -153,7 +146,7 @@ def check_store(
     mismatches = _verify(directory, records, checked, threads, total, progress)
     for i, reason in mismatches.items():
         reasons[i].append(reason)
-    damaged = tuple(Damage(records[i], tuple(r)) for i, r in sorted(reasons.items()) if r)
+    damaged = tuple(Damage(rows[i], tuple(r)) for i, r in sorted(reasons.items()) if r)
     return FsckReport(
         path=directory.path,
         entries=len(records),
@@ -175,7 +168,7 @@ def repair_store(
         raise ValueError("repair_store needs a StoreDirectory opened with exclusive=True")
     deleted: tuple[str, ...] = ()
     if delete_damaged and report.damaged:
-        directory.delete_records([d.record for d in report.damaged])
+        directory.delete_records([d.row for d in report.damaged])
         deleted = tuple(d.key for d in report.damaged)
     reclaimed = None
     if reclaim_space:
@@ -185,51 +178,24 @@ def repair_store(
     )
 
 
-def _field_problems(r: StoredRecord) -> list[str]:
-    """Fields that fail to parse or disagree with each other."""
-    problems = list(r.problems)
-    if r.codec not in KNOWN_CODECS:
-        problems.append(f"unknown codec {r.codec!r} (this version reads {', '.join(KNOWN_CODECS)})")
-    dtype = getattr(torch, r.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        problems.append(f"unknown dtype {r.dtype!r} (not in PyTorch {torch.__version__})")
-    elif r.shape is not None:
-        expected = math.prod(r.shape) * dtype.itemsize
-        if expected != r.nbytes:
-            problems.append(f"nbytes is {r.nbytes}, but shape {list(r.shape)} of {r.dtype} takes {expected}")
-    if r.codec == RAW and r.stored_nbytes != r.nbytes:
-        problems.append(f"stored raw in {r.stored_nbytes} bytes, but the tensor has {r.nbytes}")
-    return problems
-
-
-def _extent_problems(r: StoredRecord, directory: StoreDirectory) -> list[str]:
-    """Reasons the record's bytes cannot be read as its extents and checksums say."""
+def _extent_problems(row: Row, directory: StoreDirectory) -> list[str]:
+    """Reasons the record's bytes cannot be read where its extents say: a swap file the layout
+    lacks or that is missing, an extent past the end of its file."""
     problems = []
-    for e in r.extents:
+    for e in row.record.extents:
         f = directory.swap_file(e.file)
         if f is None:
             problems.append(f"an extent is in swap file #{e.file}, but the layout has {len(directory.swap_files)}")
         elif not f.exists:
             problems.append(f"its swap file {f.path} is missing")
-        elif e.offset < 0 or e.length <= 0 or e.offset % ALIGNMENT or e.length % ALIGNMENT:
-            problems.append(f"extent ({e.length} bytes at offset {e.offset}) is not {ALIGNMENT}-byte aligned")
         elif e.offset + e.length > f.size - f.size % ALIGNMENT:
             problems.append(
                 f"extent ({e.length} bytes at offset {e.offset}) lies past the end of {f.path} ({f.size} bytes)"
             )
-    held = sum(max(e.length, 0) for e in r.extents)
-    if held < r.stored_nbytes:
-        problems.append(f"its extents hold {held} bytes, fewer than the {r.stored_nbytes} stored")
-    if r.stored_nbytes and r.chunk <= 0:
-        problems.append(f"chunk size is {r.chunk}")
-    elif r.crcs is not None and not problems:
-        chunks = sum(1 for _ in _chunks(r, 0))
-        if len(r.crcs) != chunks:
-            problems.append(f"it has {len(r.crcs)} checksums for {chunks} chunks")
     return problems
 
 
-def _overlaps(records: Sequence[StoredRecord]) -> Iterator[tuple[int, str]]:
+def _overlaps(records: Sequence[Record]) -> Iterator[tuple[int, str]]:
     """``(record position, reason)`` for every record with an extent overlapping another record's
     (the older of the two is blamed) or another of its own."""
     spans = sorted(
@@ -254,7 +220,7 @@ def _overlaps(records: Sequence[StoredRecord]) -> Iterator[tuple[int, str]]:
                 )
 
 
-def _chunks(r: StoredRecord, position: int) -> Iterator[_Chunk]:
+def _chunks(r: Record, position: int) -> Iterator[_Chunk]:
     """The record's checksummed chunks in CRC order, as NvmeBackend._chunks numbers them."""
     left = r.stored_nbytes
     index = 0
@@ -271,7 +237,7 @@ def _chunks(r: StoredRecord, position: int) -> Iterator[_Chunk]:
 
 def _verify(
     directory: StoreDirectory,
-    records: Sequence[StoredRecord],
+    records: Sequence[Record],
     positions: Sequence[int],
     threads: int,
     total: int,

@@ -40,7 +40,7 @@ def inspect_lines(report: InspectReport, *, encoding: Optional[str], summary_onl
                 format_bytes(e.nbytes),
                 format_bytes(e.stored_nbytes),
                 text(e.codec) + (f" {format_ratio(e.nbytes, e.stored_nbytes)}" if e.codec != "raw" else ""),
-                ",".join(e.tiers),
+                ",".join(report.tiers),
                 str(e.generation),
             ]
             for e in report.entries
@@ -94,7 +94,7 @@ def fsck_lines(report: FsckReport, *, encoding: Optional[str]) -> list[str]:
             "(written with checksum=False) and were not verified"
         )
     for damage in report.damaged:
-        lines.append(f"DAMAGED '{text(damage.key)}' (generation {damage.record.generation}):")
+        lines.append(f"DAMAGED '{text(damage.key)}' (generation {damage.row.record.generation}):")
         lines.extend(f"  - {text(reason)}" for reason in damage.reasons)
     for s in report.spaces:
         if s.orphaned:

@@ -20,7 +20,8 @@ from typing import Iterable, Optional, Sequence
 
 from tiered.config import ALIGNMENT
 from tiered.errors import ManifestError
-from tiered.offline.storedir import StoreDirectory, StoredRecord, SwapFileInfo
+from tiered.offline.storedir import StoreDirectory, SwapFileInfo
+from tiered.records import Row
 
 Range = tuple[int, int]  # [start, end) in bytes
 
@@ -92,12 +93,12 @@ def subtract(ranges: Sequence[Range], minus: Sequence[Range]) -> list[Range]:
     return out
 
 
-def allocated_ranges(records: Iterable[StoredRecord], index: int, size: int) -> list[Range]:
+def allocated_ranges(records: Iterable[Row], index: int, size: int) -> list[Range]:
     """Merged byte ranges of swap file ``index`` that records reference, clipped to ``size``."""
     return merge(
         (max(e.offset, 0), min(e.offset + e.length, size))
         for r in records
-        for e in r.extents
+        for e in r.record.extents
         if e.file == index and e.length > 0
     )
 
@@ -173,10 +174,10 @@ def _seek_data(fd: int, size: int) -> list[Range]:
 
 def account_space(directory: StoreDirectory, *, find_orphans: bool = True) -> list[FileSpace]:
     """Allocated and orphaned space of every swap file in the directory's layout."""
-    return [_file_space(f, directory.records, find_orphans) for f in directory.swap_files]
+    return [_file_space(f, directory.rows, find_orphans) for f in directory.swap_files]
 
 
-def _file_space(f: SwapFileInfo, records: Sequence[StoredRecord], find_orphans: bool) -> FileSpace:
+def _file_space(f: SwapFileInfo, records: Sequence[Row], find_orphans: bool) -> FileSpace:
     allocated = allocated_ranges(records, f.index, f.size)
     orphaned: Optional[tuple[Range, ...]] = None
     if find_orphans:
@@ -200,7 +201,7 @@ def reclaim(directory: StoreDirectory, spaces: Sequence[FileSpace]) -> Reclaimed
     orphaned), OSError when the filesystem cannot punch holes (the message says which file).
     """
     assert directory.exclusive, "reclaim needs the store's exclusive lock"
-    unknown = [r.key for r in directory.records if not r.extents_known]
+    unknown = [r.record.key for r in directory.rows if not r.extents_known]
     if unknown:
         raise ManifestError(
             f"cannot reclaim space: the extent lists of {len(unknown)} record(s) are unreadable (the first is "
@@ -210,7 +211,7 @@ def reclaim(directory: StoreDirectory, spaces: Sequence[FileSpace]) -> Reclaimed
     for space in spaces:
         if not space.exists or not space.orphaned:
             continue
-        last = max((end for start, end in allocated_ranges(directory.records, space.index, space.size)), default=0)
+        last = max((end for start, end in allocated_ranges(directory.rows, space.index, space.size)), default=0)
         keep = -(-last // ALIGNMENT) * ALIGNMENT
         fd = os.open(space.path, os.O_RDWR | os.O_CLOEXEC)
         try:

@@ -9,7 +9,6 @@ report it. Nothing is ever unpickled.
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import fcntl
 import json
@@ -19,32 +18,13 @@ import sqlite3
 import urllib.parse
 from typing import Optional, Sequence
 
-from tiered.backends.nvme import FileExtent, swap_file_path
+from tiered.backends.nvme import swap_file_path
+from tiered.codecs import READABLE_CODECS
 from tiered.errors import ManifestError, StoreLockedError
 from tiered.manifest import FORMAT_VERSION, MANIFEST_NAME
+from tiered.records import SELECT_ROWS, Row, parse_row
 from tiered.store import LOCK_NAME
 
-_COLUMNS = "rowid, key, dtype, shape, nbytes, stored_nbytes, codec, chunk, extents, crcs, generation"
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredRecord:
-    """One committed manifest row, as far as it could be parsed (``problems`` says what could not)."""
-
-    rowid: int
-    key: str
-    dtype: str
-    shape: Optional[tuple[int, ...]]
-    nbytes: int
-    stored_nbytes: int
-    codec: str
-    chunk: int
-    extents: tuple[FileExtent, ...]
-    crcs: Optional[tuple[int, ...]]
-    generation: int
-    problems: tuple[str, ...] = ()
-    #: False when the extent list could not be parsed: nobody can tell which swap-file bytes it uses.
-    extents_known: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +71,7 @@ class StoreDirectory:
         self._lock_fd = lock_fd
         self.nvme_paths: list[str] = []
         self.files_per_dir = 0
-        self.records: list[StoredRecord] = []
+        self.rows: list[Row] = []
         self.swap_files: list[SwapFileInfo] = []
 
     @classmethod
@@ -133,20 +113,20 @@ class StoreDirectory:
         db = self._connect_read_only()
         try:
             meta = dict(db.execute("SELECT name, value FROM meta").fetchall())
-            rows = db.execute(f"SELECT {_COLUMNS} FROM entries").fetchall()
+            rows = db.execute(SELECT_ROWS).fetchall()
         except sqlite3.DatabaseError as exc:
             raise ManifestError(f"cannot read the manifest {self.manifest_path}: {exc}") from exc
         finally:
             db.close()
         self.nvme_paths, self.files_per_dir = _layout(meta, self.manifest_path)
-        self.records = [_parse_row(row) for row in rows]
+        self.rows = [parse_row(values, rowid=rowid, codecs=READABLE_CODECS) for rowid, *values in rows]
         self.swap_files = [self._swap_file(i) for i in range(len(self.nvme_paths) * self.files_per_dir)]
 
     def swap_file(self, index: int) -> Optional[SwapFileInfo]:
         """The swap file numbered ``index`` in the layout, or None when the layout has no such file."""
         return self.swap_files[index] if 0 <= index < len(self.swap_files) else None
 
-    def delete_records(self, records: Sequence[StoredRecord]) -> None:
+    def delete_records(self, records: Sequence[Row]) -> None:
         """Remove records from the manifest in one durable transaction, then reload.
 
         Needs the exclusive lock: no store may be running while its records change.
@@ -232,54 +212,3 @@ def _layout(meta: dict[str, str], where: str) -> tuple[list[str], int]:
     if not (isinstance(per_dir, int) and per_dir >= 1):
         raise ManifestError(f"{where} names swap_files_per_dir {per_dir!r}, not a positive count")
     return paths, per_dir
-
-
-def _parse_row(row: tuple) -> StoredRecord:
-    rowid, key, dtype, shape_text, nbytes, stored, codec, chunk, ext_blob, crc_blob, generation = row
-    problems: list[str] = []
-
-    def integer(name: str, value: object) -> int:
-        if isinstance(value, int) and value >= 0:
-            return value
-        problems.append(f"{name} is {value!r}, not a non-negative integer")
-        return 0
-
-    shape: Optional[tuple[int, ...]] = None
-    try:
-        parsed = json.loads(shape_text) if isinstance(shape_text, str) else None
-    except ValueError:
-        parsed = None
-    if isinstance(parsed, list) and all(isinstance(s, int) and s >= 0 for s in parsed):
-        shape = tuple(parsed)
-    else:
-        problems.append(f"shape {shape_text!r} is not a list of sizes")
-    extents: tuple[FileExtent, ...] = ()
-    if isinstance(ext_blob, bytes) and len(ext_blob) % 24 == 0:
-        ext = array.array("q")
-        ext.frombytes(ext_blob)
-        extents = tuple(FileExtent(ext[i], ext[i + 1], ext[i + 2]) for i in range(0, len(ext), 3))
-    else:
-        problems.append("the extent list is not a whole number of (file, offset, length) triples")
-    crcs: Optional[tuple[int, ...]] = None
-    if crc_blob is not None:
-        if isinstance(crc_blob, bytes) and len(crc_blob) % 4 == 0:
-            values = array.array("I")
-            values.frombytes(crc_blob)
-            crcs = tuple(values)
-        else:
-            problems.append("the checksum list is not a whole number of CRC-32 values")
-    return StoredRecord(
-        rowid=rowid,
-        key=key if isinstance(key, str) else repr(key),
-        dtype=dtype if isinstance(dtype, str) else repr(dtype),
-        shape=shape,
-        nbytes=integer("nbytes", nbytes),
-        stored_nbytes=integer("stored_nbytes", stored),
-        codec=codec if isinstance(codec, str) else repr(codec),
-        chunk=integer("chunk", chunk),
-        extents=extents,
-        crcs=crcs,
-        generation=integer("generation", generation),
-        problems=tuple(problems),
-        extents_known=isinstance(ext_blob, bytes) and len(ext_blob) % 24 == 0,
-    )

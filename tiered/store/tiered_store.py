@@ -37,8 +37,9 @@ from tiered.io import IOEngine, ResultPool
 from tiered.io.mailbox import FutureReply, LoopReply, Mailbox
 from tiered.keylocks import KeyLocks
 from tiered.loop import LoopThread
-from tiered.manifest import Manifest, Record
+from tiered.manifest import Manifest
 from tiered.policy import EvictionPolicy, FutureOrderPolicy
+from tiered.records import Record
 from tiered.spans import Span, new_result, spans_of_tensor
 from tiered.stats import NvmeSpace, StoreStats, SwapExtent
 from tiered.store.batch import BatchCalls
@@ -206,7 +207,7 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
                 "removes such records and keeps the rest"
             ) from exc
         entry = Entry(
-            rec.key, rec.dtype, rec.shape, rec.nbytes, rec.generation,
+            rec.key, rec.torch_dtype(), rec.shape, rec.nbytes, rec.generation,  # type: ignore[arg-type]
             codec=rec.codec, codec_meta=rec.codec_meta, stored_nbytes=rec.stored_nbytes, persisted=True,
         )
         self._entries[rec.key] = entry
