@@ -5,12 +5,21 @@ The store writes rows with :func:`to_row` and reads them with :func:`parse_row`;
 (``tiered inspect``, ``tiered fsck``) read them with the same function, so both agree on what a
 damaged row is. Parsing never raises: a field that cannot be parsed, or that disagrees with the
 others, becomes one of the row's ``problems``. Nothing is ever unpickled or evaluated.
+
+[Note: record checksums]
+Every row carries a checksum (BLAKE2b, 16 bytes) over all its other columns as SQLite returns
+them, each with its type and length: key, dtype, shape, sizes, codec and its metadata, chunk,
+extents, the data CRCs, generation and flags. A bit flipped anywhere in a row (a key renamed, a
+shape or dtype changed, an extent moved) fails it, so the row is reported and never served. The
+``flags`` column says that an entry was written without data CRCs; ``crcs`` being NULL without
+that flag is damage, so verification is never switched off by a damaged row.
 """
 
 from __future__ import annotations
 
 import array
 import dataclasses
+import hashlib
 import json
 import math
 from typing import Collection, Optional, Sequence
@@ -35,10 +44,19 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("extents", "BLOB NOT NULL"),
     ("crcs", "BLOB"),
     ("generation", "INTEGER NOT NULL"),
+    ("flags", "INTEGER NOT NULL DEFAULT 0"),
+    ("checksum", "BLOB"),
 )
 COLUMN_NAMES = tuple(name for name, _ in COLUMNS)
+#: The columns of a format-1 manifest (no flags, no checksum).
+LEGACY_COLUMN_NAMES = COLUMN_NAMES[:-2]
+#: ``flags``: the entry was written without data CRCs (``StoreConfig.checksum=False``).
+UNVERIFIED = 1
+KNOWN_FLAGS = UNVERIFIED
 #: Every row with its rowid, in :data:`COLUMN_NAMES` order after the rowid.
 SELECT_ROWS = f"SELECT rowid, {', '.join(COLUMN_NAMES)} FROM entries"
+#: The same for a format-1 manifest.
+SELECT_LEGACY_ROWS = f"SELECT rowid, {', '.join(LEGACY_COLUMN_NAMES)} FROM entries"
 #: Bytes of one (file, offset, length) triple in the ``extents`` column.
 EXTENT_BYTES = 24
 
@@ -87,6 +105,9 @@ class Row:
     problems: tuple[str, ...] = ()
     #: False when the extent list could not be parsed: nobody can tell which swap-file bytes it uses.
     extents_known: bool = True
+    #: The row is as it was written: its checksum matched (a format-1 row, which has none, counts as
+    #: intact). Problems of an intact row come from its writer (a newer version), not from damage.
+    intact: bool = True
 
     @property
     def ok(self) -> bool:
@@ -108,21 +129,72 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def to_row(r: Record) -> tuple:
-    """The column values of ``r``, in :data:`COLUMN_NAMES` order."""
+    """The column values of ``r``, in :data:`COLUMN_NAMES` order, its checksum last."""
     ext = array.array("q", [v for e in r.extents for v in (e.file, e.offset, e.length)])
     crcs = array.array("I", r.crcs).tobytes() if r.crcs is not None else None
     shape = json.dumps(list(r.shape if r.shape is not None else ()))
-    return (r.key, r.dtype, shape, r.nbytes, r.stored_nbytes, r.codec, r.codec_meta, r.chunk, ext.tobytes(), crcs,
-            r.generation)
+    values = (r.key, r.dtype, shape, r.nbytes, r.stored_nbytes, r.codec, r.codec_meta, r.chunk, ext.tobytes(), crcs,
+              r.generation, UNVERIFIED if r.crcs is None else 0)
+    return (*values, row_checksum(values))
 
 
-def parse_row(values: Sequence[object], *, rowid: int = 0, codecs: Optional[Collection[str]] = None) -> Row:
-    """Parse the column values of one row (in :data:`COLUMN_NAMES` order). Never raises: what cannot be
-    parsed, or disagrees with the other fields (a size that does not match the dtype and shape, extents
-    that cannot hold the stored bytes, a checksum count that does not match the chunks, a codec not in
-    ``codecs`` when given), is a problem of the row."""
-    key, dtype, shape_text, nbytes, stored, codec, codec_meta, chunk, ext_blob, crc_blob, generation = values
+def row_checksum(values: Sequence[object]) -> bytes:
+    """The checksum of a row's columns (all but the checksum itself), as SQLite stores and returns them.
+
+    Raises TypeError for a value SQLite would not return for the schema (a float), OverflowError for
+    an integer beyond 64 bits.
+    """
+    parts = []
+    for v in values:
+        kind = type(v)
+        if kind is int:
+            parts.append(b"i" + v.to_bytes(8, "little", signed=True))  # type: ignore[union-attr]
+        elif kind is str:
+            data = v.encode("utf-8", "surrogateescape")  # type: ignore[union-attr]
+            parts.append(b"s%d:" % len(data) + data)
+        elif kind is bytes:
+            parts.append(b"b%d:" % len(v) + v)  # type: ignore[arg-type, operator]
+        elif v is None:
+            parts.append(b"n")
+        else:
+            raise TypeError(f"a manifest column holds a {kind.__name__}")
+    return hashlib.blake2b(b"".join(parts), digest_size=16, person=b"tiered-record").digest()
+
+
+def parse_row(values: Sequence[object], *, rowid: int = 0, codecs: Optional[Collection[str]] = None,
+              legacy: bool = False) -> Row:
+    """Parse the column values of one row (in :data:`COLUMN_NAMES` order; :data:`LEGACY_COLUMN_NAMES`
+    with ``legacy``, whose rows carry no checksum). Never raises: a checksum that does not match, a
+    field that cannot be parsed or that disagrees with the others (a size that does not match the
+    dtype and shape, extents that cannot hold the stored bytes, a checksum count that does not match
+    the chunks, a codec not in ``codecs`` when given) is a problem of the row."""
     problems: list[str] = []
+    intact = True
+    if legacy:
+        fields, flags = tuple(values), None
+    else:
+        fields, flags, checksum = tuple(values[:-2]), values[-2], values[-1]
+        try:
+            intact = checksum == row_checksum(values[:-1])
+        except (TypeError, OverflowError):
+            intact = False
+        if not intact:
+            problems.append("its record checksum does not match its fields: the row was changed or damaged")
+    row = dataclasses.replace(_parse_fields(fields, rowid, codecs, problems), intact=intact)
+    if flags is not None and row.ok:
+        crcs_missing = row.record.crcs is None
+        if type(flags) is not int or flags & ~KNOWN_FLAGS:
+            row = dataclasses.replace(row, problems=(f"flags {flags!r} are not ones this version knows",))
+        elif crcs_missing != bool(flags & UNVERIFIED):
+            row = dataclasses.replace(row, problems=("its data checksums are missing",))
+    return row
+
+
+def _parse_fields(values: Sequence[object], rowid: int, codecs: Optional[Collection[str]],
+                  problems: list[str]) -> Row:
+    """:func:`parse_row` of the record's own fields; their problems go after those already in ``problems``."""
+    key, dtype, shape_text, nbytes, stored, codec, codec_meta, chunk, ext_blob, crc_blob, generation = values
+    before = len(problems)
 
     def integer(name: str, value: object) -> int:
         if type(value) is int and value >= 0:
@@ -153,16 +225,16 @@ def parse_row(values: Sequence[object], *, rowid: int = 0, codecs: Optional[Coll
     crcs: Optional[tuple[int, ...]] = None
     if crc_blob is not None:
         if isinstance(crc_blob, bytes) and len(crc_blob) % 4 == 0:
-            values_ = array.array("I")
-            values_.frombytes(crc_blob)
-            crcs = tuple(values_)
+            sums = array.array("I")
+            sums.frombytes(crc_blob)
+            crcs = tuple(sums)
         else:
             problems.append("the checksum list is not a whole number of CRC-32 values")
     if not isinstance(codec_meta, bytes):
         problems.append(f"codec_meta is {type(codec_meta).__name__}, not bytes")
         codec_meta = b""
     record = Record(key, dtype, shape, nbytes, stored, codec, codec_meta, chunk, extents, crcs, generation)
-    if not problems:
+    if len(problems) == before:  # every field parsed: do they agree?
         problems.extend(_disagreements(record, codecs))
     return Row(rowid, record, tuple(problems), extents_known)
 

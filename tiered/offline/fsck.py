@@ -1,11 +1,14 @@
 """Checking a store directory offline: every committed record's fields, extents and checksums, and
 the space no record references; on request, deleting damaged records and reclaiming orphaned space.
 
-A record is *damaged* when the store could not read it back intact: a field that does not parse or
-disagrees with the others, a codec or dtype this version cannot decode, an extent outside its swap
-file, extents that overlap another record's (the older record is blamed: committed extents are never
-reused, so the newer write is the one on disk), or a chunk whose CRC-32 does not match. A store
-with an overlap or an extent past the end of its file refuses to open until the record is deleted.
+A record is *damaged* when its own bytes fail their check: its record checksum, a field that does
+not parse or disagrees with the others, a codec or dtype this version cannot decode, an extent
+outside its swap file or in one that is gone, extents that overlap another record's (the older
+record is blamed: committed extents are never reused, so the newer write is the one on disk), or a
+chunk whose CRC-32 does not match. A store with an overlap or an extent past the end of its file
+refuses to open until the record is deleted. A record whose swap file is *unavailable* (its
+directory is missing, or holds another store's files) is not checked, and never deleted: the
+store's swap directories are elsewhere, and ``--nvme-path`` names them.
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ class FsckReport:
     spaces: tuple[FileSpace, ...]
     deleted: tuple[str, ...] = ()
     reclaimed: Optional[Reclaimed] = None
+    #: Records not checked because their swap files are unavailable (never deleted).
+    unavailable: tuple[Damage, ...] = ()
+    #: SQLite's ``PRAGMA integrity_check`` of the manifest: ``("ok",)`` when the database file is sound.
+    integrity: tuple[str, ...] = ("ok",)
+    #: The manifest is of the earlier format (no record checksums; opening the store upgrades it).
+    legacy: bool = False
 
     @property
     def orphaned_bytes(self) -> int:
@@ -73,14 +82,20 @@ class FsckReport:
 
     @property
     def clean(self) -> bool:
-        """No damaged record was found and no orphaned space is left."""
-        return not self.damaged and self.orphaned_bytes == 0
+        """Healthy, and no orphaned space is left."""
+        return self.healthy and self.orphaned_bytes == 0
 
     @property
     def healthy(self) -> bool:
-        """No damaged record was found. Orphaned space alone is harmless: the store allocates it
-        again after a reopen (``--reclaim`` only hands it back to the filesystem sooner)."""
-        return not self.damaged
+        """No damaged or unchecked record, and SQLite found the database file sound. Orphaned space
+        alone is harmless: the store allocates it again after a reopen (``--reclaim`` only hands it
+        back to the filesystem sooner)."""
+        return not self.damaged and not self.unavailable and self.integrity_ok
+
+    @property
+    def integrity_ok(self) -> bool:
+        """SQLite's integrity check found nothing wrong."""
+        return self.integrity == ("ok",)
 
     def as_dict(self) -> dict[str, object]:
         """JSON-ready form."""
@@ -95,6 +110,9 @@ class FsckReport:
             "damaged": [
                 {"key": d.key, "generation": d.row.record.generation, "reasons": list(d.reasons)} for d in self.damaged
             ],
+            "unavailable": [{"key": d.key, "reasons": list(d.reasons)} for d in self.unavailable],
+            "integrity_check": list(self.integrity),
+            "format": "legacy" if self.legacy else "current",
             "deleted": list(self.deleted),
             "orphaned_bytes": self.orphaned_bytes,
             "orphaned": [
@@ -133,14 +151,22 @@ def check_store(
     rows = directory.rows
     records = [row.record for row in rows]
     reasons: dict[int, list[str]] = collections.defaultdict(list)
+    elsewhere: dict[int, list[str]] = {}
     readable: list[int] = []
     for i, row in enumerate(rows):
+        missing = _unavailable(row, directory)
+        if missing and row.ok:
+            elsewhere[i] = missing
+            continue
         layout = _extent_problems(row, directory)
         reasons[i].extend(list(row.problems) + layout)
         if not layout and row.ok:
             readable.append(i)
-    for i, reason in _overlaps(records):
-        reasons[i].append(reason)
+    # A row whose checksum failed has untrustworthy extents and generation: it must not get an
+    # intact record blamed for an overlap.
+    trusted = [i for i, row in enumerate(rows) if row.intact and i not in elsewhere]
+    for j, reason in _overlaps([records[i] for i in trusted]):
+        reasons[trusted[j]].append(reason)
     checked = [i for i in readable if records[i].crcs is not None]
     total = sum(records[i].stored_nbytes for i in checked)
     mismatches = _verify(directory, records, checked, threads, total, progress)
@@ -148,6 +174,9 @@ def check_store(
         reasons[i].append(reason)
     damaged = tuple(Damage(rows[i], tuple(r)) for i, r in sorted(reasons.items()) if r)
     return FsckReport(
+        unavailable=tuple(Damage(rows[i], tuple(r)) for i, r in sorted(elsewhere.items())),
+        integrity=directory.integrity,
+        legacy=directory.legacy,
         path=directory.path,
         entries=len(records),
         verified_entries=len(checked),
@@ -176,6 +205,16 @@ def repair_store(
     return dataclasses.replace(
         report, spaces=tuple(account_space(directory)), deleted=deleted, reclaimed=reclaimed
     )
+
+
+def _unavailable(row: Row, directory: StoreDirectory) -> list[str]:
+    """Why the record's swap files cannot be checked as this store's (empty when they can)."""
+    reasons = []
+    for index in sorted({e.file for e in row.record.extents}):
+        f = directory.swap_file(index)
+        if f is not None and f.unavailable is not None:
+            reasons.append(f"its swap file {f.path} is unavailable: {f.unavailable}")
+    return reasons
 
 
 def _extent_problems(row: Row, directory: StoreDirectory) -> list[str]:
@@ -298,7 +337,7 @@ class _ChunkReader:
         self._syscalls = Syscalls()
         try:
             for f in directory.swap_files:
-                if f.exists:
+                if f.exists and f.unavailable is None:
                     self._handles[f.index] = _open_for_reading(f.path)
         except BaseException:
             self.__exit__()
@@ -337,7 +376,7 @@ class _ChunkReader:
 
 def _open_for_reading(path: str) -> FileHandle:
     """Open read-only, with O_DIRECT unless the filesystem refuses it (then the page cache is used)."""
-    flags = os.O_RDONLY | os.O_CLOEXEC
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
     if hasattr(os, "O_DIRECT"):
         try:
             return FileHandle(os.open(path, flags | os.O_DIRECT), path, True)

@@ -26,6 +26,8 @@ class InspectReport:
     #: Tiers holding an entry at rest: a committed record is an nvme copy. (A running store's
     #: memory-tier copies live in its process and are not visible from outside.)
     tiers: tuple[str, ...] = (Tier.NVME.value,)
+    #: Keys (as read) of the rows that are damaged: listed among the entries, never served.
+    damaged: tuple[str, ...] = ()
 
     @property
     def logical_bytes(self) -> int:
@@ -77,6 +79,7 @@ class InspectReport:
                     "tiers": list(self.tiers),
                     "generation": e.generation,
                     "extents": len(e.extents),
+                    "damaged": e.key in self.damaged,
                 }
                 for e in self.entries
             ],
@@ -94,6 +97,7 @@ class InspectReport:
                         "allocated_bytes": s.allocated_bytes,
                         "free_bytes": s.free_bytes,
                         "orphaned_bytes": s.orphaned_bytes,
+                        "unavailable": s.unavailable,
                     }
                     for s in self.spaces
                 ],
@@ -120,4 +124,5 @@ def inspect_store(directory: StoreDirectory) -> InspectReport:
         files_per_dir=directory.files_per_dir,
         entries=tuple(sorted((row.record for row in directory.rows), key=lambda r: r.key)),
         spaces=tuple(account_space(directory, find_orphans=directory.in_use_by is None)),
+        damaged=tuple(row.record.key for row in directory.rows if not row.ok),
     )

@@ -41,6 +41,8 @@ class FileSpace:
     disk_bytes: int
     allocated_bytes: int
     orphaned: Optional[tuple[Range, ...]]
+    #: Why the file is not taken for this store's (SwapFileInfo.unavailable); its space is then not accounted.
+    unavailable: Optional[str] = None
 
     @property
     def orphaned_bytes(self) -> Optional[int]:
@@ -107,7 +109,7 @@ def data_ranges(path: str, size: int) -> list[Range]:
     """Ranges of the file that hold data: written extents by ``FIEMAP`` (space reserved by fallocate
     but never written is not data); ``SEEK_DATA``/``SEEK_HOLE`` where the filesystem has no FIEMAP,
     and the whole file where it can tell neither."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         try:
             return merge(_fiemap_data(fd, size))
@@ -180,7 +182,7 @@ def account_space(directory: StoreDirectory, *, find_orphans: bool = True) -> li
 def _file_space(f: SwapFileInfo, records: Sequence[Row], find_orphans: bool) -> FileSpace:
     allocated = allocated_ranges(records, f.index, f.size)
     orphaned: Optional[tuple[Range, ...]] = None
-    if find_orphans:
+    if find_orphans and f.unavailable is None:  # another store's file is never taken for orphaned space
         orphaned = tuple(subtract(merge(data_ranges(f.path, f.size)), allocated)) if f.exists else ()
     return FileSpace(
         index=f.index,
@@ -190,6 +192,7 @@ def _file_space(f: SwapFileInfo, records: Sequence[Row], find_orphans: bool) -> 
         disk_bytes=f.disk_bytes,
         allocated_bytes=sum(end - start for start, end in allocated),
         orphaned=orphaned,
+        unavailable=f.unavailable,
     )
 
 
@@ -213,7 +216,7 @@ def reclaim(directory: StoreDirectory, spaces: Sequence[FileSpace]) -> Reclaimed
             continue
         last = max((end for start, end in allocated_ranges(directory.rows, space.index, space.size)), default=0)
         keep = -(-last // ALIGNMENT) * ALIGNMENT
-        fd = os.open(space.path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(space.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             before += os.fstat(fd).st_blocks * 512
             for start, end in space.orphaned:

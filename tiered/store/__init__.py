@@ -8,8 +8,7 @@ and ``tiers`` are mixins of it (batched calls, modify blocks, tier bookkeeping);
 
 from tiered.store.modify import Modification
 from tiered.store.prefetch import Prefetch
-from tiered.store.process import LOCK_NAME
 from tiered.store.sync import SyncStore
 from tiered.store.tiered_store import TieredStore
 
-__all__ = ["LOCK_NAME", "Modification", "Prefetch", "SyncStore", "TieredStore"]
+__all__ = ["Modification", "Prefetch", "SyncStore", "TieredStore"]
