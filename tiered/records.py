@@ -8,8 +8,8 @@ others, becomes one of the row's ``problems``. Nothing is ever unpickled or eval
 
 [Note: record checksums]
 Every row carries a checksum (BLAKE2b, 16 bytes) over all its other columns as SQLite returns
-them, each with its type and length: key, dtype, shape, sizes, codec and its metadata, chunk,
-extents, the data CRCs, generation and flags. A bit flipped anywhere in a row (a key renamed, a
+them, types included (:func:`row_checksum`): key, dtype, shape, sizes, codec and its metadata,
+chunk, extents, the data CRCs, generation and flags. A bit flipped anywhere in a row (a key renamed, a
 shape or dtype changed, an extent moved) fails it, so the row is reported and never served. The
 ``flags`` column says that an entry was written without data CRCs; ``crcs`` being NULL without
 that flag is damage, so verification is never switched off by a damaged row.
@@ -141,24 +141,11 @@ def to_row(r: Record) -> tuple:
 def row_checksum(values: Sequence[object]) -> bytes:
     """The checksum of a row's columns (all but the checksum itself), as SQLite stores and returns them.
 
-    Raises TypeError for a value SQLite would not return for the schema (a float), OverflowError for
-    an integer beyond 64 bits.
+    The columns are hashed as ``ascii()`` writes their tuple: one C call, and a form that tells
+    text, bytes, integers, floats and NULL apart and does not depend on the Unicode database (every
+    character outside ASCII is escaped), so it stays the same across Python versions.
     """
-    parts = []
-    for v in values:
-        kind = type(v)
-        if kind is int:
-            parts.append(b"i" + v.to_bytes(8, "little", signed=True))  # type: ignore[union-attr]
-        elif kind is str:
-            data = v.encode("utf-8", "surrogateescape")  # type: ignore[union-attr]
-            parts.append(b"s%d:" % len(data) + data)
-        elif kind is bytes:
-            parts.append(b"b%d:" % len(v) + v)  # type: ignore[arg-type, operator]
-        elif v is None:
-            parts.append(b"n")
-        else:
-            raise TypeError(f"a manifest column holds a {kind.__name__}")
-    return hashlib.blake2b(b"".join(parts), digest_size=16, person=b"tiered-record").digest()
+    return hashlib.blake2b(ascii(tuple(values)).encode("ascii"), digest_size=16, person=b"tiered-record").digest()
 
 
 def parse_row(values: Sequence[object], *, rowid: int = 0, codecs: Optional[Collection[str]] = None,
@@ -174,10 +161,7 @@ def parse_row(values: Sequence[object], *, rowid: int = 0, codecs: Optional[Coll
         fields, flags = tuple(values), None
     else:
         fields, flags, checksum = tuple(values[:-2]), values[-2], values[-1]
-        try:
-            intact = checksum == row_checksum(values[:-1])
-        except (TypeError, OverflowError):
-            intact = False
+        intact = checksum == row_checksum(values[:-1])
         if not intact:
             problems.append("its record checksum does not match its fields: the row was changed or damaged")
     row = dataclasses.replace(_parse_fields(fields, rowid, codecs, problems), intact=intact)
