@@ -25,7 +25,7 @@ from small_filesystems import fill, mounted
 import tiered
 from tiered import CapacityError, ChecksumError, ManifestError, Tier, TransferError
 from tiered.io import Syscalls
-from tiered.offline import StoreDirectory, check_store
+from tiered.offline import StoreDirectory, check_store, inspect_store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -422,7 +422,9 @@ def test_a_damaged_record_is_never_served_and_the_rest_is(tmp_path, damage):
         store.sync.put("fresh", torch.ones(3))  # the store stays usable
     with StoreDirectory.open(cfg.path) as directory:
         report = check_store(directory)
+        shown = inspect_store(directory)
     assert [d.key for d in report.damaged] == [row_key] and not report.healthy
+    assert shown.damaged == (row_key,), "inspect marks the row it lists as damaged"
 
 
 def _digest(path: str) -> str:

@@ -31,6 +31,7 @@ def inspect_lines(report: InspectReport, *, encoding: Optional[str], summary_onl
             f"note: the store is open in process {text(report.in_use_by)}; these are its committed entries, and "
             "orphaned space is not computed while it runs (its writes in flight would look orphaned)"
         )
+    damaged = set(report.damaged)
     if not summary_only and report.entries:
         rows = [
             [
@@ -40,7 +41,7 @@ def inspect_lines(report: InspectReport, *, encoding: Optional[str], summary_onl
                 format_bytes(e.nbytes),
                 format_bytes(e.stored_nbytes),
                 text(e.codec) + (f" {format_ratio(e.nbytes, e.stored_nbytes)}" if e.codec != "raw" else ""),
-                ",".join(report.tiers),
+                "DAMAGED" if e.key in damaged else ",".join(report.tiers),
                 str(e.generation),
             ]
             for e in report.entries
@@ -79,7 +80,8 @@ def inspect_lines(report: InspectReport, *, encoding: Optional[str], summary_onl
     if report.orphaned_bytes:
         lines.append("  (orphaned: stale data no record references; `tiered fsck --reclaim` gives it back)")
     if report.damaged:
-        lines.append(f"{len(report.damaged)} of the records are damaged and not served (`tiered fsck` says why): "
+        n = len(report.damaged)
+        lines.append(f"{n} record{' is' if n == 1 else 's are'} damaged and not served (`tiered fsck` says why): "
                      + ", ".join(f"'{fit(text(k), KEY_WIDTH, ellipsis)}'" for k in report.damaged))
     return lines
 
