@@ -350,7 +350,7 @@ def test_a_planted_symlink_is_refused_by_name_and_its_target_left_alone(tmp_path
         assert (target.read_bytes(), os.stat(target).st_mode) == before
 
 
-def test_a_hard_link_or_a_file_of_another_user_is_refused(tmp_path):
+def test_a_hard_link_a_fifo_or_a_file_of_another_user_is_refused(tmp_path):
     cfg = small_config(tmp_path / "s")
     with TieredStore.open(cfg) as store:
         store.sync.put("k", torch.arange(1000.0))
@@ -359,6 +359,13 @@ def test_a_hard_link_or_a_file_of_another_user_is_refused(tmp_path):
     with pytest.raises(OSError, match=re.escape(swap) + " has 2 hard links"):
         TieredStore.open(cfg)
     os.unlink(tmp_path / "elsewhere")
+    ident = os.path.join(cfg.path, "swap-00.id")
+    os.rename(ident, tmp_path / "id")
+    os.mkfifo(ident, 0o600)  # opening it to read would block: it is refused before it is opened
+    with pytest.raises(OSError, match=re.escape(ident) + " is not a regular file"):
+        TieredStore.open(cfg)
+    os.unlink(ident)
+    os.rename(tmp_path / "id", ident)
     if os.geteuid() != 0:
         pytest.skip("changing a file's owner needs root")
     os.chown(swap, 54321, -1)

@@ -107,6 +107,7 @@ class OwnedDirectory:
         A symlink is refused with an OSError naming it; so is anything that :func:`check_own_file` refuses.
         """
         flags |= os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        self.check_file(name)  # before opening: opening a planted FIFO could block, a device could act
         try:
             fd = os.open(name, flags, 0o600, dir_fd=self.fd)
         except OSError as exc:
