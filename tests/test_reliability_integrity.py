@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import re
@@ -246,6 +247,31 @@ def test_manifest_bit_flips_never_serve_wrong_data_or_phantom_keys(tmp_path):
         assert refused <= {d.key for d in report.damaged}, f"flip {n} (bit {bit}): fsck missed {refused}"
     # With this seed about a quarter of the flips change what SQLite reads; the rest hit unused bytes.
     assert outcomes["records refused"] >= 20 and outcomes["refused at open"] >= 1, outcomes
+
+
+def test_fsck_reports_sqlite_s_integrity_check(tmp_path, capsys):
+    cfg = small_config(tmp_path / "s")
+    with TieredStore.open(cfg) as store:
+        for i in range(5):
+            store.sync.put(f"k{i}", torch.full((10,), float(i)))
+    code, out, _ = cli(capsys, "fsck", cfg.path)
+    assert code == 0 and "SQLite's integrity check: ok" in out
+    path = os.path.join(cfg.path, "manifest.sqlite")
+    db = sqlite3.connect(path)
+    root = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'sqlite_autoindex_entries_1'").fetchone()[0]
+    page = db.execute("PRAGMA page_size").fetchone()[0]
+    db.close()
+    with open(path, "r+b") as f:  # rename one key in the primary-key index only: the rows stay intact
+        data = f.read()
+        at = data.rfind(b"k3", (root - 1) * page, root * page)
+        f.seek(at + 1)
+        f.write(b"7")
+    code, out, _ = cli(capsys, "fsck", cfg.path, "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["healthy"] and not report["damaged"]
+    assert any("missing from index" in line for line in report["integrity_check"]), report["integrity_check"]
+    code, out, _ = cli(capsys, "fsck", cfg.path)
+    assert code == 1 and "integrity check of the manifest FAILED" in out
 
 
 # ----------------------------------------------------------------------------------- relocation
