@@ -11,6 +11,7 @@ import torch
 import tiered
 from tiered.backends import DeviceBackend, HostBackend, NvmeBackend, TierBackend
 from tiered.io import IOEngine
+from tiered.ownership import OwnedDirectories
 from tiered.spans import Span, spans_of_tensor
 
 from conftest import ALL_DTYPES, KiB, random_tensor, same_bytes
@@ -25,10 +26,14 @@ async def backend(request, tmp_path):
     elif request.param == "host":
         b = HostBackend(256 * KiB, pool)
     else:
-        b = NvmeBackend([str(tmp_path / "a"), str(tmp_path / "b")], files_per_dir=2, budget=256 * KiB,
-                        grow_bytes=64 * KiB, io=io, direct=True)
+        dirs = OwnedDirectories.open(str(tmp_path), [str(tmp_path / "a"), str(tmp_path / "b")], exclusive=True,
+                                     create=True)
+        b = NvmeBackend(dirs.swap, store_id="conformance", files_per_dir=2, budget=256 * KiB, grow_bytes=64 * KiB,
+                        io=io, direct=True)
     yield b
     await b.close()
+    if request.param == "nvme":
+        dirs.close()
     io.close()
     pool.shutdown()
 

@@ -81,7 +81,7 @@ def test_buffered_fallback_warns_once_and_works(tmp_path, monkeypatch):
     import tiered.backends.nvme as nvme
 
     real_open = nvme.open_file
-    monkeypatch.setattr(nvme, "open_file", lambda path, direct: real_open(path, direct=False))
+    monkeypatch.setattr(nvme, "open_file", lambda path, direct, **kw: real_open(path, direct=False, **kw))
     cfg = tiered.StoreConfig(path=str(tmp_path / "s"), block_size=64 * KiB, swap_grow_bytes=1 << 20)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -25,6 +25,7 @@ from small_filesystems import fill, mounted
 import tiered
 from tiered import CapacityError, ChecksumError, ManifestError, Tier, TransferError
 from tiered.io import Syscalls
+from tiered.offline import StoreDirectory, check_store, inspect_store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -360,6 +361,11 @@ DAMAGE = {
     "deleted": lambda cfg: os.unlink(os.path.join(cfg.path, "manifest.sqlite")),
     "wrong schema": lambda cfg: _sql(cfg, "DROP TABLE entries", "CREATE TABLE entries (key TEXT, blob BLOB)"),
     "future format": lambda cfg: _sql(cfg, "UPDATE meta SET value = '99' WHERE name = 'format'"),
+    "layout changed": lambda cfg: _sql(cfg, "UPDATE meta SET value = '3' WHERE name = 'swap_files_per_dir'"),
+}
+
+#: Damage to one record: the store opens, refuses that key by name and serves the others.
+RECORD_DAMAGE = {
     "bad shape": lambda cfg: _sql(cfg, "UPDATE entries SET shape = '{\"a\": 1}' WHERE key = 'key-3'"),
     "size disagrees with shape": lambda cfg: _sql(cfg, "UPDATE entries SET shape = '[9999]' WHERE key = 'key-4'"),
     "unknown dtype": lambda cfg: _sql(cfg, "UPDATE entries SET dtype = 'float7' WHERE key = 'key-5'"),
@@ -369,6 +375,11 @@ DAMAGE = {
         cfg, "UPDATE entries SET extents = (SELECT extents FROM entries WHERE key = 'key-1') WHERE key = 'key-2'"),
     "extent past the end": lambda cfg: _sql(
         cfg, "UPDATE entries SET extents = x'000000000000000000000000100000000040000000000000' WHERE key = 'key-8'"),
+    "checksums set to NULL": lambda cfg: _sql(cfg, "UPDATE entries SET crcs = NULL WHERE key = 'key-9'"),
+    "checksums and flags set to NULL's": lambda cfg: _sql(cfg, "UPDATE entries SET crcs = NULL, flags = 1 "
+                                                                 "WHERE key = 'key-10'"),
+    "key renamed": lambda cfg: _sql(cfg, "UPDATE entries SET key = 'key-11x' WHERE key = 'key-11'"),
+    "record checksum removed": lambda cfg: _sql(cfg, "UPDATE entries SET checksum = NULL WHERE key = 'key-12'"),
 }
 
 
@@ -388,6 +399,32 @@ def test_damaged_manifest_is_a_manifest_error_with_advice(tmp_path, damage):
         assert cfg.path in message or "key-" in message, message
     after = {n: _digest(os.path.join(cfg.path, n)) for n in os.listdir(cfg.path) if n != "LOCK"}
     assert after == before, "a refused open must leave the directory as it was, for recovery"
+
+
+@pytest.mark.parametrize("damage", sorted(RECORD_DAMAGE))
+def test_a_damaged_record_is_never_served_and_the_rest_is(tmp_path, damage):
+    cfg = damaged_store(tmp_path)
+    RECORD_DAMAGE[damage](cfg)
+    with tiered.TieredStore.open(cfg) as store:
+        keys = set(store.keys())
+        damaged = {f"key-{i}" for i in range(30)} - keys
+        assert len(damaged) == 1 and keys <= {f"key-{i}" for i in range(30)}, "no phantom key, one key refused"
+        victim = damaged.pop()
+        row_key = victim + "x" if damage == "key renamed" else victim  # the key the damaged row holds now
+        with pytest.raises(ManifestError, match=rf"record of '{row_key}'.*damaged.*fsck {cfg.path} --delete-damaged"):
+            store.sync.get(row_key)
+        if row_key != victim:
+            with pytest.raises(KeyError, match="1 damaged manifest record"):
+                store.sync.get(victim)
+        for key in keys:
+            i = int(key.split("-")[1])
+            assert same_bytes(store.sync.get(key), random_tensor((2_000 + i,), torch.float32, seed=i)), key
+        store.sync.put("fresh", torch.ones(3))  # the store stays usable
+    with StoreDirectory.open(cfg.path) as directory:
+        report = check_store(directory)
+        shown = inspect_store(directory)
+    assert [d.key for d in report.damaged] == [row_key] and not report.healthy
+    assert shown.damaged == (row_key,), "inspect marks the row it lists as damaged"
 
 
 def _digest(path: str) -> str:

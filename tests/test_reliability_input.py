@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import re
 import threading
 
 import numpy as np
@@ -195,7 +196,8 @@ async def test_odd_keys_are_plain_strings(cfg, tmp_path):
         await store.delete("../x")
         assert "../x" not in store and "x" * 100_000 in store
     created = files_under(tmp_path) - before
-    allowed = {"LOCK", "manifest.sqlite", "manifest.sqlite-wal", "manifest.sqlite-shm", "swap-00.bin", "swap-01.bin"}
+    allowed = {"LOCK", "manifest.sqlite", "manifest.sqlite-wal", "manifest.sqlite-shm", "swap-00.bin", "swap-01.bin",
+               "swap-00.id", "swap-01.id"}
     assert {os.path.relpath(p, "store") for p in created} <= allowed, created
 
 
@@ -310,10 +312,11 @@ def test_a_store_opened_twice_is_refused_and_the_first_keeps_working(cfg, tmp_pa
         for path in (cfg.path, str(link)):
             if path == str(link):
                 os.symlink(cfg.path, link)
-            with pytest.raises(StoreLockedError, match=rf"already open \(owner pid {os.getpid()}\)"):
+            with pytest.raises(StoreLockedError, match=rf"already open: it is in use by pid {os.getpid()} "
+                                                       rf"\(store {re.escape(cfg.path)}\)"):
                 TieredStore.open(make_config(path))
         with open(os.path.join(cfg.path, "LOCK")) as f:
-            assert f.read() == str(os.getpid())
+            assert f.read().splitlines() == [str(os.getpid()), cfg.path]
         store.sync.put("k2", torch.zeros(3))
         assert torch.equal(store.sync.get("k"), torch.ones(3))
 

@@ -112,11 +112,12 @@ def test_an_existing_directory_keeps_its_mode_but_files_are_private(tmp_path):
         assert stat.S_IMODE(os.stat(path / name).st_mode) == 0o600, name
 
 
-def test_the_lock_file_holds_only_the_owner_pid(tmp_path):
-    cfg = make_config(tmp_path / "s")
+def test_the_lock_file_holds_only_the_owner_pid_and_store(tmp_path):
+    cfg = make_config(tmp_path / "s", nvme_paths=[str(tmp_path / "n0")])
     with TieredStore.open(cfg):
-        with open(os.path.join(cfg.path, "LOCK"), "rb") as f:
-            assert f.read() == str(os.getpid()).encode()
+        for directory in (cfg.path, *cfg.nvme_paths):
+            with open(os.path.join(directory, "LOCK"), "rb") as f:
+                assert f.read() == f"{os.getpid()}\n{cfg.path}\n".encode()
 
 
 # ----------------------------------------------------------------------------------- no unpickling
@@ -204,7 +205,8 @@ def test_keys_never_reach_the_filesystem(tmp_path):
     for key in NASTY_KEYS:
         leaked = [p for p in paths if key in p and not key.startswith(("swap", "LOCK", "manifest", ".."))]
         assert not leaked, (key, leaked)
-    allowed = {"LOCK", "manifest.sqlite", "manifest.sqlite-wal", "manifest.sqlite-shm", "swap-00.bin", "swap-01.bin"}
+    allowed = {"LOCK", "manifest.sqlite", "manifest.sqlite-wal", "manifest.sqlite-shm", "swap-00.bin", "swap-01.bin",
+               "swap-00.id", "swap-01.id"}
     created = {os.path.relpath(os.path.join(d, n), tmp_path) for d, _, files in os.walk(tmp_path) for n in files}
     assert {os.path.basename(p) for p in created} <= allowed, created
     assert not os.path.exists("/tmp/absolute-key") and not os.path.exists(tmp_path / "escape")

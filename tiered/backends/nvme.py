@@ -10,12 +10,13 @@ import os
 import warnings
 from typing import Iterator, Optional, Sequence
 
-from tiered.backends import nvme_batch
+from tiered.backends import nvme_batch, swap_ids
 from tiered.backends.base import Copy, TierBackend
 from tiered.backends.coalesce import Coalescer
 from tiered.config import ALIGNMENT
 from tiered.errors import CapacityError
 from tiered.extents import Extent, ExtentAllocator
+from tiered.ownership import OwnedDirectory
 from tiered.io import BlockRead, BlockWrite, FileHandle, IOEngine, open_file, round_up
 from tiered.io.files import direct_io_memory_alignment
 from tiered.spans import Span, aligned_views, copy_in, copy_out
@@ -63,18 +64,27 @@ class NvmeBackend(TierBackend):
 
     def __init__(
         self,
-        dirs: Sequence[str],
+        dirs: Sequence[OwnedDirectory],
         *,
+        store_id: str,
         files_per_dir: int,
         budget: Optional[int],
         grow_bytes: int,
         io: IOEngine,
         direct: bool,
         coalesce_bytes: int = 0,
+        adopt_unlabelled: bool = False,
     ) -> None:
+        """Open (creating what is missing) the swap files of ``dirs``, locked directories held by the
+        caller, and check that each belongs to the store ``store_id`` at its place (swap_ids.py).
+
+        ``adopt_unlabelled`` writes ids for swap files that have none (a store of an older format
+        being upgraded); otherwise such a file is refused. Raises ManifestError for a swap file of
+        another store or place, OSError for one that is a symlink or not the store's own file.
+        """
         super().__init__()
         self.budget = budget
-        self.dirs = list(dirs)
+        self.dirs = [d.path for d in dirs]
         self._grow_bytes = grow_bytes
         self._io = io
         self._alloc_lock = asyncio.Lock()
@@ -86,15 +96,20 @@ class NvmeBackend(TierBackend):
         self.coalesce_bytes = coalesce_bytes
         self.writes: Coalescer[NvmeCopy, Sequence[Span]] = Coalescer(self._store_one, self.store_many)
         self.reads: Coalescer[NvmeCopy, Sequence[Span]] = Coalescer(self._load_one, self.load_many)
-        for directory in self.dirs:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            for i in range(files_per_dir):
-                path = swap_file_path(directory, i)
-                handle = open_file(path, direct=direct)
-                os.fchmod(handle.fd, 0o600)
-                size = os.fstat(handle.fd).st_size
-                size -= size % ALIGNMENT
-                self.files.append(SwapFile(len(self.files), path, handle, ExtentAllocator(size)))
+        try:
+            for d, directory in enumerate(dirs):
+                for i in range(files_per_dir):
+                    swap_ids.claim(directory, i, swap_ids.SwapFileId(store_id, d, i), adopt=adopt_unlabelled)
+                    name = swap_ids.swap_file_name(i)
+                    handle = open_file(directory.join(name), direct=direct,
+                                       opener=functools.partial(directory.open_file, name, create=True))
+                    size = os.fstat(handle.fd).st_size
+                    size -= size % ALIGNMENT
+                    self.files.append(SwapFile(len(self.files), handle.path, handle, ExtentAllocator(size)))
+        except BaseException:
+            for f in self.files:
+                f.handle.close()
+            raise
         #: The memory alignment O_DIRECT needs on every swap file (the largest the kernel reports):
         #: a caller's tensor aligned to it moves in place, with no staging copy.
         self.memory_alignment = max(
@@ -384,11 +399,6 @@ class NvmeBackend(TierBackend):
     async def close(self) -> None:
         for f in self.files:
             f.handle.close()
-
-
-def swap_file_path(directory: str, index: int) -> str:
-    """The path of swap file number ``index`` (counted within its directory) under ``directory``."""
-    return os.path.join(directory, f"swap-{index:02d}.bin")
 
 
 def _free_disk_bytes(directory: str) -> int:

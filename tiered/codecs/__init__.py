@@ -5,12 +5,13 @@ from tiered.codecs.bplane import FRAME_BYTES, MIN_SAVING, BytePlaneCodec, plane_
 from tiered.codecs.buffers import BufferPool, Encoded
 from tiered.codecs.measure import measure_codec
 from tiered.codecs.policy import CompressionPolicy, Estimates
-from tiered.codecs.registry import Codecs
+from tiered.codecs.registry import READABLE_CODECS, Codecs
 from tiered.codecs.zstd import ZstdCodec
 
 __all__ = [
     "FRAME_BYTES",
     "MIN_SAVING",
+    "READABLE_CODECS",
     "BufferPool",
     "BytePlaneCodec",
     "Codecs",

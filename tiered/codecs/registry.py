@@ -13,6 +13,9 @@ from tiered.codecs.zstd import ZstdCodec
 from tiered.io.aligned import AlignedBuffer
 from tiered.spans import Span
 
+#: Codecs a store reads (besides ``raw``): the one it writes first.
+READABLE_CODECS = (BytePlaneCodec.name, ZstdCodec.name)
+
 
 class Codecs:
     """Writes ``bplane-zstd``; reads it and the older ``zstd``. Work runs on ``pool``."""
@@ -27,6 +30,7 @@ class Codecs:
         self.buffers = BufferPool(cache_bytes)
         self.writer = BytePlaneCodec(pool, self.buffers, frame_bytes)
         self._readers = {self.writer.name: self.writer, ZstdCodec.name: ZstdCodec(pool)}
+        assert tuple(self._readers) == READABLE_CODECS
 
     @property
     def names(self) -> tuple[str, ...]:

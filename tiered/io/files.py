@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 from tiered.config import ALIGNMENT
 from tiered.errors import TransferError
@@ -38,22 +38,30 @@ class FileHandle:
             self.fd = -1
 
 
-def open_file(path: str, *, direct: bool, create: bool = True, read_only: bool = False) -> FileHandle:
+def open_file(path: str, *, direct: bool, create: bool = True, read_only: bool = False,
+              opener: Optional[Callable[[int], int]] = None) -> FileHandle:
     """Open ``path`` read-write with mode 0600 (``read_only``: an existing file, for reading), with
     O_DIRECT when asked and the filesystem allows.
 
-    Returns a handle whose ``direct`` says what was obtained; the caller decides how to warn.
+    ``opener``, when given, is called with the open flags instead of ``os.open(path, ...)`` and returns
+    the descriptor (a store opens its files relative to its locked directory, never following a link);
+    ``path`` then only names the file in messages. Returns a handle whose ``direct`` says what was
+    obtained; the caller decides how to warn.
     """
     flags = (os.O_RDONLY if read_only else os.O_RDWR) | getattr(os, "O_CLOEXEC", 0)
     if create and not read_only:
         flags |= os.O_CREAT
+
+    def do_open(flags: int) -> int:
+        return opener(flags) if opener is not None else os.open(path, flags, 0o600)
+
     if direct and hasattr(os, "O_DIRECT"):
         try:
-            return FileHandle(os.open(path, flags | os.O_DIRECT, 0o600), path, True)
+            return FileHandle(do_open(flags | os.O_DIRECT), path, True)
         except OSError as exc:
             if exc.errno != 22:  # EINVAL: the filesystem (tmpfs, for one) refuses O_DIRECT
                 raise
-    return FileHandle(os.open(path, flags, 0o600), path, False)
+    return FileHandle(do_open(flags), path, False)
 
 
 _AT_EMPTY_PATH = 0x1000

@@ -33,6 +33,7 @@ def build_inspect_parser(prog: str = "tiered inspect") -> argparse.ArgumentParse
                    "run's rank0, rank1, ...)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table "
                    "({\"stores\": [...]} for several)")
+    _add_nvme_path(p)
     p.add_argument("--summary", action="store_true", help="leave out the per-entry table")
     return p
 
@@ -41,23 +42,34 @@ def build_fsck_parser(prog: str = "tiered fsck") -> argparse.ArgumentParser:
     """The command line of ``tiered fsck``."""
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Verify a closed store directory: read every committed entry's extents and check their CRC-32s "
-        "and fields; report damaged keys and orphaned space (bytes in swap files no record references, e.g. "
-        "after a crash). Without options it changes nothing.",
+        description="Verify a closed store directory: check every committed record's checksum and fields, read "
+        "its extents and check their CRC-32s, and run SQLite's integrity check of the manifest; report damaged "
+        "keys, entries whose swap files are not there, and orphaned space (bytes in swap files no record "
+        "references, e.g. after a crash). Without options it changes nothing.",
         epilog="exit status: 0 no damaged entry (orphaned space alone is harmless: the store reuses it); 1 damaged "
-        "entries found (deleted or not) or the manifest unreadable; "
-        "2 usage error, not a store directory, or the store is open in another process.",
+        "entries found (deleted or not), entries whose swap files are not there, a manifest SQLite finds unsound, "
+        "or the manifest unreadable; 2 usage error, not a store directory, or the store is open in another process.",
     )
     p.add_argument("dir", help="the store directory (StoreConfig.path), or a directory of stores (an engine "
                    "run's rank0, rank1, ...)")
     p.add_argument("--reclaim", action="store_true", help="give orphaned space back to the filesystem (punch "
                    "holes; cut unused file tails)")
-    p.add_argument("--delete-damaged", action="store_true", help="remove damaged entries' records from the "
-                   "manifest, so the store opens and serves the rest (their data is lost)")
+    p.add_argument("--delete-damaged", action="store_true", help="remove the records of damaged entries (those "
+                   "whose own record or bytes failed their check; never one whose swap files are merely not there) "
+                   "from the manifest, so the store serves the rest; says which it removed (their data is lost)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_nvme_path(p)
     p.add_argument("--threads", type=int, default=8, help="reader threads (default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
     return p
+
+
+def _add_nvme_path(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nvme-path", action="append", metavar="DIR", dest="nvme_paths",
+                   help="where a swap directory of the store is now (repeat it for each, in their original order): "
+                   "for a store moved or copied since it was last opened whose swap directories lie outside its "
+                   "own; by default they are where the manifest recorded them, relative to the store's directory "
+                   "when inside it")
 
 
 def inspect_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None) -> int:
@@ -67,15 +79,16 @@ def inspect_main(argv: Sequence[str], *, stdout: Optional[TextIO] = None, stderr
     args = _parse(build_inspect_parser(), argv)
     if isinstance(args, int):
         return args
-    results = [_inspect_one(path, err, quiet=args.json) for path in stores_in(args.dir)]
+    results = [_inspect_one(path, args.nvme_paths, err, quiet=args.json) for path in stores_in(args.dir)]
     return _report(results, args.json, out,
                    lambda report: inspect_lines(report, encoding=_encoding(out), summary_only=args.summary))
 
 
-def _inspect_one(path: str, err: TextIO, *, quiet: bool) -> "tuple[int, Optional[InspectReport]]":
+def _inspect_one(path: str, nvme_paths: Optional[list[str]], err: TextIO, *, quiet: bool
+                 ) -> "tuple[int, Optional[InspectReport]]":
     with CommandErrors("tiered inspect", {ValueError: EXIT_USAGE, (ManifestError, OSError): EXIT_PROBLEMS},
                        err) as failed:
-        with StoreDirectory.open(path, allow_in_use=True) as directory:
+        with StoreDirectory.open(path, allow_in_use=True, nvme_paths=nvme_paths) as directory:
             report = inspect_store(directory)
     if failed.status is not None:
         return failed.status, None
@@ -121,7 +134,7 @@ def _fsck_one(path: str, args: argparse.Namespace, err: TextIO) -> "tuple[int, O
 
     statuses = {(ValueError, StoreLockedError): EXIT_USAGE, (ManifestError, OSError): EXIT_PROBLEMS}
     with CommandErrors("tiered fsck", statuses, err) as failed:
-        with StoreDirectory.open(path, exclusive=repair) as directory:
+        with StoreDirectory.open(path, exclusive=repair, nvme_paths=args.nvme_paths) as directory:
             report = check_store(directory, threads=args.threads, progress=progress)
             if repair:
                 report = repair_store(

@@ -1,11 +1,14 @@
 """Checking a store directory offline: every committed record's fields, extents and checksums, and
 the space no record references; on request, deleting damaged records and reclaiming orphaned space.
 
-A record is *damaged* when the store could not read it back intact: a field that does not parse or
-disagrees with the others, a codec or dtype this version cannot decode, an extent outside its swap
-file, extents that overlap another record's (the older record is blamed: committed extents are never
-reused, so the newer write is the one on disk), or a chunk whose CRC-32 does not match. A store
-with an overlap or an extent past the end of its file refuses to open until the record is deleted.
+A record is *damaged* when its own bytes fail their check: its record checksum, a field that does
+not parse or disagrees with the others, a codec or dtype this version cannot decode, an extent
+outside its swap file or in one that is gone, extents that overlap another record's (the older
+record is blamed: committed extents are never reused, so the newer write is the one on disk), or a
+chunk whose CRC-32 does not match. A store with an overlap or an extent past the end of its file
+refuses to open until the record is deleted. A record whose swap file is *unavailable* (its
+directory is missing, or holds another store's files) is not checked, and never deleted: the
+store's swap directories are elsewhere, and ``--nvme-path`` names them.
 """
 
 from __future__ import annotations
@@ -13,24 +16,17 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import math
 import os
 import threading
 from typing import Callable, ContextManager, Iterator, Optional, Protocol, Sequence
 
-import torch
-
-from tiered.codecs import BytePlaneCodec, ZstdCodec
 from tiered.config import ALIGNMENT
-from tiered.entry import RAW
 from tiered.io.aligned import AlignedBuffer, round_up
 from tiered.io.crc import crc32
 from tiered.io.files import FileHandle, Syscalls, pread_full
 from tiered.offline.space import FileSpace, Reclaimed, account_space, reclaim
-from tiered.offline.storedir import StoreDirectory, StoredRecord
-
-#: Codecs this version of tiered decodes.
-KNOWN_CODECS = (RAW, BytePlaneCodec.name, ZstdCodec.name)
+from tiered.offline.storedir import StoreDirectory
+from tiered.records import Record, Row
 
 
 class ProgressSink(Protocol):
@@ -44,13 +40,13 @@ class ProgressSink(Protocol):
 class Damage:
     """A record that cannot be read back intact, with every reason found."""
 
-    record: StoredRecord
+    row: Row
     reasons: tuple[str, ...]
 
     @property
     def key(self) -> str:
         """The damaged record's key."""
-        return self.record.key
+        return self.row.record.key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +63,12 @@ class FsckReport:
     spaces: tuple[FileSpace, ...]
     deleted: tuple[str, ...] = ()
     reclaimed: Optional[Reclaimed] = None
+    #: Records not checked because their swap files are unavailable (never deleted).
+    unavailable: tuple[Damage, ...] = ()
+    #: SQLite's ``PRAGMA integrity_check`` of the manifest: ``("ok",)`` when the database file is sound.
+    integrity: tuple[str, ...] = ("ok",)
+    #: The manifest is of the earlier format (no record checksums; opening the store upgrades it).
+    legacy: bool = False
 
     @property
     def orphaned_bytes(self) -> int:
@@ -80,14 +82,20 @@ class FsckReport:
 
     @property
     def clean(self) -> bool:
-        """No damaged record was found and no orphaned space is left."""
-        return not self.damaged and self.orphaned_bytes == 0
+        """Healthy, and no orphaned space is left."""
+        return self.healthy and self.orphaned_bytes == 0
 
     @property
     def healthy(self) -> bool:
-        """No damaged record was found. Orphaned space alone is harmless: the store allocates it
-        again after a reopen (``--reclaim`` only hands it back to the filesystem sooner)."""
-        return not self.damaged
+        """No damaged or unchecked record, and SQLite found the database file sound. Orphaned space
+        alone is harmless: the store allocates it again after a reopen (``--reclaim`` only hands it
+        back to the filesystem sooner)."""
+        return not self.damaged and not self.unavailable and self.integrity_ok
+
+    @property
+    def integrity_ok(self) -> bool:
+        """SQLite's integrity check found nothing wrong."""
+        return self.integrity == ("ok",)
 
     def as_dict(self) -> dict[str, object]:
         """JSON-ready form."""
@@ -100,8 +108,11 @@ class FsckReport:
             "verified_bytes": self.verified_bytes,
             "unverified": list(self.unverified),
             "damaged": [
-                {"key": d.key, "generation": d.record.generation, "reasons": list(d.reasons)} for d in self.damaged
+                {"key": d.key, "generation": d.row.record.generation, "reasons": list(d.reasons)} for d in self.damaged
             ],
+            "unavailable": [{"key": d.key, "reasons": list(d.reasons)} for d in self.unavailable],
+            "integrity_check": list(self.integrity),
+            "format": "legacy" if self.legacy else "current",
             "deleted": list(self.deleted),
             "orphaned_bytes": self.orphaned_bytes,
             "orphaned": [
@@ -137,24 +148,35 @@ def check_store(
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    records = directory.records
+    rows = directory.rows
+    records = [row.record for row in rows]
     reasons: dict[int, list[str]] = collections.defaultdict(list)
+    elsewhere: dict[int, list[str]] = {}
     readable: list[int] = []
-    for i, record in enumerate(records):
-        found = _field_problems(record)
-        layout = _extent_problems(record, directory)
-        reasons[i].extend(found + layout)
-        if not layout:
+    for i, row in enumerate(rows):
+        missing = _unavailable(row, directory)
+        if missing and row.ok:
+            elsewhere[i] = missing
+            continue
+        layout = _extent_problems(row, directory)
+        reasons[i].extend(list(row.problems) + layout)
+        if not layout and row.ok:
             readable.append(i)
-    for i, reason in _overlaps(records):
-        reasons[i].append(reason)
+    # A row whose checksum failed has untrustworthy extents and generation: it must not get an
+    # intact record blamed for an overlap.
+    trusted = [i for i, row in enumerate(rows) if row.intact and i not in elsewhere]
+    for j, reason in _overlaps([records[i] for i in trusted]):
+        reasons[trusted[j]].append(reason)
     checked = [i for i in readable if records[i].crcs is not None]
     total = sum(records[i].stored_nbytes for i in checked)
     mismatches = _verify(directory, records, checked, threads, total, progress)
     for i, reason in mismatches.items():
         reasons[i].append(reason)
-    damaged = tuple(Damage(records[i], tuple(r)) for i, r in sorted(reasons.items()) if r)
+    damaged = tuple(Damage(rows[i], tuple(r)) for i, r in sorted(reasons.items()) if r)
     return FsckReport(
+        unavailable=tuple(Damage(rows[i], tuple(r)) for i, r in sorted(elsewhere.items())),
+        integrity=directory.integrity,
+        legacy=directory.legacy,
         path=directory.path,
         entries=len(records),
         verified_entries=len(checked),
@@ -175,7 +197,7 @@ def repair_store(
         raise ValueError("repair_store needs a StoreDirectory opened with exclusive=True")
     deleted: tuple[str, ...] = ()
     if delete_damaged and report.damaged:
-        directory.delete_records([d.record for d in report.damaged])
+        directory.delete_records([d.row for d in report.damaged])
         deleted = tuple(d.key for d in report.damaged)
     reclaimed = None
     if reclaim_space:
@@ -185,51 +207,34 @@ def repair_store(
     )
 
 
-def _field_problems(r: StoredRecord) -> list[str]:
-    """Fields that fail to parse or disagree with each other."""
-    problems = list(r.problems)
-    if r.codec not in KNOWN_CODECS:
-        problems.append(f"unknown codec {r.codec!r} (this version reads {', '.join(KNOWN_CODECS)})")
-    dtype = getattr(torch, r.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        problems.append(f"unknown dtype {r.dtype!r} (not in PyTorch {torch.__version__})")
-    elif r.shape is not None:
-        expected = math.prod(r.shape) * dtype.itemsize
-        if expected != r.nbytes:
-            problems.append(f"nbytes is {r.nbytes}, but shape {list(r.shape)} of {r.dtype} takes {expected}")
-    if r.codec == RAW and r.stored_nbytes != r.nbytes:
-        problems.append(f"stored raw in {r.stored_nbytes} bytes, but the tensor has {r.nbytes}")
-    return problems
+def _unavailable(row: Row, directory: StoreDirectory) -> list[str]:
+    """Why the record's swap files cannot be checked as this store's (empty when they can)."""
+    reasons = []
+    for index in sorted({e.file for e in row.record.extents}):
+        f = directory.swap_file(index)
+        if f is not None and f.unavailable is not None:
+            reasons.append(f"its swap file {f.path} is unavailable: {f.unavailable}")
+    return reasons
 
 
-def _extent_problems(r: StoredRecord, directory: StoreDirectory) -> list[str]:
-    """Reasons the record's bytes cannot be read as its extents and checksums say."""
+def _extent_problems(row: Row, directory: StoreDirectory) -> list[str]:
+    """Reasons the record's bytes cannot be read where its extents say: a swap file the layout
+    lacks or that is missing, an extent past the end of its file."""
     problems = []
-    for e in r.extents:
+    for e in row.record.extents:
         f = directory.swap_file(e.file)
         if f is None:
             problems.append(f"an extent is in swap file #{e.file}, but the layout has {len(directory.swap_files)}")
         elif not f.exists:
             problems.append(f"its swap file {f.path} is missing")
-        elif e.offset < 0 or e.length <= 0 or e.offset % ALIGNMENT or e.length % ALIGNMENT:
-            problems.append(f"extent ({e.length} bytes at offset {e.offset}) is not {ALIGNMENT}-byte aligned")
         elif e.offset + e.length > f.size - f.size % ALIGNMENT:
             problems.append(
                 f"extent ({e.length} bytes at offset {e.offset}) lies past the end of {f.path} ({f.size} bytes)"
             )
-    held = sum(max(e.length, 0) for e in r.extents)
-    if held < r.stored_nbytes:
-        problems.append(f"its extents hold {held} bytes, fewer than the {r.stored_nbytes} stored")
-    if r.stored_nbytes and r.chunk <= 0:
-        problems.append(f"chunk size is {r.chunk}")
-    elif r.crcs is not None and not problems:
-        chunks = sum(1 for _ in _chunks(r, 0))
-        if len(r.crcs) != chunks:
-            problems.append(f"it has {len(r.crcs)} checksums for {chunks} chunks")
     return problems
 
 
-def _overlaps(records: Sequence[StoredRecord]) -> Iterator[tuple[int, str]]:
+def _overlaps(records: Sequence[Record]) -> Iterator[tuple[int, str]]:
     """``(record position, reason)`` for every record with an extent overlapping another record's
     (the older of the two is blamed) or another of its own."""
     spans = sorted(
@@ -254,7 +259,7 @@ def _overlaps(records: Sequence[StoredRecord]) -> Iterator[tuple[int, str]]:
                 )
 
 
-def _chunks(r: StoredRecord, position: int) -> Iterator[_Chunk]:
+def _chunks(r: Record, position: int) -> Iterator[_Chunk]:
     """The record's checksummed chunks in CRC order, as NvmeBackend._chunks numbers them."""
     left = r.stored_nbytes
     index = 0
@@ -271,7 +276,7 @@ def _chunks(r: StoredRecord, position: int) -> Iterator[_Chunk]:
 
 def _verify(
     directory: StoreDirectory,
-    records: Sequence[StoredRecord],
+    records: Sequence[Record],
     positions: Sequence[int],
     threads: int,
     total: int,
@@ -332,7 +337,7 @@ class _ChunkReader:
         self._syscalls = Syscalls()
         try:
             for f in directory.swap_files:
-                if f.exists:
+                if f.exists and f.unavailable is None:
                     self._handles[f.index] = _open_for_reading(f.path)
         except BaseException:
             self.__exit__()
@@ -371,7 +376,7 @@ class _ChunkReader:
 
 def _open_for_reading(path: str) -> FileHandle:
     """Open read-only, with O_DIRECT unless the filesystem refuses it (then the page cache is used)."""
-    flags = os.O_RDONLY | os.O_CLOEXEC
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
     if hasattr(os, "O_DIRECT"):
         try:
             return FileHandle(os.open(path, flags | os.O_DIRECT), path, True)

@@ -7,29 +7,8 @@ from typing import Optional
 
 from tiered.offline.space import FileSpace, account_space
 from tiered.offline.storedir import StoreDirectory
+from tiered.records import Record
 from tiered.tier import Tier
-
-
-@dataclasses.dataclass(frozen=True)
-class EntryRow:
-    """One committed entry as ``tiered inspect`` shows it."""
-
-    key: str
-    dtype: str
-    shape: Optional[tuple[int, ...]]
-    nbytes: int
-    stored_nbytes: int
-    codec: str
-    generation: int
-    extents: int
-    #: Tiers holding the entry at rest: a committed record is an nvme copy. (A running store's
-    #: memory-tier copies live in its process and are not visible from outside.)
-    tiers: tuple[str, ...] = (Tier.NVME.value,)
-
-    @property
-    def ratio(self) -> Optional[float]:
-        """Logical bytes per stored byte (None for an empty entry)."""
-        return self.nbytes / self.stored_nbytes if self.stored_nbytes else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +20,14 @@ class InspectReport:
     in_use_by: Optional[str]
     nvme_paths: tuple[str, ...]
     files_per_dir: int
-    entries: tuple[EntryRow, ...]
+    #: The committed records, sorted by key (a damaged row's fields as far as they could be read).
+    entries: tuple[Record, ...]
     spaces: tuple[FileSpace, ...]
+    #: Tiers holding an entry at rest: a committed record is an nvme copy. (A running store's
+    #: memory-tier copies live in its process and are not visible from outside.)
+    tiers: tuple[str, ...] = (Tier.NVME.value,)
+    #: Keys (as read) of the rows that are damaged: listed among the entries, never served.
+    damaged: tuple[str, ...] = ()
 
     @property
     def logical_bytes(self) -> int:
@@ -90,10 +75,11 @@ class InspectReport:
                     "nbytes": e.nbytes,
                     "stored_nbytes": e.stored_nbytes,
                     "codec": e.codec,
-                    "ratio": e.ratio,
-                    "tiers": list(e.tiers),
+                    "ratio": ratio(e),
+                    "tiers": list(self.tiers),
                     "generation": e.generation,
-                    "extents": e.extents,
+                    "extents": len(e.extents),
+                    "damaged": e.key in self.damaged,
                 }
                 for e in self.entries
             ],
@@ -111,6 +97,7 @@ class InspectReport:
                         "allocated_bytes": s.allocated_bytes,
                         "free_bytes": s.free_bytes,
                         "orphaned_bytes": s.orphaned_bytes,
+                        "unavailable": s.unavailable,
                     }
                     for s in self.spaces
                 ],
@@ -123,26 +110,19 @@ class InspectReport:
         }
 
 
+def ratio(record: Record) -> Optional[float]:
+    """Logical bytes per stored byte of one entry (None for an empty entry)."""
+    return record.nbytes / record.stored_nbytes if record.stored_nbytes else None
+
+
 def inspect_store(directory: StoreDirectory) -> InspectReport:
     """The entries of ``directory`` sorted by key, and its space (orphans only when no store holds it)."""
-    entries = tuple(
-        EntryRow(
-            key=r.key,
-            dtype=r.dtype,
-            shape=r.shape,
-            nbytes=r.nbytes,
-            stored_nbytes=r.stored_nbytes,
-            codec=r.codec,
-            generation=r.generation,
-            extents=len(r.extents),
-        )
-        for r in sorted(directory.records, key=lambda r: r.key)
-    )
     return InspectReport(
         path=directory.path,
         in_use_by=directory.in_use_by,
         nvme_paths=tuple(directory.nvme_paths),
         files_per_dir=directory.files_per_dir,
-        entries=entries,
+        entries=tuple(sorted((row.record for row in directory.rows), key=lambda r: r.key)),
         spaces=tuple(account_space(directory, find_orphans=directory.in_use_by is None)),
+        damaged=tuple(row.record.key for row in directory.rows if not row.ok),
     )

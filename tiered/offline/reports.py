@@ -31,6 +31,7 @@ def inspect_lines(report: InspectReport, *, encoding: Optional[str], summary_onl
             f"note: the store is open in process {text(report.in_use_by)}; these are its committed entries, and "
             "orphaned space is not computed while it runs (its writes in flight would look orphaned)"
         )
+    damaged = set(report.damaged)
     if not summary_only and report.entries:
         rows = [
             [
@@ -40,7 +41,7 @@ def inspect_lines(report: InspectReport, *, encoding: Optional[str], summary_onl
                 format_bytes(e.nbytes),
                 format_bytes(e.stored_nbytes),
                 text(e.codec) + (f" {format_ratio(e.nbytes, e.stored_nbytes)}" if e.codec != "raw" else ""),
-                ",".join(e.tiers),
+                "DAMAGED" if e.key in damaged else ",".join(report.tiers),
                 str(e.generation),
             ]
             for e in report.entries
@@ -58,6 +59,9 @@ def inspect_lines(report: InspectReport, *, encoding: Optional[str], summary_onl
     )
     lines.append("swap files:")
     for s in report.spaces:
+        if s.unavailable is not None:
+            lines.append(f"  {text(s.path)}: not this store's: {text(s.unavailable)}")
+            continue
         if not s.exists:
             lines.append(f"  {text(s.path)}: missing")
             continue
@@ -75,6 +79,10 @@ def inspect_lines(report: InspectReport, *, encoding: Optional[str], summary_onl
     )
     if report.orphaned_bytes:
         lines.append("  (orphaned: stale data no record references; `tiered fsck --reclaim` gives it back)")
+    if report.damaged:
+        n = len(report.damaged)
+        lines.append(f"{n} record{' is' if n == 1 else 's are'} damaged and not served (`tiered fsck` says why): "
+                     + ", ".join(f"'{fit(text(k), KEY_WIDTH, ellipsis)}'" for k in report.damaged))
     return lines
 
 
@@ -93,9 +101,24 @@ def fsck_lines(report: FsckReport, *, encoding: Optional[str]) -> list[str]:
             f"{len(report.unverified)} entr{'y has' if len(report.unverified) == 1 else 'ies have'} no checksums "
             "(written with checksum=False) and were not verified"
         )
+    if report.integrity_ok:
+        lines.append("manifest: SQLite's integrity check: ok"
+                     + ("" if report.legacy else "; every record's own checksum was checked"))
+    if report.legacy:
+        lines.append("the manifest is of the earlier format: its records carry no checksums of their own (opening "
+                     "the store with this version of tiered upgrades it)")
+    if not report.integrity_ok:
+        shown = report.integrity[:5]
+        more = f" (and {len(report.integrity) - len(shown)} more)" if len(report.integrity) > len(shown) else ""
+        lines.append(f"SQLite's integrity check of the manifest FAILED{more}:")
+        lines.extend(f"  - {text(line)}" for line in shown)
     for damage in report.damaged:
-        lines.append(f"DAMAGED '{text(damage.key)}' (generation {damage.record.generation}):")
+        lines.append(f"DAMAGED '{text(damage.key)}' (row {damage.row.rowid}, generation "
+                     f"{damage.row.record.generation}):")
         lines.extend(f"  - {text(reason)}" for reason in damage.reasons)
+    for missing in report.unavailable:
+        lines.append(f"NOT CHECKED '{text(missing.key)}':")
+        lines.extend(f"  - {text(reason)}" for reason in missing.reasons)
     for s in report.spaces:
         if s.orphaned:
             lines.append(
@@ -116,16 +139,28 @@ def fsck_lines(report: FsckReport, *, encoding: Optional[str]) -> list[str]:
         lines.append("clean")
         return lines
     problems = []
+    if not report.integrity_ok:
+        problems.append("the manifest's database file fails SQLite's integrity check")
     if report.damaged:
         n = len(report.damaged)
         state = "deleted" if report.deleted else "left as they are"
         problems.append(f"{n} damaged entr{'y' if n == 1 else 'ies'} ({state})")
+    if report.unavailable:
+        n = len(report.unavailable)
+        problems.append(f"{n} entr{'y' if n == 1 else 'ies'} not checked: {'its' if n == 1 else 'their'} swap files "
+                        "are not here (never deleted)")
     if report.orphaned_bytes:
         n = report.orphaned_ranges
         problems.append(f"{format_bytes(report.orphaned_bytes)} orphaned in {n} range{'s' if n != 1 else ''}")
-    lines.append(("problems found: " if report.damaged else "no damage; ") + "; ".join(problems))
+    lines.append(("problems found: " if not report.healthy else "no damage; ") + "; ".join(problems))
     if report.damaged and not report.deleted:
         lines.append("  --delete-damaged removes the damaged records, so the store opens and reads the rest")
+    if report.unavailable:
+        lines.append("  give the store's swap directories with --nvme-path DIR (one per directory, in their original "
+                     "order) to check those entries")
+    if not report.integrity_ok:
+        lines.append("  records SQLite can still read were checked above; restore the store directory from a backup "
+                     "to get back any it cannot")
     if report.orphaned_bytes:
         lines.append(
             "  orphaned space holds stale bytes no record references (deleted or replaced versions, or writes a "

@@ -20,7 +20,8 @@ from typing import Iterable, Optional, Sequence
 
 from tiered.config import ALIGNMENT
 from tiered.errors import ManifestError
-from tiered.offline.storedir import StoreDirectory, StoredRecord, SwapFileInfo
+from tiered.offline.storedir import StoreDirectory, SwapFileInfo
+from tiered.records import Row
 
 Range = tuple[int, int]  # [start, end) in bytes
 
@@ -40,6 +41,8 @@ class FileSpace:
     disk_bytes: int
     allocated_bytes: int
     orphaned: Optional[tuple[Range, ...]]
+    #: Why the file is not taken for this store's (SwapFileInfo.unavailable); its space is then not accounted.
+    unavailable: Optional[str] = None
 
     @property
     def orphaned_bytes(self) -> Optional[int]:
@@ -92,12 +95,12 @@ def subtract(ranges: Sequence[Range], minus: Sequence[Range]) -> list[Range]:
     return out
 
 
-def allocated_ranges(records: Iterable[StoredRecord], index: int, size: int) -> list[Range]:
+def allocated_ranges(records: Iterable[Row], index: int, size: int) -> list[Range]:
     """Merged byte ranges of swap file ``index`` that records reference, clipped to ``size``."""
     return merge(
         (max(e.offset, 0), min(e.offset + e.length, size))
         for r in records
-        for e in r.extents
+        for e in r.record.extents
         if e.file == index and e.length > 0
     )
 
@@ -106,7 +109,7 @@ def data_ranges(path: str, size: int) -> list[Range]:
     """Ranges of the file that hold data: written extents by ``FIEMAP`` (space reserved by fallocate
     but never written is not data); ``SEEK_DATA``/``SEEK_HOLE`` where the filesystem has no FIEMAP,
     and the whole file where it can tell neither."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         try:
             return merge(_fiemap_data(fd, size))
@@ -173,13 +176,13 @@ def _seek_data(fd: int, size: int) -> list[Range]:
 
 def account_space(directory: StoreDirectory, *, find_orphans: bool = True) -> list[FileSpace]:
     """Allocated and orphaned space of every swap file in the directory's layout."""
-    return [_file_space(f, directory.records, find_orphans) for f in directory.swap_files]
+    return [_file_space(f, directory.rows, find_orphans) for f in directory.swap_files]
 
 
-def _file_space(f: SwapFileInfo, records: Sequence[StoredRecord], find_orphans: bool) -> FileSpace:
+def _file_space(f: SwapFileInfo, records: Sequence[Row], find_orphans: bool) -> FileSpace:
     allocated = allocated_ranges(records, f.index, f.size)
     orphaned: Optional[tuple[Range, ...]] = None
-    if find_orphans:
+    if find_orphans and f.unavailable is None:  # another store's file is never taken for orphaned space
         orphaned = tuple(subtract(merge(data_ranges(f.path, f.size)), allocated)) if f.exists else ()
     return FileSpace(
         index=f.index,
@@ -189,6 +192,7 @@ def _file_space(f: SwapFileInfo, records: Sequence[StoredRecord], find_orphans: 
         disk_bytes=f.disk_bytes,
         allocated_bytes=sum(end - start for start, end in allocated),
         orphaned=orphaned,
+        unavailable=f.unavailable,
     )
 
 
@@ -200,7 +204,7 @@ def reclaim(directory: StoreDirectory, spaces: Sequence[FileSpace]) -> Reclaimed
     orphaned), OSError when the filesystem cannot punch holes (the message says which file).
     """
     assert directory.exclusive, "reclaim needs the store's exclusive lock"
-    unknown = [r.key for r in directory.records if not r.extents_known]
+    unknown = [r.record.key for r in directory.rows if not r.extents_known]
     if unknown:
         raise ManifestError(
             f"cannot reclaim space: the extent lists of {len(unknown)} record(s) are unreadable (the first is "
@@ -210,9 +214,9 @@ def reclaim(directory: StoreDirectory, spaces: Sequence[FileSpace]) -> Reclaimed
     for space in spaces:
         if not space.exists or not space.orphaned:
             continue
-        last = max((end for start, end in allocated_ranges(directory.records, space.index, space.size)), default=0)
+        last = max((end for start, end in allocated_ranges(directory.rows, space.index, space.size)), default=0)
         keep = -(-last // ALIGNMENT) * ALIGNMENT
-        fd = os.open(space.path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(space.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             before += os.fstat(fd).st_blocks * 512
             for start, end in space.orphaned:

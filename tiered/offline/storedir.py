@@ -1,50 +1,38 @@
-"""A store directory opened without starting a store: its lock, layout, committed records and swap files.
+"""A store directory opened without starting a store: its locks, layout, committed records and swap files.
 
 The manifest is read with SQLite alone: a store that was closed cleanly is read as an immutable
 file (SQLite creates no side files), one with a write-ahead log (a crash, or a store running now)
-through a read-only connection that sees every committed transaction. Rows are parsed defensively:
-a field that cannot be parsed becomes a problem of its record, not an exception, so ``fsck`` can
-report it. Nothing is ever unpickled.
+through a read-only connection that sees every committed transaction. Rows are parsed as the
+store parses them (tiered/records.py): a field that cannot be parsed, or a record checksum that
+does not match, becomes a problem of its row, not an exception, so ``fsck`` can report it. SQLite's
+own integrity check is run too. Nothing is ever unpickled.
+
+The swap files are looked for where the store keeps them now: under the paths given (``--nvme-path``),
+else where the manifest recorded them, relative to the store's directory when they lie inside it,
+so a copied store is checked against its own swap files. A store moved since it was last opened
+whose swap directories lie elsewhere must be given them. Each swap file's id (swap_ids.py) must name
+this store and its place; a file that does not is *unavailable*, never taken for this store's.
 """
 
 from __future__ import annotations
 
-import array
 import dataclasses
-import fcntl
-import json
 import os
 import re
 import sqlite3
 import urllib.parse
 from typing import Optional, Sequence
 
-from tiered.backends.nvme import FileExtent, swap_file_path
+from tiered.backends.swap_ids import SwapFileId, read_id, swap_file_name
+from tiered.codecs import READABLE_CODECS
 from tiered.errors import ManifestError, StoreLockedError
-from tiered.manifest import FORMAT_VERSION, MANIFEST_NAME
-from tiered.store import LOCK_NAME
+from tiered.manifest import MANIFEST_NAME, SQLITE_FAILURES, side_files
+from tiered.manifest_meta import Meta, parse_meta
+from tiered.ownership import OwnedDirectory, read_owner
+from tiered.records import SELECT_LEGACY_ROWS, SELECT_ROWS, Row, parse_row
 
-_COLUMNS = "rowid, key, dtype, shape, nbytes, stored_nbytes, codec, chunk, extents, crcs, generation"
 
-
-@dataclasses.dataclass(frozen=True)
-class StoredRecord:
-    """One committed manifest row, as far as it could be parsed (``problems`` says what could not)."""
-
-    rowid: int
-    key: str
-    dtype: str
-    shape: Optional[tuple[int, ...]]
-    nbytes: int
-    stored_nbytes: int
-    codec: str
-    chunk: int
-    extents: tuple[FileExtent, ...]
-    crcs: Optional[tuple[int, ...]]
-    generation: int
-    problems: tuple[str, ...] = ()
-    #: False when the extent list could not be parsed: nobody can tell which swap-file bytes it uses.
-    extents_known: bool = True
+_NO_ID = "it has no id file beside it, so nothing says it is this store's"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +44,9 @@ class SwapFileInfo:
     exists: bool
     size: int
     disk_bytes: int
+    #: Why the file cannot be taken for this store's (its directory is missing, or its id names
+    #: another store or place, or it has none); None when it is this store's or simply missing.
+    unavailable: Optional[str] = None
 
 
 def stores_in(path: str) -> list[str]:
@@ -77,44 +68,65 @@ def _natural(path: str) -> list:
 class StoreDirectory:
     """The on-disk state of one store directory. Use :meth:`open` (a context manager).
 
-    ``exclusive=True`` takes the store's lock exclusively (as an open store does, writing this
-    process's pid into it) and fails if anyone holds it; otherwise the lock is taken shared for as
-    long as this object is open, and with ``allow_in_use`` a store held by a running process is
-    read anyway (``in_use_by`` then names its pid and nothing is locked).
+    ``exclusive=True`` locks the store's directories exclusively (as an open store does) and fails
+    if anyone holds them; otherwise they are locked shared for as long as this object is open, and
+    with ``allow_in_use`` a store held by a running process is read anyway (``in_use_by`` then names
+    its pid and nothing is locked).
     """
 
-    def __init__(self, path: str, lock_fd: int, in_use_by: Optional[str], exclusive: bool) -> None:
+    def __init__(self, path: str, directory: Optional[OwnedDirectory], in_use_by: Optional[str], exclusive: bool,
+                 nvme_paths: Optional[Sequence[str]]) -> None:
         self.path = path
         self.manifest_path = os.path.join(path, MANIFEST_NAME)
         self.in_use_by = in_use_by
         self.exclusive = exclusive
-        self._lock_fd = lock_fd
+        self._directory = directory
+        self._given = [os.path.abspath(os.fspath(p)) for p in nvme_paths] if nvme_paths else None
+        self._swap_dirs: list[Optional[OwnedDirectory]] = []
+        self.meta: Optional[Meta] = None
         self.nvme_paths: list[str] = []
         self.files_per_dir = 0
-        self.records: list[StoredRecord] = []
+        self.rows: list[Row] = []
         self.swap_files: list[SwapFileInfo] = []
+        #: What SQLite's ``PRAGMA integrity_check`` said: ``("ok",)`` for a sound database file.
+        self.integrity: tuple[str, ...] = ()
 
     @classmethod
-    def open(cls, path: str, *, exclusive: bool = False, allow_in_use: bool = False) -> "StoreDirectory":
-        """Lock ``path`` and read its layout, records and swap file sizes.
+    def open(cls, path: str, *, exclusive: bool = False, allow_in_use: bool = False,
+             nvme_paths: Optional[Sequence[str]] = None) -> "StoreDirectory":
+        """Lock ``path`` and its swap directories and read its layout, records and swap files.
 
-        Raises ValueError when ``path`` is not a store directory, StoreLockedError when another
-        process holds the store (unless ``allow_in_use`` and not ``exclusive``), ManifestError when
-        the manifest cannot be read.
+        ``nvme_paths`` says where the swap directories are now (in their original order), for a
+        store moved since it was last opened. Raises ValueError when ``path`` is not a store
+        directory, or the swap directories cannot be told (a moved store without ``nvme_paths``,
+        or the wrong number of them); StoreLockedError when another process holds the store
+        (unless ``allow_in_use`` and not ``exclusive``); ManifestError when the manifest cannot be
+        read; OSError when a file of the store is a symlink or not its own.
         """
         path = os.path.abspath(os.fspath(path))
         if not os.path.isdir(path):
             raise ValueError(f"{path!r} is not a directory; give the path a store was opened with (StoreConfig.path)")
         if not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
             raise ValueError(f"{path!r} is not a tiered store directory: it has no {MANIFEST_NAME}")
-        lock_fd, in_use_by = _lock(os.path.join(path, LOCK_NAME), exclusive=exclusive, allow_in_use=allow_in_use)
-        directory = cls(path, lock_fd, in_use_by, exclusive)
+        directory: Optional[OwnedDirectory] = None
+        in_use_by = None
         try:
-            directory.reload()
+            directory = OwnedDirectory.open(path, role="the store directory", exclusive=exclusive, create=False)
+        except StoreLockedError:
+            if exclusive or not allow_in_use:
+                raise
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                in_use_by = read_owner(fd)[0] or "unknown"
+            finally:
+                os.close(fd)
+        store = cls(path, directory, in_use_by, exclusive, nvme_paths)
+        try:
+            store.reload()
         except BaseException:
-            directory.close()
+            store.close()
             raise
-        return directory
+        return store
 
     def __enter__(self) -> "StoreDirectory":
         return self
@@ -123,37 +135,126 @@ class StoreDirectory:
         self.close()
 
     def close(self) -> None:
-        """Release the lock (idempotent)."""
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        """Release the locks (idempotent)."""
+        for d in self._swap_dirs:
+            if d is not None and d is not self._directory:
+                d.close()
+        self._swap_dirs = []
+        if self._directory is not None:
+            self._directory.close()
+            self._directory = None
+
+    @property
+    def legacy(self) -> bool:
+        """Whether the manifest is of the earlier format (no record checksums; a store upgrades it)."""
+        return self.meta is not None and self.meta.legacy
 
     def reload(self) -> None:
-        """Read the layout, every record and the swap files' sizes again."""
+        """Read the layout, every record and the swap files again."""
+        if self._directory is not None:
+            for name in side_files():
+                self._directory.check_file(name)
         db = self._connect_read_only()
         try:
-            meta = dict(db.execute("SELECT name, value FROM meta").fetchall())
-            rows = db.execute(f"SELECT {_COLUMNS} FROM entries").fetchall()
-        except sqlite3.DatabaseError as exc:
-            raise ManifestError(f"cannot read the manifest {self.manifest_path}: {exc}") from exc
+            self.integrity = tuple(str(r[0]) for r in db.execute("PRAGMA integrity_check").fetchall())
+            meta = parse_meta(dict(db.execute("SELECT name, value FROM meta").fetchall()), self.manifest_path)
+            rows = db.execute(SELECT_LEGACY_ROWS if meta.legacy else SELECT_ROWS).fetchall()
+        except (*SQLITE_FAILURES, ManifestError) as exc:
+            verdict = "; ".join(self.integrity) if self.integrity else "not run"
+            raise ManifestError(f"cannot read the manifest {self.manifest_path}: {exc} (SQLite's integrity check: "
+                                f"{verdict})") from exc
         finally:
             db.close()
-        self.nvme_paths, self.files_per_dir = _layout(meta, self.manifest_path)
-        self.records = [_parse_row(row) for row in rows]
-        self.swap_files = [self._swap_file(i) for i in range(len(self.nvme_paths) * self.files_per_dir)]
+        self.meta, self.files_per_dir = meta, meta.files_per_dir
+        self.nvme_paths = self._swap_paths(meta)
+        self.rows = [parse_row(values, rowid=rowid, codecs=READABLE_CODECS, legacy=meta.legacy)
+                     for rowid, *values in rows]
+        self._lock_swap_dirs()
+        self.swap_files = [info for d in range(len(self.nvme_paths)) for info in self._swap_files_of(d)]
+
+    def _swap_paths(self, meta: Meta) -> list[str]:
+        recorded = meta.swap_paths(self.path)
+        if self._given is not None:
+            if len(self._given) != len(recorded):
+                raise ValueError(
+                    f"the store {self.path} has {len(recorded)} swap director{'y' if len(recorded) == 1 else 'ies'}, "
+                    f"but {len(self._given)} were given; give all of them, in their original order"
+                )
+            return list(self._given)
+        moved_from = meta.moved_from(self.path)
+        outside = [p for p, r in zip(recorded, meta.swap_dirs) if os.path.isabs(r)]
+        if moved_from is not None and outside:
+            raise ValueError(
+                f"the store {self.path} was last opened at {moved_from}, and its swap directories {outside} lie "
+                "outside it, so they may be the original's; give the copy's with --nvme-path (one per directory, "
+                "in their original order)"
+            )
+        return recorded
+
+    def _lock_swap_dirs(self) -> None:
+        """Hold each swap directory (the lock the store takes, shared unless exclusive) while reading it."""
+        if self._swap_dirs:
+            return
+        for i, path in enumerate(self.nvme_paths):
+            if self._directory is not None and os.path.isdir(path) and os.path.samefile(path, self.path):
+                self._swap_dirs.append(self._directory)
+            elif self.in_use_by is not None or not os.path.isdir(path):
+                self._swap_dirs.append(None)
+            else:
+                self._swap_dirs.append(OwnedDirectory.open(path, role=f"swap directory #{i}",
+                                                           exclusive=self.exclusive, create=False))
+
+    def _swap_files_of(self, d: int) -> list[SwapFileInfo]:
+        """The swap files of swap directory ``d``, each with its size and whether it is this store's."""
+        path, n = self.nvme_paths[d], self.files_per_dir
+        if not os.path.isdir(path):
+            why = f"its swap directory {path} does not exist"
+            return [SwapFileInfo(d * n + i, os.path.join(path, swap_file_name(i)), False, 0, 0, why) for i in range(n)]
+        checks = [self._id_problem(d, i) for i in range(n)]
+        if not self.legacy and all(problem is not None for _, problem in checks):
+            store_id = self.meta.store_id if self.meta is not None else None
+            checks = [(st, f"{path} holds none of this store's swap files (no id file names store {store_id})")
+                      for st, _ in checks]
+        out = []
+        for i, (st, problem) in enumerate(checks):
+            name = os.path.join(path, swap_file_name(i))
+            if st is None:
+                out.append(SwapFileInfo(d * n + i, name, False, 0, 0, problem if problem != _NO_ID else None))
+            else:
+                out.append(SwapFileInfo(d * n + i, name, True, st.st_size, st.st_blocks * 512, problem))
+        return out
+
+    def _id_problem(self, d: int, i: int) -> tuple[Optional[os.stat_result], Optional[str]]:
+        """The status of swap file ``i`` of directory ``d`` (None when missing) and why it is not this
+        store's (None when it is, or the manifest is of the earlier format, which has no ids)."""
+        directory = self._swap_dirs[d]
+        name = os.path.join(self.nvme_paths[d], swap_file_name(i))
+        st = os.lstat(name) if os.path.lexists(name) else None
+        if self.legacy or directory is None:
+            return st, None
+        try:
+            found = read_id(directory, i)
+        except ManifestError as exc:
+            return st, str(exc)
+        if found is None:
+            return st, _NO_ID
+        wanted = SwapFileId(self.meta.store_id or "", d, i) if self.meta is not None else None
+        return st, None if found == wanted else f"its id file says it is {found.describe()}"
 
     def swap_file(self, index: int) -> Optional[SwapFileInfo]:
         """The swap file numbered ``index`` in the layout, or None when the layout has no such file."""
         return self.swap_files[index] if 0 <= index < len(self.swap_files) else None
 
-    def delete_records(self, records: Sequence[StoredRecord]) -> None:
+    def delete_records(self, records: Sequence[Row]) -> None:
         """Remove records from the manifest in one durable transaction, then reload.
 
         Needs the exclusive lock: no store may be running while its records change.
         """
-        assert self.exclusive and self._lock_fd >= 0, "delete_records needs the store's exclusive lock"
+        assert self.exclusive and self._directory is not None, "delete_records needs the store's exclusive lock"
         if not records:
             return
+        for name in side_files():
+            self._directory.check_file(name)
         try:
             db = sqlite3.connect(self.manifest_path, isolation_level=None)
             try:
@@ -164,122 +265,21 @@ class StoreDirectory:
                 db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             finally:
                 db.close()
-        except sqlite3.DatabaseError as exc:
+        except SQLITE_FAILURES as exc:
             raise ManifestError(f"cannot remove records from the manifest {self.manifest_path}: {exc}") from exc
         self.reload()
 
     def _connect_read_only(self) -> sqlite3.Connection:
         wal = self.manifest_path + "-wal"
-        has_log = os.path.exists(wal) and os.path.getsize(wal) > 0
+        has_log = os.path.lexists(wal) and os.lstat(wal).st_size > 0
         # Without a log (a clean close checkpoints and truncates it) the database file holds every
         # committed record, and immutable=1 reads it without creating -wal/-shm files beside it.
         option = "mode=ro" if has_log or self.in_use_by is not None else "immutable=1"
         uri = f"file:{urllib.parse.quote(self.manifest_path)}?{option}"
         try:
             db = sqlite3.connect(uri, uri=True, isolation_level=None)
-        except sqlite3.Error as exc:
+        except SQLITE_FAILURES as exc:
             raise ManifestError(f"cannot open the manifest {self.manifest_path}: {exc}") from exc
         # Keys are TEXT; a damaged row with invalid UTF-8 must still load, so decode losslessly.
         db.text_factory = lambda raw: raw.decode("utf-8", "surrogateescape")
         return db
-
-    def _swap_file(self, index: int) -> SwapFileInfo:
-        directory = self.nvme_paths[index // self.files_per_dir]
-        path = swap_file_path(directory, index % self.files_per_dir)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return SwapFileInfo(index, path, False, 0, 0)
-        return SwapFileInfo(index, path, True, st.st_size, st.st_blocks * 512)
-
-
-def _lock(path: str, *, exclusive: bool, allow_in_use: bool) -> tuple[int, Optional[str]]:
-    """Take the store's flock; return its descriptor (-1 when none was taken) and the holder's pid if in use."""
-    if exclusive:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    else:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return -1, None  # no store ever ran here long enough to lock; nothing to respect
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        if allow_in_use and not exclusive:
-            return -1, owner
-        raise StoreLockedError(
-            f"the store {os.path.dirname(path)} is in use by another process (pid {owner}); close that store "
-            "(or let the process end) first"
-        ) from None
-    if exclusive:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd, None
-
-
-def _layout(meta: dict[str, str], where: str) -> tuple[list[str], int]:
-    if meta.get("format") != str(FORMAT_VERSION):
-        raise ManifestError(f"{where} has format {meta.get('format')!r}; this version of tiered reads {FORMAT_VERSION}")
-    try:
-        paths = json.loads(meta["nvme_paths"])
-        per_dir = json.loads(meta["swap_files_per_dir"])
-    except (KeyError, ValueError) as exc:
-        raise ManifestError(f"{where} lacks a readable swap file layout: {exc}") from exc
-    if not (isinstance(paths, list) and paths and all(isinstance(p, str) for p in paths)):
-        raise ManifestError(f"{where} names nvme_paths {paths!r}, not a list of directories")
-    if not (isinstance(per_dir, int) and per_dir >= 1):
-        raise ManifestError(f"{where} names swap_files_per_dir {per_dir!r}, not a positive count")
-    return paths, per_dir
-
-
-def _parse_row(row: tuple) -> StoredRecord:
-    rowid, key, dtype, shape_text, nbytes, stored, codec, chunk, ext_blob, crc_blob, generation = row
-    problems: list[str] = []
-
-    def integer(name: str, value: object) -> int:
-        if isinstance(value, int) and value >= 0:
-            return value
-        problems.append(f"{name} is {value!r}, not a non-negative integer")
-        return 0
-
-    shape: Optional[tuple[int, ...]] = None
-    try:
-        parsed = json.loads(shape_text) if isinstance(shape_text, str) else None
-    except ValueError:
-        parsed = None
-    if isinstance(parsed, list) and all(isinstance(s, int) and s >= 0 for s in parsed):
-        shape = tuple(parsed)
-    else:
-        problems.append(f"shape {shape_text!r} is not a list of sizes")
-    extents: tuple[FileExtent, ...] = ()
-    if isinstance(ext_blob, bytes) and len(ext_blob) % 24 == 0:
-        ext = array.array("q")
-        ext.frombytes(ext_blob)
-        extents = tuple(FileExtent(ext[i], ext[i + 1], ext[i + 2]) for i in range(0, len(ext), 3))
-    else:
-        problems.append("the extent list is not a whole number of (file, offset, length) triples")
-    crcs: Optional[tuple[int, ...]] = None
-    if crc_blob is not None:
-        if isinstance(crc_blob, bytes) and len(crc_blob) % 4 == 0:
-            values = array.array("I")
-            values.frombytes(crc_blob)
-            crcs = tuple(values)
-        else:
-            problems.append("the checksum list is not a whole number of CRC-32 values")
-    return StoredRecord(
-        rowid=rowid,
-        key=key if isinstance(key, str) else repr(key),
-        dtype=dtype if isinstance(dtype, str) else repr(dtype),
-        shape=shape,
-        nbytes=integer("nbytes", nbytes),
-        stored_nbytes=integer("stored_nbytes", stored),
-        codec=codec if isinstance(codec, str) else repr(codec),
-        chunk=integer("chunk", chunk),
-        extents=extents,
-        crcs=crcs,
-        generation=integer("generation", generation),
-        problems=tuple(problems),
-        extents_known=isinstance(ext_blob, bytes) and len(ext_blob) % 24 == 0,
-    )

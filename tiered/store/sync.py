@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from tiered.store_input import batch_items, batch_keys, ready_event
-from tiered.store_prefetch import Prefetch
+from tiered.store.validation import batch_items, batch_keys, ready_event
+from tiered.store.prefetch import Prefetch
 from tiered.tier import Tier
 
 if TYPE_CHECKING:
-    from tiered.store import TieredStore
-    from tiered.store_modify import Modification
+    from tiered.store.tiered_store import TieredStore
+    from tiered.store.modify import Modification
 
 
 class SyncStore:

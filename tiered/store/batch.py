@@ -16,8 +16,8 @@ from tiered.backends.device import allocation_event
 from tiered.entry import RAW, Entry
 from tiered.errors import KeyNotFoundError, TieredError
 from tiered.spans import Span, new_result, spans_of_tensor
-from tiered.store_errors import batch_error, naming_key, read_error
-from tiered.store_input import (
+from tiered.store.error_messages import batch_error, naming_key, read_error
+from tiered.store.validation import (
     batch_items,
     batch_keys,
     check_compress,
@@ -31,7 +31,7 @@ from tiered.tier import Tier
 
 
 class BatchCalls:
-    """The batched calls of :class:`~tiered.store.TieredStore` (mixed into it)."""
+    """The batched calls of :class:`~tiered.TieredStore` (mixed into it)."""
 
     async def put_many(
         self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,

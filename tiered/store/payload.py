@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from tiered.backends import NvmeCopy
 from tiered.entry import RAW, Entry
-from tiered.manifest import Record
+from tiered.records import Record, dtype_name
 from tiered.spans import Span
 
 
@@ -26,8 +26,8 @@ class Payload:
     def record(self, entry: Entry, copy: NvmeCopy) -> Record:
         """The manifest record of ``entry`` written to ``copy``."""
         return Record(
-            entry.key, entry.dtype, entry.shape, entry.nbytes, self.nbytes, self.codec, self.meta, copy.chunk,
-            tuple(copy.extents), tuple(copy.crcs) if copy.crcs is not None else None, entry.generation,
+            entry.key, dtype_name(entry.dtype), entry.shape, entry.nbytes, self.nbytes, self.codec, self.meta,
+            copy.chunk, tuple(copy.extents), tuple(copy.crcs) if copy.crcs is not None else None, entry.generation,
         )
 
     def close(self) -> None:

@@ -41,8 +41,17 @@ def naming_key(exc: BaseException, doing: str, key: str) -> TieredError:
     return TransferError(message)
 
 
-def unusable_directory(exc: OSError, field: str, path: str) -> OSError:
-    """An OSError from creating or locking a store directory, saying which setting to change."""
-    reason = exc.strerror or str(exc)
-    return OSError(exc.errno, f"cannot use {path!r} ({field}) as a store directory: {reason}; give a directory "
-                              "this process can create and write")
+def lost_at_close(failures: dict[str, tuple[int, BaseException]], entries: int) -> TieredError:
+    """The error of a close that could not write some entries down (key -> (bytes, error)): those
+    entries are lost; everything else is durable. CapacityError when the first failure was one."""
+    lost = sum(n for n, _ in failures.values())
+    first = next(iter(failures.values()))[1]
+    keys = sorted(failures)
+    shown = keys if len(keys) <= 8 else keys[:8] + [f"... {len(keys) - 8} more"]
+    message = (
+        f"close could not write {len(keys)} of {entries} entries down ({lost} bytes), and they are lost: "
+        f"{shown!r}; every other entry is durable and the store is closed. The first error: {first}"
+    )
+    error = CapacityError(message) if isinstance(first, MemoryError) else TransferError(message)
+    error.__cause__ = first
+    return error

@@ -50,13 +50,22 @@ def check_compress(compress: object) -> None:
 
 
 def parse_device(device: "torch.device | str") -> torch.device:
-    """``device`` as a torch.device; ValueError naming it when it is not one."""
-    if isinstance(device, torch.device):
-        return device
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+    """``device`` as a torch.device that can hold a get's result: ValueError naming it when it is not
+    a device, is the meta device (a tensor without data), or is a CUDA device this process lacks."""
+    if not isinstance(device, torch.device):
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+    if device.type == "meta":
+        raise ValueError("device 'meta' holds no data; get a tensor on 'cpu' or a CUDA device (for a tensor's dtype "
+                         "and shape without its bytes, use store.info(key))")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index is not None and device.index >= count):
+            raise ValueError(f"device {str(device)!r} is not available: this process sees {count} CUDA device(s) "
+                             f"(torch {torch.__version__}); get onto 'cpu' or a device it has")
+    return device
 
 
 def plain(tensor: torch.Tensor) -> Optional[torch.Tensor]:

@@ -11,7 +11,7 @@ from typing import Optional
 from tiered.backends import Copy
 from tiered.entry import Entry
 from tiered.errors import CapacityError, TieredError
-from tiered.store_errors import naming_key
+from tiered.store.error_messages import naming_key
 from tiered.tier import Tier
 
 
@@ -147,6 +147,16 @@ class TierBookkeeping:
                 self._resident[tier].discard(entry.key)
             self._backends[tier].release(copy)
             self._wake(tier)
+
+    async def _commit_tombstone(self, key: str, generation: int, doing: str) -> None:
+        """Commit the removal of ``key``'s record at ``generation``. A failure raises an error naming
+        the key (``doing`` says what the caller was doing) and removes nothing."""
+        try:
+            await self._commits.submit(key, generation, None, None)
+        except BaseException as exc:
+            if isinstance(exc, (OSError, TieredError)):
+                raise naming_key(exc, doing, key) from exc
+            raise
 
     async def _retire_durably(self, entry: Entry, generation: int) -> None:
         """Retire an entry whose record may be committed: remove the record first, and only then

@@ -21,11 +21,12 @@ import torch
 
 from tiered.backends import Copy, DeviceBackend, HostBackend, NvmeBackend, NvmeCopy, TierBackend
 from tiered.backends.device import allocation_event
-from tiered.codecs import Codecs, CompressionPolicy
+from tiered.codecs import READABLE_CODECS, Codecs, CompressionPolicy
 from tiered.commits import CommitLog
 from tiered.config import StoreConfig
 from tiered.entry import RAW, Entry, EntryInfo
 from tiered.errors import (
+    CapacityError,
     ChecksumError,
     KeyNotFoundError,
     ManifestError,
@@ -37,13 +38,13 @@ from tiered.io import IOEngine, ResultPool
 from tiered.io.mailbox import FutureReply, LoopReply, Mailbox
 from tiered.keylocks import KeyLocks
 from tiered.loop import LoopThread
-from tiered.manifest import Manifest, Record
 from tiered.policy import EvictionPolicy, FutureOrderPolicy
+from tiered.records import Record, Row
 from tiered.spans import Span, new_result, spans_of_tensor
 from tiered.stats import NvmeSpace, StoreStats, SwapExtent
-from tiered.store_batch import BatchCalls
-from tiered.store_errors import naming_key, read_error, unusable_directory
-from tiered.store_input import (
+from tiered.store.batch import BatchCalls
+from tiered.store.error_messages import lost_at_close, naming_key, read_error
+from tiered.store.validation import (
     check_compress,
     check_key,
     check_out,
@@ -53,15 +54,16 @@ from tiered.store_input import (
     plain,
     ready_event,
 )
-from tiered.store_modify import Modification, Modifications
-from tiered.store_payload import Payload
-from tiered.store_prefetch import Prefetch
-from tiered.store_process import LOCK_NAME, acquire_lock, close_at_exit
-from tiered.store_sync import SyncStore
-from tiered.store_tiers import TierBookkeeping
+from tiered.store.modify import Modifications
+from tiered.store.payload import Payload
+from tiered.store.prefetch import Prefetch
+from tiered.store.opening import OpenedFiles, open_files
+from tiered.store.process import close_at_exit
+from tiered.store.sync import SyncStore
+from tiered.store.tiers import TierBookkeeping
 from tiered.tier import TIERS_TOP_DOWN, Tier
 
-__all__ = ["LOCK_NAME", "Modification", "Prefetch", "SyncStore", "TieredStore"]
+__all__ = ["TieredStore"]
 
 T = TypeVar("T")
 
@@ -87,7 +89,8 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         self._closed = False
         self._closing = False
         self._close_task: Optional[asyncio.Task[None]] = None
-        self._lock_fd = -1
+        self._files: Optional[OpenedFiles] = None
+        self._damaged: dict[str, Row] = {}
         self._backends: dict[Tier, TierBackend] = {}
         self._inbox = Mailbox(loop.loop)  # calls from other threads
         self._outboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox]" = weakref.WeakKeyDictionary()
@@ -136,15 +139,13 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
 
     async def _open(self) -> None:
         cfg = self.config
-        try:
-            os.makedirs(cfg.path, mode=0o700, exist_ok=True)
-            self._lock_fd = acquire_lock(os.path.join(cfg.path, LOCK_NAME))
-        except OSError as exc:
-            raise unusable_directory(exc, "StoreConfig.path", cfg.path) from exc
+        loop = asyncio.get_running_loop()
+        self._manifest_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiered-manifest")
+        self._files = await loop.run_in_executor(self._manifest_thread, open_files, cfg, READABLE_CODECS)
+        self._manifest = self._files.manifest
         device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = device.type == "cuda"
         self._cpu_pool = concurrent.futures.ThreadPoolExecutor(cfg.cpu_threads, thread_name_prefix="tiered-cpu")
-        self._manifest_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiered-manifest")
         self._io = IOEngine(
             block_size=cfg.block_size,
             queue_depth=cfg.queue_depth,
@@ -157,32 +158,28 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         self._device = DeviceBackend(device, cfg.device_bytes, self._cpu_pool)
         self._backends[Tier.DEVICE] = self._device
         self._backends[Tier.HOST] = HostBackend(cfg.host_bytes, self._cpu_pool, pin=cuda, prefault=cfg.prefault_host)
-        try:
-            self._nvme = NvmeBackend(
-                cfg.nvme_paths,  # type: ignore[arg-type]
-                files_per_dir=cfg.swap_files_per_dir,
-                budget=cfg.nvme_bytes,
-                grow_bytes=cfg.swap_grow_bytes,
-                io=self._io,
-                direct=cfg.direct_io,
-                coalesce_bytes=cfg.coalesce_bytes,
-            )
-        except OSError as exc:
-            raise unusable_directory(exc, "StoreConfig.nvme_paths", exc.filename or str(cfg.nvme_paths)) from exc
+        self._nvme = NvmeBackend(
+            self._files.directories.swap,
+            store_id=self._manifest.store_id,
+            adopt_unlabelled=self._manifest.meta.legacy,
+            files_per_dir=cfg.swap_files_per_dir,
+            budget=cfg.nvme_bytes,
+            grow_bytes=cfg.swap_grow_bytes,
+            io=self._io,
+            direct=cfg.direct_io,
+            coalesce_bytes=cfg.coalesce_bytes,
+        )
         self._backends[Tier.NVME] = self._nvme
         self._codec = Codecs(self._cpu_pool)
         self._compression = CompressionPolicy(cfg.compress, cfg.compress_policy)
-        layout = {"nvme_paths": list(cfg.nvme_paths), "swap_files_per_dir": cfg.swap_files_per_dir}  # type: ignore[arg-type]
-        loop = asyncio.get_running_loop()
-        swap_bytes = sum(f.alloc.capacity for f in self._nvme.files)
-        self._manifest = await loop.run_in_executor(
-            self._manifest_thread, functools.partial(Manifest, cfg.path, layout, swap_bytes=swap_bytes)
-        )
-        records = await loop.run_in_executor(self._manifest_thread, self._manifest.load)
+        records = self._files.loaded.records
         committed: dict[str, int] = {}
         for rec in records:
             self._adopt(rec)
             committed[rec.key] = rec.generation
+        self._damaged = {row.record.key: row for row in self._files.loaded.damaged}
+        await loop.run_in_executor(self._manifest_thread, self._manifest.upgrade, records)
+        await loop.run_in_executor(self._manifest_thread, self._manifest.record_location)
         self._generation = itertools.count(max(committed.values(), default=-1) + 1)
         self._commits = CommitLog(
             self._manifest, self._nvme, self._manifest_thread, durable=cfg.durable, committed_generations=committed
@@ -206,7 +203,7 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
                 "removes such records and keeps the rest"
             ) from exc
         entry = Entry(
-            rec.key, rec.dtype, rec.shape, rec.nbytes, rec.generation,
+            rec.key, rec.torch_dtype(), rec.shape, rec.nbytes, rec.generation,  # type: ignore[arg-type]
             codec=rec.codec, codec_meta=rec.codec_meta, stored_nbytes=rec.stored_nbytes, persisted=True,
         )
         self._entries[rec.key] = entry
@@ -243,11 +240,14 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
                 break
             await asyncio.wait(pending)
         try:
-            if self.config.flush_on_close:
-                await self._flush()
-            await self._commits.drain()
+            failures = await self._write_down() if self.config.flush_on_close else {}
         finally:
-            await self._release_resources()
+            try:
+                await self._commits.drain()
+            finally:
+                await self._release_resources()
+        if failures:
+            raise lost_at_close(failures, len(self._entries))
 
     async def _release_resources(self) -> None:
         loop = asyncio.get_running_loop()
@@ -264,9 +264,8 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         for pool in ("_cpu_pool", "_manifest_thread"):
             if hasattr(self, pool):
                 getattr(self, pool).shutdown(wait=False)
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # closing the descriptor drops the flock
-            self._lock_fd = -1
+        if self._files is not None:
+            self._files.directories.close()  # closing the descriptors drops the locks
 
     async def __aenter__(self) -> "TieredStore":
         return self
@@ -311,9 +310,7 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         Prefetches of the same key and tier coalesce into one transfer.
         """
         self._check_open()
-        check_key(key)
-        if key not in self._entries:
-            raise KeyNotFoundError(f"key {key!r} is not in the store")
+        self._entry(key)
         return Prefetch(self._submit(self._prefetch, key, tier), self._loop_thread.on_loop_thread)
 
     async def evict(self, key: str, tier: "Tier | str" = Tier.NVME) -> None:
@@ -350,15 +347,16 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         return len(self._entries)
 
     def keys(self) -> list[str]:
-        """Every key in the store."""
+        """Every key in the store (a key whose manifest record is damaged is not one)."""
         return list(self._entries)
 
     def info(self, key: str) -> EntryInfo:
-        """dtype, shape, nbytes, stored_nbytes, tiers, codec, dirty and pinned of ``key``."""
-        entry = self._entries.get(key)
-        if entry is None:
-            raise KeyNotFoundError(f"key {key!r} is not in the store")
-        return entry.info()
+        """dtype, shape, nbytes, stored_nbytes, tiers, codec, dirty and pinned of ``key``.
+
+        Raises TypeError for a key that is not a string, KeyNotFoundError for a key not in the store,
+        ManifestError for a key whose manifest record is damaged.
+        """
+        return self._entry(key).info()
 
     def stats(self) -> StoreStats:
         """A snapshot of occupancy, traffic, hits and misses, evictions and time spent on I/O."""
@@ -412,10 +410,7 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         extents, so it holds until the key is next written, evicted from nvme or deleted. Writing
         anything but the same bytes to these ranges corrupts the entry (its checksums catch that).
         """
-        entry = self._entries.get(key)
-        if entry is None:
-            raise KeyNotFoundError(f"key {key!r} is not in the store")
-        copy = entry.copies.get(Tier.NVME)
+        copy = self._entry(key).copies.get(Tier.NVME)
         if copy is None:
             return ()
         assert isinstance(copy, NvmeCopy)
@@ -541,7 +536,17 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         """
         key = entry.key
         old = self._entries.get(key)
+        if old is not None and old.persisted and tier is not Tier.NVME:
+            # The old version must not come back after a crash once a newer one was put: its
+            # tombstone commits first, and when it cannot, the put fails and the old version stays.
+            try:
+                await self._commit_tombstone(key, entry.generation, "putting")
+            except BaseException:
+                self._discard(tier, copy)
+                raise
         self._entries[key] = entry
+        if self._damaged.pop(key, None) is not None:
+            entry.persisted = True  # a damaged row of the key is on disk: a delete must remove it
         self._settle(tier, copy)
         self._add_copy(entry, tier, copy)
         self._wake(tier)
@@ -551,11 +556,7 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         self._policy.touch(key)
         if old is not None:
             entry.pinned = old.pinned
-            if old.persisted and tier is not Tier.NVME:
-                # The old version must not come back after a crash once a newer one was put.
-                await self._retire_durably(old, entry.generation)
-            else:
-                self._retire(old)
+            self._retire(old)
 
     async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor], ready: Any = None
                    ) -> torch.Tensor:
@@ -631,6 +632,10 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         check_key(key)
         await self._key_locks.acquire(key)
         try:
+            if key not in self._entries and key in self._damaged:  # the damaged record goes
+                await self._commit_tombstone(key, next(self._generation), "deleting")
+                del self._damaged[key]
+                return
             entry = self._entry(key)
             del self._entries[key]
             self._policy.forget(key)
@@ -657,13 +662,20 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
             self._wake(tier)
 
     async def _flush(self) -> None:
-        tasks = [self._materialize(e, Tier.NVME) for e in list(self._entries.values()) if e.dirty]
-        pending = [t for t in tasks if t is not None]
-        if pending:
-            results = await asyncio.gather(*(asyncio.shield(t) for t in pending), return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                raise errors[0]
+        failures = await self._write_down()
+        if failures:
+            raise next(iter(failures.values()))[1]
+
+    async def _write_down(self) -> dict[str, tuple[int, BaseException]]:
+        """Write every dirty entry down to nvme, as many as fit; return those that failed (key ->
+        bytes, error), in no particular order."""
+        dirty = [e for e in list(self._entries.values()) if e.dirty]
+        tasks = [(e, self._materialize(e, Tier.NVME)) for e in dirty]
+        pending = [(e, t) for e, t in tasks if t is not None]
+        if not pending:
+            return {}
+        results = await asyncio.gather(*(asyncio.shield(t) for _, t in pending), return_exceptions=True)
+        return {e.key: (e.nbytes, r) for (e, _), r in zip(pending, results) if isinstance(r, BaseException)}
 
     # ------------------------------------------------------------------ moving copies between tiers
 
@@ -738,7 +750,10 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         entry.persisted = True  # from now on a delete or put of this key must write a tombstone
         payload = await self._encode(entry, src)
         try:
-            copy = await self._admit(Tier.NVME, payload.nbytes)
+            try:
+                copy = await self._admit(Tier.NVME, payload.nbytes)
+            except CapacityError as exc:
+                raise naming_key(exc, "writing", entry.key) from exc
             try:
                 started = time.perf_counter()
                 await self._nvme.store(copy, payload.spans)
@@ -826,10 +841,29 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         return out
 
     def _entry(self, key: str) -> Entry:
+        """The current entry of ``key``; TypeError for a non-string key, else :meth:`_missing`'s error."""
         entry = self._entries.get(key)
         if entry is None:
-            raise KeyNotFoundError(f"key {key!r} is not in the store")
+            check_key(key)
+            raise self._missing(key)
         return entry
+
+    def _missing(self, key: str) -> TieredError:
+        """The error for a key without an entry: ManifestError when its manifest record is damaged
+        (it is never served), else KeyNotFoundError (saying when damaged records might hold it)."""
+        row = self._damaged.get(key)
+        fsck = f"tiered fsck {self.config.path}"
+        if row is not None:
+            return ManifestError(
+                f"the manifest record of {key!r} (row {row.rowid}) is damaged ({'; '.join(row.problems)}), so it is "
+                f"not served; put or delete the key to replace the record, or `{fsck} --delete-damaged` removes it"
+            )
+        if self._damaged:
+            return KeyNotFoundError(
+                f"key {key!r} is not in the store; {len(self._damaged)} damaged manifest record(s) are not served, "
+                f"and one of them may have been this key (`{fsck}` lists them)"
+            )
+        return KeyNotFoundError(f"key {key!r} is not in the store")
 
     async def _in_cpu_pool(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu_pool, fn, *args)

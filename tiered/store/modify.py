@@ -25,11 +25,11 @@ from tiered.backends import Copy
 from tiered.entry import Entry
 from tiered.errors import StoreClosedError
 from tiered.spans import Span, new_result, spans_of_tensor, typed_view
-from tiered.store_input import check_key
+from tiered.store.validation import check_key
 from tiered.tier import Tier
 
 if TYPE_CHECKING:
-    from tiered.store import TieredStore
+    from tiered.store.tiered_store import TieredStore
 
 
 @dataclasses.dataclass(eq=False)
@@ -121,7 +121,7 @@ class Modification:
 
 
 class Modifications:
-    """:meth:`modify` of :class:`~tiered.store.TieredStore` (mixed into it)."""
+    """:meth:`modify` of :class:`~tiered.TieredStore` (mixed into it)."""
 
     def modify(self: "TieredStore", key: str, tier: "Tier | str | None" = None) -> Modification:
         """Change the value of ``key`` in place: ``async with store.modify(key) as t: t.mul_(2)``.

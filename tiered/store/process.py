@@ -1,0 +1,33 @@
+"""What ties a store to its process: the close at interpreter exit (its directory locks: tiered/ownership.py)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tiered.store.tiered_store import TieredStore
+
+
+def close_at_exit(store: TieredStore) -> None:
+    """Close ``store`` at interpreter exit if the program forgot to, so host and device entries
+    are flushed and the lock released.
+
+    It must run before concurrent.futures stops its worker pools, which happens in threading's
+    exit hooks (run last-registered first), ahead of atexit handlers.
+    """
+    ref = weakref.ref(store)
+
+    def close() -> None:
+        s = ref()
+        if s is not None and not s._closed:
+            s.sync.close()
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - every CPython since 3.9 has it
+        import atexit
+
+        atexit.register(close)
+    else:
+        register(close)
