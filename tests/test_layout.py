@@ -243,8 +243,9 @@ def test_the_documented_names_are_reachable(names, module):
 
 
 def test_every_cited_note_exists_once():
-    """A ``[Note: Title]`` cited anywhere in the packages is defined by exactly one ``# [Note: Title]``
-    comment block beside the code it explains."""
+    """A ``[Note: Title]`` cited anywhere in the packages is defined exactly once, beside the code it
+    explains: by a ``# [Note: Title]`` comment block, or by a module docstring's paragraph that opens
+    with ``[Note: Title]`` on a line of its own."""
     defined: dict[str, list[str]] = {}
     cited: dict[str, str] = {}
     for package in ("engine", "tiered"):
@@ -252,7 +253,7 @@ def test_every_cited_note_exists_once():
             with open(path, encoding="utf-8") as f:
                 for number, line in enumerate(f, 1):
                     for title in re.findall(r"\[Note: ([^\]]+)\]", line):
-                        if line.strip() == f"# [Note: {title}]":
+                        if line.strip() in (f"# [Note: {title}]", f"[Note: {title}]"):
                             defined.setdefault(title, []).append(f"{name}:{number}")
                         else:
                             cited.setdefault(title, f"{name}:{number}")
