@@ -28,6 +28,8 @@ import os
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedType
 from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.optimization import GreedyLR
@@ -72,8 +74,9 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
 
     Same arguments as ``Trainer`` (``model`` must be ``eng.model``); ``optimizers`` defaults to
     ``(eng.optimizer, None)`` and an :class:`EngineCheckpointCallback` is added unless one is
-    given. With several processes the model is kept out of ``DistributedDataParallel`` (the
-    engine shards the parameters and averages the gradients across ranks itself). ``save_model``
+    given. With several processes, or one under a launcher (a process group, or accelerate's
+    distributed state), the model is kept out of ``DistributedDataParallel`` (the engine shards
+    the parameters and averages the gradients across ranks itself). ``save_model``
     streams the weights (``eng.save_weights``) rather than holding the whole model in memory, the
     logged ``grad_norm`` is the engine's, the engine's fp16 loss scaling (DeepSpeed's ``fp16``
     section) scales the Trainer's backward and holds its LR schedule on skipped steps, and a PEFT
@@ -122,17 +125,19 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         training_args = _trainer_argument(args, kwargs, "args", 1)  # None: the Trainer's defaults
         _check_sharding(getattr(training_args, "deepspeed", None), getattr(training_args, "fsdp", None))
         _check_mixed_precision(getattr(training_args, "fp16", False))
-        if eng.world_size > 1:
+        distributed = eng.world_size > 1 or _launched_distributed(getattr(training_args, "distributed_state", None))
+        if distributed:
             _check_compile(getattr(training_args, "torch_compile", False))
         if training_args is not None:
             _check_device(eng.device, training_args.device)
         self.engine = eng
         super().__init__(*args, callbacks=callbacks, **kwargs)
         _check_clipping(self.args.max_grad_norm, eng)
-        if eng.world_size > 1:
+        if distributed or _launched_distributed(self.accelerator.state):
             # What the Trainer does for a model that reduces its own gradients: accelerate's
             # evaluation-mode preparation (autocast under bf16/fp16 arguments, no DDP), which also
-            # marks the model prepared, so the prepare() in train() leaves it as it is.
+            # marks the model prepared, so the prepare() in train() leaves it as it is. Under a
+            # launcher accelerate puts even one process's model in DDP, so this is not only for world > 1.
             self.accelerator.prepare_model(eng.model, device_placement=False, evaluation_mode=True)
             assert getattr(eng.model, "_is_accelerate_prepared", False), "accelerate no longer marks prepared models"
 
@@ -246,6 +251,16 @@ def _trainer_argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, 
     return kwargs.get(name, args[position] if len(args) > position else None)
 
 
+def _launched_distributed(state: Any) -> bool:
+    """Whether the Trainer's ``accelerator.prepare(model)`` would put the model in
+    ``DistributedDataParallel``: a ``torch.distributed`` process group exists, or accelerate's
+    state (``TrainingArguments.distributed_state``, the accelerator's ``state``; None: not made yet)
+    is a distributed one, as under ``torchrun`` or ``tiered launch`` with a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return state is not None and getattr(state, "distributed_type", DistributedType.NO) != DistributedType.NO
+
+
 def _check_sharding(deepspeed: Any, fsdp: Any) -> None:
     """ValueError for ``TrainingArguments(deepspeed=...)`` or ``(fsdp=...)``: the Trainer would hand
     the model to DeepSpeed or FSDP, which would shard parameters the engine already holds."""
@@ -264,14 +279,15 @@ def _check_sharding(deepspeed: Any, fsdp: Any) -> None:
 
 
 def _check_compile(torch_compile: bool) -> None:
-    """ValueError for ``TrainingArguments(torch_compile=True)`` with several processes: accelerate
-    would return a compiled wrapper and prepare (put in DDP) the model itself."""
+    """ValueError for ``TrainingArguments(torch_compile=True)`` with several processes or under a
+    launcher: accelerate would return a compiled wrapper and prepare (put in DDP) the model itself."""
     if torch_compile:
         raise ValueError(
-            "TrainingArguments(torch_compile=True) is not supported by EngineTrainer with several processes: "
-            "accelerate would compile a wrapper and put the model itself in DistributedDataParallel, which cannot "
-            "read the engine's released parameters. Pass torch_compile=False (the engine's hooks split dynamo's "
-            "graph at every module, so compiling measured no speed-up; docs/training.md), or run one process"
+            "TrainingArguments(torch_compile=True) is not supported by EngineTrainer with several processes or "
+            "under a launcher (a process group): accelerate would compile a wrapper and put the model itself in "
+            "DistributedDataParallel, which cannot read the engine's released parameters. Pass torch_compile=False "
+            "(the engine's hooks split dynamo's graph at every module, so compiling measured no speed-up; "
+            "docs/training.md), or run one process without a launcher"
         )
 
 

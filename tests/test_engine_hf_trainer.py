@@ -552,6 +552,51 @@ def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_pat
             assert files.world_size == 2
 
 
+def _one_launched_process(rank: int, root: str) -> None:
+    """One process as torchrun or `tiered launch --num_gpus 1` starts it (LOCAL_RANK set, a gloo
+    group of one): the plain Trainer, whose accelerate puts the model in DDP even then, and
+    EngineTrainer over a wrapped copy; what each did, to the parent."""
+    import json
+
+    root_path = Path(root)
+    model, ref, plain = model_and_plain_run(root_path / "ref")
+    with wrapped(model, root_path / "store") as eng:
+        try:
+            EngineTrainer(eng, model=model, args=arguments(root_path / "eng", max_grad_norm=CLIP, torch_compile=True))
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        trainer = EngineTrainer(eng, model=model, args=arguments(root_path / "eng", max_grad_norm=CLIP),
+                                train_dataset=Tokens())
+        trainer.train()
+        trained = eng.state_dict()
+        result = {"world": eng.world_size, "plain": losses_of(plain), "engine": losses_of(trainer),
+                  "plain_norms": grad_norms_of(plain), "engine_norms": grad_norms_of(trainer),
+                  "plain_wrapped": type(plain.model_wrapped).__name__,
+                  "engine_wrapped": type(trainer.model_wrapped).__name__, "compile_refused": refused,
+                  "weights_equal": all(torch.equal(trained[k], v) for k, v in ref.state_dict().items())}
+    (root_path / "rank0.json").write_text(json.dumps(result))
+
+
+def test_engine_trainer_under_a_launcher_with_one_process(tmp_path):
+    """torchrun (or `tiered launch --num_gpus 1`) with one CPU process: accelerate's multi-CPU state
+    puts even one process's model in DistributedDataParallel, which cannot read released parameters;
+    EngineTrainer keeps it out and trains to the losses, gradient norms and weights of the plain
+    Trainer in DDP at world size 1, bit for bit. torch_compile, which would have accelerate wrap it
+    anyway, is refused there as with several processes."""
+    import json
+
+    from test_engine_distributed import run_ranks
+
+    run_ranks(_one_launched_process, str(tmp_path), world=1)
+    res = json.loads((tmp_path / "rank0.json").read_text())
+    assert res["world"] == 1 and res["plain_wrapped"] == "DistributedDataParallel"
+    assert res["engine_wrapped"] == "GPT2LMHeadModel"
+    assert res["engine"] == res["plain"] and len(res["engine"]) == 4
+    assert res["engine_norms"] == res["plain_norms"] and res["weights_equal"]
+    assert "under a launcher" in res["compile_refused"], res["compile_refused"]
+
+
 def hf_deepspeed_config(nvme: str, **sections) -> dict:
     """A config as Hugging Face's DeepSpeed docs write them: every value the Trainer knows "auto"."""
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
