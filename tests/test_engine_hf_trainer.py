@@ -324,7 +324,7 @@ def test_engine_trainer_trains_fp16_with_the_engines_loss_scaling(tmp_path):
             EngineTrainer(eng, model=model, args=arguments(tmp_path / "out", max_grad_norm=CLIP, fp16=True))
         # The Trainer's own sharding would take the model from the engine (a namespace stands in for
         # arguments naming a DeepSpeed config, which need deepspeed installed to be made).
-        with pytest.raises(ValueError, match=r"deepspeed='ds.json'.*EngineTrainer\(model=model, args=args\) builds it"):
+        with pytest.raises(ValueError, match=r"deepspeed='ds.json'.*args=args, deepspeed_config=\.\.\.\) builds it"):
             EngineTrainer(eng, model=model, args=SimpleNamespace(deepspeed="ds.json", fsdp=None))
         with pytest.raises(ValueError, match=r"fsdp=True.*leave fsdp unset"):
             EngineTrainer(eng, model=model, args=arguments(tmp_path / "out", max_grad_norm=CLIP, fsdp="full_shard"))
@@ -729,21 +729,114 @@ def test_engine_trainer_removes_the_temporary_store_it_made(tmp_path, monkeypatc
     assert os.listdir(scratch) == []
 
 
-def test_engine_trainer_takes_the_deepspeed_config_from_training_arguments(tmp_path):
-    """TrainingArguments(deepspeed=...), as `--deepspeed ds_config.json` sets it (transformers needs
-    the deepspeed package to make such arguments): the same run as deepspeed_config=."""
-    pytest.importorskip("deepspeed")
+def command_line(out, ds_path, *extra: str) -> list[str]:
+    """The command line of a Trainer script run with `--deepspeed ds_config.json`: arguments()'s values."""
+    return ["--output_dir", str(out), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+            "--max_steps", "4", "--learning_rate", str(LR), "--weight_decay", "0.0", "--max_grad_norm", str(CLIP),
+            "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--use_cpu", "--seed", "0",
+            "--dataloader_num_workers", "0", "--disable_tqdm", "true", "--deepspeed", str(ds_path), *extra]
+
+
+def test_engine_trainer_takes_deepspeed_from_the_command_line(tmp_path):
+    """`--deepspeed ds_config.json` parsed by HfArgumentParser into EngineTrainingArguments (no
+    deepspeed package here): the config goes to the engine, not to transformers (no global ZeRO-3
+    config, so from_config builds the model as it is, not under zero.Init), and the run is the one
+    deepspeed_config= gives. Plain TrainingArguments(deepspeed=...) is refused, naming both forms."""
+    import json
+
+    from transformers import AutoModelForCausalLM, HfArgumentParser
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from engine.hf_trainer import EngineTrainingArguments
+
     runs = []
-    for name, where in (("args", "args"), ("kwarg", "kwarg")):
-        torch.manual_seed(0)
+    for name in ("command_line", "deepspeed_config"):
         ds = hf_deepspeed_config(str(tmp_path / name / "nvme"), optimizer=DS_OPTIMIZER)
-        args = arguments(tmp_path / name, max_grad_norm=CLIP, deepspeed=ds if where == "args" else None)
-        trainer = EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=args, train_dataset=Tokens(),
-                                deepspeed_config=None if where == "args" else ds)
+        ds_path = tmp_path / f"{name}.json"
+        ds_path.write_text(json.dumps(ds))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(CONFIG)
+        if name == "command_line":
+            (args,) = HfArgumentParser((EngineTrainingArguments,)).parse_args_into_dataclasses(
+                args=command_line(tmp_path / name, ds_path))
+            assert args.deepspeed is None and args.engine_deepspeed_config == str(ds_path)
+            assert not is_deepspeed_zero3_enabled()
+            trainer = EngineTrainer(model=model, args=args, train_dataset=Tokens())
+        else:
+            trainer = EngineTrainer(model=model, args=arguments(tmp_path / name, max_grad_norm=CLIP),
+                                    train_dataset=Tokens(), deepspeed_config=str(ds_path))
         try:
             assert trainer.args.deepspeed is None and not trainer.is_deepspeed_enabled
+            assert trainer.engine.config.param_tier == "nvme"
             trainer.train()
             runs.append(losses_of(trainer))
         finally:
             trainer.engine.close()
     assert runs[0] == runs[1] and len(runs[0]) == 4
+    with pytest.raises(ValueError, match=r"deepspeed_config=.*EngineTrainingArguments"):  # a namespace: see below
+        EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=SimpleNamespace(deepspeed="ds.json", fsdp=None))
+
+
+#: A stand-in `deepspeed` distribution (a module and its metadata), enough for transformers'
+#: TrainingArguments to accept `--deepspeed`, as it does where DeepSpeed is installed. It has no
+#: `deepspeed.zero`: building a model under zero.Init fails on it.
+STUB_SCRIPT = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, HfArgumentParser, TrainingArguments
+from transformers.integrations import is_deepspeed_zero3_enabled
+sys.path.insert(0, {tests!r})
+from test_engine_hf_trainer import CONFIG, Tokens, command_line, losses_of
+from engine.hf_trainer import EngineTrainer, EngineTrainingArguments
+
+ds_path, out = sys.argv[1], sys.argv[2]
+(args,) = HfArgumentParser((EngineTrainingArguments,)).parse_args_into_dataclasses(
+    args=command_line(out + "/engine", ds_path, "--max_steps", "2"))
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(CONFIG)  # under zero.Init with a global ZeRO-3 config
+trainer = EngineTrainer(model=model, args=args, train_dataset=Tokens())
+trainer.train()
+trainer.engine.close()
+print("engine", is_deepspeed_zero3_enabled(), json.dumps(losses_of(trainer)))
+
+(args,) = HfArgumentParser((TrainingArguments,)).parse_args_into_dataclasses(args=command_line(out + "/plain", ds_path))
+print("plain", is_deepspeed_zero3_enabled())
+try:
+    EngineTrainer(model=torch.nn.Linear(1, 1), args=args)
+except ValueError as exc:
+    print("refused", exc)
+"""
+
+
+def test_deepspeed_on_the_command_line_where_deepspeed_is_installed(tmp_path):
+    """Where the deepspeed package is importable (a stand-in here, in a fresh process): with
+    EngineTrainingArguments `--deepspeed` reaches the engine and no ZeRO-3 state is set, so
+    from_config builds the model as it is (under zero.Init it would fail on the stand-in); with
+    plain TrainingArguments transformers takes the ZeRO-3 config, and EngineTrainer refuses the
+    arguments with a message naming the supported forms, rather than train a model DeepSpeed
+    partitioned."""
+    import json
+    import subprocess
+    import sys
+
+    stub = tmp_path / "site"
+    (stub / "deepspeed").mkdir(parents=True)
+    # accelerate's unwrap_model imports DeepSpeedEngine wherever deepspeed is installed
+    (stub / "deepspeed" / "__init__.py").write_text('__version__ = "0.18.0"\n\n\nclass DeepSpeedEngine:\n    pass\n')
+    (stub / "deepspeed-0.18.0.dist-info").mkdir()
+    (stub / "deepspeed-0.18.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\n"
+                                                                  "Version: 0.18.0\n")
+    ds_path = tmp_path / "ds_config.json"
+    ds_path.write_text(json.dumps(hf_deepspeed_config(str(tmp_path / "nvme"), optimizer=DS_OPTIMIZER)))
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub), str(root), os.environ.get("PYTHONPATH", "")]))
+    script = STUB_SCRIPT.format(tests=str(root / "tests"))
+    done = subprocess.run([sys.executable, "-c", script, str(ds_path), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in done.stdout.splitlines() if " " in line}
+    zero3, losses = lines["engine"].split(" ", 1)
+    assert zero3 == "False" and len(json.loads(losses)) == 2
+    assert lines["plain"] == "True"  # transformers took the config: the stand-in passed its package check
+    assert "EngineTrainer(model=model, args=args, deepspeed_config=...)" in lines["refused"], lines["refused"]
+    assert "EngineTrainingArguments" in lines["refused"]
