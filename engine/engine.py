@@ -760,9 +760,14 @@ def wrap_as(
     process_group: Optional[Any] = None,
     init_fn: Optional[InitFn] = None,
     state_dict: Optional[StateDictLike] = None,
+    initialize_missing: bool = True,
+    cast_unloaded_buffers: bool = True,
 ) -> E:
     """:func:`wrap`, the engine built by ``engine_class`` (an :class:`Engine` subclass, or a partial
-    of one, taking Engine's constructor arguments): ``engine.initialize``'s DeepSpeed-shaped engine."""
+    of one, taking Engine's constructor arguments): ``engine.initialize``'s DeepSpeed-shaped engine.
+    ``initialize_missing=False``: a tensor on the meta device that ``state_dict`` does not set is a
+    ValueError rather than initialized; ``cast_unloaded_buffers=False``: ``EngineConfig.train_dtype``
+    casts only the buffers ``state_dict`` sets (both accelerate's loading rules)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap takes an nn.Module, got {type(model).__name__}")
     if not isinstance(config, EngineConfig):
@@ -810,6 +815,7 @@ def wrap_as(
         placement = Placement(
             model, device=device, shard_io=shard_io, meter=meter, rank=rank, world=world, source=source,
             init_fn=init_fn, dtype=_train_dtype(config), from_store=config.resume,
+            initialize_missing=initialize_missing, cast_unloaded_buffers=cast_unloaded_buffers,
         )
         try:
             bar = byte_progress("wrap: parameters to the store", placement.total_bytes(),
