@@ -122,7 +122,9 @@ def plan_for_trainer(model: nn.Module, args: Any, ds_source: DeepSpeedConfig, *,
 def _trainer_adamw(model: nn.Module, args: Any, decay: Collection[str],
                    trainer_optimizer: Callable[[Any, nn.Module], Any]) -> AdamW:
     """The Trainer's ``create_optimizer`` for a config without an ``optimizer`` section, as
-    ``engine.AdamW``: its two groups (weight decay on all but biases and norms), its lr, betas, eps."""
+    ``engine.AdamW``: its two groups (weight decay on all but biases and norms), its lr, betas, eps,
+    and its kernel (``fused=True`` for the default ``adamw_torch_fused``: torch's fused and for-loop
+    AdamW round differently in the last bit on some CPUs)."""
     optimizer_cls, kwargs = trainer_optimizer(args, model)
     if optimizer_cls is not torch.optim.AdamW:
         raise ValueError(
@@ -133,7 +135,8 @@ def _trainer_adamw(model: nn.Module, args: Any, decay: Collection[str],
     groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
               {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
     return AdamW([g for g in groups if g["params"]], lr=kwargs["lr"], betas=kwargs.get("betas", (0.9, 0.999)),
-                 eps=kwargs.get("eps", 1e-8), weight_decay=args.weight_decay)
+                 eps=kwargs.get("eps", 1e-8), weight_decay=args.weight_decay, foreach=kwargs.get("foreach"),
+                 fused=kwargs.get("fused"))
 
 
 def training_arguments_source(args: Any, explicit: Optional[DeepSpeedConfig]) -> Optional[DeepSpeedConfig]:

@@ -666,14 +666,16 @@ def test_engine_trainer_from_a_deepspeed_config_fills_auto_as_the_trainer_does(t
         EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "x"))
 
 
-def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_and_schedule(tmp_path):
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])  # the Trainer's default, and the for-loop
+def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_and_schedule(tmp_path, optim):
     """No optimizer or scheduler section: the Trainer's own AdamW (no weight decay on biases and
-    norms) and its linear schedule with warmup, as with DeepSpeed; the same losses as the plain
-    Trainer given the same arguments, bit for bit. The model is built on the meta device and filled
+    norms, its fused or for-loop kernel: they round differently in the last bit on some CPUs) and its
+    linear schedule with warmup, as with DeepSpeed; the same losses and weights as the plain Trainer
+    given the same arguments, bit for bit. The model is built on the meta device and filled
     from its save_pretrained directory (state_dict=), where DeepSpeed loads it under zero.Init. bf16
     in the arguments: the engine trains bf16 weights with fp32 masters (DeepSpeed's bf16), not under
     the Trainer's autocast."""
-    args = dict(max_grad_norm=CLIP, weight_decay=0.1, warmup_steps=1, optim="adamw_torch")
+    args = dict(max_grad_norm=CLIP, weight_decay=0.1, warmup_steps=1, optim=optim)
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(CONFIG)
     ref.save_pretrained(tmp_path / "hf")
@@ -688,6 +690,7 @@ def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_
         groups = trainer.engine.optimizer.param_groups
         no_decay = [p for n, p in ref.named_parameters() if n not in plain.get_decay_parameter_names(ref)]
         assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and len(groups[1]["params"]) == len(no_decay) == 18
+        assert [bool(g["fused"]) for g in groups] == [optim == "adamw_torch_fused"] * 2
         trainer.train()
         assert losses_of(trainer) == losses_of(plain) and learning_rates_of(trainer) == learning_rates_of(plain)
         got, want = trainer.engine.state_dict(), ref.state_dict()
