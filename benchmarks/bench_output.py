@@ -38,18 +38,6 @@ def write_json(result: dict[str, Any], path: Optional[str]) -> None:
             json.dump(result, f, indent=2)
 
 
-def add_alternation_arguments(p: argparse.ArgumentParser, *, size_help: str, rounds: int) -> None:
-    """The options every script that alternates contenders round by round on large tensors takes:
-    ``--dir``, ``--size``, ``--tensor-size``, ``--block-size``, ``--rounds`` and ``--json``."""
-    mib = 1024 * 1024
-    p.add_argument("--dir", default=".", help="scratch directory on the disk under test")
-    p.add_argument("--size", type=int, default=2048 * mib, help=size_help)
-    p.add_argument("--tensor-size", type=int, default=256 * mib)
-    p.add_argument("--block-size", type=int, default=8 * mib, help="bytes per I/O request (the store's block_size)")
-    p.add_argument("--rounds", type=int, default=rounds)
-    p.add_argument("--json", help="write every run here")
-
-
 def rotated(items: Sequence[T], k: int) -> list[T]:
     """``items`` rotated left by ``k``: round ``k`` of an alternation starts with a different contender."""
     k %= len(items)

@@ -117,7 +117,7 @@ def test_new_result_is_aligned_for_large_cpu_results_and_plain_otherwise():
 
 
 def test_results_from_4_mib_come_from_the_pool():
-    # torch.empty memory of a few MiB may be faulted in afresh on every allocation (benchmarks/result_memory.py).
+    # torch.empty memory of a few MiB may be faulted in afresh on every allocation.
     assert DIRECT_RESULT_BYTES == 4 * MiB
     pool = ResultPool(capacity=8 * MiB)
     first, spans = new_result((MiB,), torch.float32, "cpu", pool)
