@@ -18,5 +18,7 @@ def test_every_contender_runs_and_round_trips(tmp_path, benchmark_script, capsys
     rows = {r["contender"]: r for r in report["rows"]}
     assert set(module.CONTENDERS) <= set(rows)
     assert all(len(r["runs"]) == 2 and r["median"] > 0 for r in rows.values())
+    if report["fio_sweep"] is not None:  # fio at its best setting of each direction, swept on this disk
+        assert {"fio write", "fio read"} <= set(rows) and report["fio_sweep"]["best_read"]["median"] > 0
     assert "| tiered save_checkpoint |" in capsys.readouterr().out
     assert os.listdir(scratch) == []  # the store, checkpoint, exports and torch file are removed

@@ -47,6 +47,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         result.seconds = time.perf_counter() - started
+        result.machine["loadavg_after"] = list(os.getloadavg())
     return result
 
 
