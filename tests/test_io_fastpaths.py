@@ -88,7 +88,7 @@ def test_buffers_that_o_direct_fills_ask_for_huge_pages_where_the_kernel_gives_t
     if "[never]" in mode:
         pytest.skip("transparent huge pages are off here ([never])")
     # Asked for (MADV_HUGEPAGE) even under the "madvise" mode: each 2 MiB is then physically
-    # contiguous, so an 8 MiB block is a few segments, not up to 2,048 (docs/benchmarks.md, "Memory").
+    # contiguous, so an 8 MiB block is a few segments, not up to 2,048 (docs/tuning.md, "Memory").
     pool = ResultPool(capacity=0)
     result, view = pool.take(8 * MiB)
     view.release()
