@@ -79,8 +79,9 @@ def run(args: argparse.Namespace) -> dict:
         _, _, fio_sweep = fio_best(os.path.join(workdir, "fio-sweep"), nbytes=min(nbytes, args.fio_size), repeats=1)
         fio = FioFile(os.path.join(workdir, "fio"), nbytes)
         fio_write, fio_read = best_setting(fio_sweep, WRITE), best_setting(fio_sweep, READ)
-    except FioError as exc:
+    except (FioError, ValueError) as exc:  # fio missing or failing, or a model too small for its blocks
         print(f"no disk reference: {exc}", file=sys.stderr)
+        fio = None
     ckpt, weights, pt = (os.path.join(workdir, n) for n in ("ckpt", "weights", "model.pt"))
     torch_save(state, pt)
     eng.save_checkpoint(ckpt)

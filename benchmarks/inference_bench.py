@@ -383,7 +383,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     write_json(result, args.json)
     if args.plot:
         plot(result, args.plot)
-    return 0 if all(c["equal_outputs"] for c in result["contenders"]) else 1
+    unequal = [c["name"] for c in result["contenders"] if not c["equal_outputs"]]
+    if unequal:
+        print(f"ERROR: outputs differ from the in-memory model's: {', '.join(unequal)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
