@@ -49,17 +49,19 @@ def add_fio_arguments(p: argparse.ArgumentParser) -> None:
                    "and 64, 1 and 4 jobs) instead of the full one")
 
 
-def disk_limit(args: argparse.Namespace, directory: str) -> Optional[dict[str, Any]]:
-    """fio's best read and write bandwidth on ``directory``'s disk (``tiered.bench.fio_best``), as
-    ``{"read_bytes_per_s", "write_bytes_per_s", "sweep"}``; None when ``--fio-size 0`` or fio is
-    missing (said on stderr). Prints the result."""
+def disk_limit(args: argparse.Namespace, directory: str, *, nbytes: Optional[int] = None,
+               repeats: int = 3) -> Optional[dict[str, Any]]:
+    """fio's best read and write bandwidth on ``directory``'s disk (``tiered.bench.fio_best`` on
+    ``nbytes``, default ``--fio-size``; each direction's best setting run ``repeats`` times), as
+    ``{"read_bytes_per_s", "write_bytes_per_s", "sweep"}``; None when ``--fio-size 0``, fio is
+    missing or no setting fits ``nbytes`` (said on stderr). Prints the result."""
     if args.fio_size <= 0:
         return None
     grid = {} if not args.fio_quick else {"block_sizes": FIO_QUICK_BLOCK_SIZES, "queue_depths": FIO_QUICK_QUEUE_DEPTHS,
                                           "jobs": FIO_QUICK_JOB_COUNTS}
     try:
-        read, write, details = fio_best(directory, nbytes=args.fio_size, **grid)
-    except FioError as exc:
+        read, write, details = fio_best(directory, nbytes=nbytes or args.fio_size, repeats=repeats, **grid)
+    except (FioError, ValueError) as exc:
         print(f"no disk limit: {exc}", file=sys.stderr)
         return None
     print(f"fio at its best on this disk: read {read / 1e9:.2f} GB/s ({details['best_read']['describe']}), write "

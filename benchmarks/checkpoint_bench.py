@@ -34,8 +34,17 @@ import torch
 
 import engine
 import tiered
-from bench_output import machine_info, paired_median, print_table, rotated, scratch_dir, with_machine, write_json
-from tiered.bench import FioError, fio_best
+from bench_output import (
+    add_fio_arguments,
+    disk_limit,
+    machine_info,
+    paired_median,
+    print_table,
+    rotated,
+    scratch_dir,
+    with_machine,
+    write_json,
+)
 from tiered.bench.fio import READ, WRITE, FioFile
 from tiered.bench.fio_sweep import best_setting
 from tiered.bench.system import evict_file_pages
@@ -74,14 +83,12 @@ def run(args: argparse.Namespace) -> dict:
     eng = engine.wrap(model, config=config, init_fn=lambda m: torch.nn.init.normal_(m.weight, std=0.02))
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     state = eng.state_dict()
-    fio, fio_sweep = None, None
-    try:  # fio's best setting of each direction, swept on this disk; its rounds below use them
-        _, _, fio_sweep = fio_best(os.path.join(workdir, "fio-sweep"), nbytes=min(nbytes, args.fio_size), repeats=1)
-        fio = FioFile(os.path.join(workdir, "fio"), nbytes)
+    # fio's best setting of each direction, swept on this disk; its rounds below use them
+    limit = disk_limit(args, os.path.join(workdir, "fio-sweep"), nbytes=min(nbytes, args.fio_size), repeats=1)
+    fio_sweep = None if limit is None else limit["sweep"]
+    fio = None if limit is None else FioFile(os.path.join(workdir, "fio"), nbytes)
+    if fio_sweep is not None:
         fio_write, fio_read = best_setting(fio_sweep, WRITE), best_setting(fio_sweep, READ)
-    except (FioError, ValueError) as exc:  # fio missing or failing, or a model too small for its blocks
-        print(f"no disk reference: {exc}", file=sys.stderr)
-        fio = None
     ckpt, weights, pt = (os.path.join(workdir, n) for n in ("ckpt", "weights", "model.pt"))
     torch_save(state, pt)
     eng.save_checkpoint(ckpt)
@@ -157,13 +164,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--fio-size", type=int, default=512 * MiB, help="bytes each setting of fio's sweep moves "
-                   "(at most the model's size; default 512 MiB)")
+    add_fio_arguments(p)
     p.add_argument("--json", help="write every run here")
     args = p.parse_args(argv)
-    if min(args.layers, args.width, args.rounds, args.fio_size) < 1:
-        p.error(f"--layers, --width, --rounds and --fio-size must be >= 1, got {args.layers}, {args.width}, "
-                f"{args.rounds}, {args.fio_size}")
+    if min(args.layers, args.width, args.rounds) < 1:
+        p.error(f"--layers, --width and --rounds must be >= 1, got {args.layers}, {args.width}, {args.rounds}")
     result = run(args)
     write_json(result, args.json)
     if not result["verified"]:

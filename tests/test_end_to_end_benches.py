@@ -71,7 +71,7 @@ def test_scaling_holds_the_step_against_fio_and_the_in_memory_step(tmp_path, ben
     out = tmp_path / "scaling.json"
     assert benchmark_script("scaling_bench").main([
         "--dir", str(tmp_path / "scratch"), "--embd", "64", "--layers", "1", "--vocab", "128", "--seq", "16",
-        "--batch", "1", "--steps", "3", "--fio-size", str(4 << 20), "--fio-quick", "--json", str(out)]) == 0
+        "--batch", "1", "--steps", "3", "--fio-size", str(1 << 20), "--fio-quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     assert row["losses_match"] and row["bytes_read_per_step"] > 0 and row["bytes_written_per_step"] > 0

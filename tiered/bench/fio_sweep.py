@@ -87,8 +87,6 @@ def fio_best(directory: str, *, nbytes: int = 512 * MiB, block_sizes: Sequence[i
         direct = file.direct
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    write_bps = statistics.median(r.value for r in write_runs) * 1e9
-    read_bps = statistics.median(r.value for r in read_runs) * 1e9
     details = {
         "fio": status.version, "nbytes": file.nbytes, "direct": direct, "repeats": repeats,
         "grid": [{**s.as_dict(), "write_bytes_per_s": w.value * 1e9, "read_bytes_per_s": r.value * 1e9}
@@ -97,7 +95,7 @@ def fio_best(directory: str, *, nbytes: int = 512 * MiB, block_sizes: Sequence[i
         "best_read": _best(settings[best_read], read_runs),
         "seconds": time.perf_counter() - started,
     }
-    return read_bps, write_bps, details
+    return details["best_read"]["median"], details["best_write"]["median"], details
 
 
 def best_setting(details: dict[str, Any], rw: str) -> FioSetting:
