@@ -26,7 +26,7 @@ import time
 from typing import Any, Optional
 
 import torch
-from bench_output import print_table, pyplot, scratch_dir, with_load, write_json
+from bench_output import machine_info, print_table, pyplot, scratch_dir, with_machine, write_json
 from torch import nn
 
 from engine.demo import GPT, BigramStream, GPTConfig
@@ -164,7 +164,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4, help="steps per contender; the first is not timed")
+    p.add_argument("--steps", type=int, default=6, help="steps per contender; the first is not timed")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--host-mib", type=int, default=64, help="the store's host budget")
     p.add_argument("--prefetch-mib", type=int, default=128)
@@ -183,29 +183,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     if skip - set(CONTENDERS):
         p.error(f"--skip takes {', '.join(CONTENDERS)}, got {args.skip!r}")
-    load = os.getloadavg()
+    machine = machine_info(args.dir)
     forwarded = list(argv if argv is not None else sys.argv[1:])
     runs = [run_child(name, forwarded) for name in CONTENDERS if name not in skip]
-    for r in runs:
-        r["median_seconds"] = statistics.median(r["seconds"][1:])
-        r["losses_equal"] = r["losses"] == runs[0]["losses"]
     ref = next((r for r in runs if r["name"] == "tiered"), runs[0])
-    rows = []
     for r in runs:
-        per_step = r.get("activation_bytes_offloaded", 0) / args.steps
         fb, st = r["forward_backward_peak_bytes"], r["optimizer_step_peak_bytes"]
-        rows.append([LABELS[r["name"]], r["median_seconds"], r["median_seconds"] / ref["median_seconds"],
-                     max(fb) / 2**30 if fb else None, max(st) / 2**30 if st else None,
-                     f"{per_step / 1e6:.0f} MB" if per_step else "-", "yes" if r["losses_equal"] else "NO"])
+        r["label"] = LABELS[r["name"]]
+        r["median_seconds"] = statistics.median(r["seconds"][1:])
+        r["min_seconds"], r["max_seconds"] = min(r["seconds"][1:]), max(r["seconds"][1:])
+        r["losses_equal"] = r["losses"] == runs[0]["losses"]
+        r["forward_backward_peak_gib"] = max(fb) / 2**30 if fb else None
+        r["optimizer_step_peak_gib"] = max(st) / 2**30 if st else None
+        r["activation_mb_per_step"] = r.get("activation_bytes_offloaded", 0) / args.steps / 1e6
+    for r in runs:
+        r["vs_reference"] = r["median_seconds"] / ref["median_seconds"]
+    rows = [[r["label"], r["median_seconds"], r["vs_reference"], r["forward_backward_peak_gib"],
+             r["optimizer_step_peak_gib"], f"{r['activation_mb_per_step']:.0f}" if r["activation_mb_per_step"] else "-",
+             "yes" if r["losses_equal"] else "NO"] for r in runs]
     print(f"GPT {args.layers} x {args.embd}, vocab {args.vocab}, batch {args.batch} x {args.seq} tokens, "
           f"{args.steps} steps (first untimed); memory: peak RSS above the start of training, GiB")
     print_table(["contender", "median step s", f"vs {LABELS[ref['name']]}", "forward + backward",
-                 "optimizer step", "activations to nvme per step", "losses equal"], rows)
-    result = with_load({"args": vars(args), "runs": runs}, load)
+                 "optimizer step", "activations to nvme per step, MB", "losses equal"], rows)
+    result = with_machine({"args": vars(args), "reference": LABELS[ref["name"]], "runs": runs}, machine)
     write_json(result, args.json)
     if args.plot:
         _plot(runs, args.plot)
-    return 0 if all(r["losses_equal"] for r in runs) else 1
+    if not all(r["losses_equal"] for r in runs):
+        print("ERROR: the contenders' losses differ (the table's last column)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _plot(runs: list[dict[str, Any]], path: str) -> None:

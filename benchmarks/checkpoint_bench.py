@@ -15,7 +15,9 @@ cache first.
 GB/s of tensor bytes; medians of the rounds, and each contender's ratio within its round to what
 the disk allows it: fio's write for torch.save, fio's read for torch.load, and for the engine,
 which reads from its swap files what it writes (or writes into them what it reads), the same
-bytes read and written, 1 / (1/read + 1/write).
+bytes read and written, 1 / (1/read + 1/write). fio runs at its best setting of each direction,
+swept on the same disk at the start (``tiered.bench.fio_best``).
+Every tensor is read back and compared after the last round; the script exits 1 if any differs.
 """
 
 from __future__ import annotations
@@ -32,8 +34,19 @@ import torch
 
 import engine
 import tiered
-from bench_output import paired_median, print_table, rotated, scratch_dir, with_load, write_json
-from tiered.bench.fio import Fio, fio_status
+from bench_output import (
+    add_fio_arguments,
+    disk_limit,
+    machine_info,
+    paired_median,
+    print_table,
+    rotated,
+    scratch_dir,
+    with_machine,
+    write_json,
+)
+from tiered.bench.fio import READ, WRITE, FioFile
+from tiered.bench.fio_sweep import best_setting
 from tiered.bench.system import evict_file_pages
 
 MiB = 1 << 20
@@ -61,7 +74,7 @@ def _round_trips(eng: engine.Engine, state: dict, exported: list[str], pt: str) 
 
 
 def run(args: argparse.Namespace) -> dict:
-    load_before = os.getloadavg()
+    machine = machine_info(args.dir)
     workdir = scratch_dir(args.dir, "tiered-checkpoint-")
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers)])
@@ -70,7 +83,12 @@ def run(args: argparse.Namespace) -> dict:
     eng = engine.wrap(model, config=config, init_fn=lambda m: torch.nn.init.normal_(m.weight, std=0.02))
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     state = eng.state_dict()
-    fio = Fio(os.path.join(workdir, "fio"), nbytes, min(8 * MiB, nbytes), 32) if fio_status().present else None
+    # fio's best setting of each direction, swept on this disk; its rounds below use them
+    limit = disk_limit(args, os.path.join(workdir, "fio-sweep"), nbytes=min(nbytes, args.fio_size), repeats=1)
+    fio_sweep = None if limit is None else limit["sweep"]
+    fio = None if limit is None else FioFile(os.path.join(workdir, "fio"), nbytes)
+    if fio_sweep is not None:
+        fio_write, fio_read = best_setting(fio_sweep, WRITE), best_setting(fio_sweep, READ)
     ckpt, weights, pt = (os.path.join(workdir, n) for n in ("ckpt", "weights", "model.pt"))
     torch_save(state, pt)
     eng.save_checkpoint(ckpt)
@@ -102,7 +120,8 @@ def run(args: argparse.Namespace) -> dict:
             for name in rotated(list(runs), r):
                 if name in FIO:
                     assert fio is not None
-                    runs[name].append((fio.write(fresh=True) if name == "fio write" else fio.read()).value)
+                    run = fio.write(fio_write, fresh=True) if name == "fio write" else fio.read(fio_read)
+                    runs[name].append(run.value)
                     continue
                 start = time.perf_counter()
                 steps[name]()
@@ -135,8 +154,8 @@ def run(args: argparse.Namespace) -> dict:
           + ("" if fio else "; fio is not installed, so there is no disk reference"))
     print_table(["contender", "median GB/s", "min", "max", "vs its disk limit (paired)"],
                 [(r["contender"], r["median"], r["min"], r["max"], r["vs_disk"]) for r in rows])
-    return with_load({"layers": args.layers, "width": args.width, "bytes": nbytes, "rounds": args.rounds,
-                      "verified": verified, "rows": rows}, load_before)
+    return with_machine({"layers": args.layers, "width": args.width, "bytes": nbytes, "rounds": args.rounds,
+                         "verified": verified, "rows": rows, "fio_sweep": fio_sweep}, machine)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -145,11 +164,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=3)
+    add_fio_arguments(p)
     p.add_argument("--json", help="write every run here")
     args = p.parse_args(argv)
     if min(args.layers, args.width, args.rounds) < 1:
         p.error(f"--layers, --width and --rounds must be >= 1, got {args.layers}, {args.width}, {args.rounds}")
-    write_json(run(args), args.json)
+    result = run(args)
+    write_json(result, args.json)
+    if not result["verified"]:
+        print("ERROR: a tensor read back differs from the one saved", file=sys.stderr)
+        return 1
     return 0
 
 

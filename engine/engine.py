@@ -740,6 +740,8 @@ def wrap(
     state_dict: Optional[StateDictLike] = None,
     extensions: Extensions = DEFAULT_EXTENSIONS,
     engine_class: EngineFactory = Engine,
+    initialize_missing: bool = True,
+    cast_unloaded_buffers: bool = True,
 ) -> Engine:
     """Keep ``model``'s parameters in a tiered store and page them in around each use.
 
@@ -765,6 +767,10 @@ def wrap(
             ``save_pretrained`` writes and :meth:`Engine.save_weights` writes that layout back.
         engine_class: builds the engine from :class:`Engine`'s constructor arguments (an ``Engine``
             subclass or a partial of one); ``engine.initialize`` passes its DeepSpeed-shaped engine.
+        initialize_missing: False makes a tensor on the meta device that ``state_dict`` does not set
+            a ValueError rather than initialized (accelerate's loading rule).
+        cast_unloaded_buffers: False makes ``EngineConfig.train_dtype`` cast only the buffers
+            ``state_dict`` sets (accelerate's rule: a rotary ``inv_freq`` stays fp32).
 
     Returns:
         The engine; the model object is the one passed, called as usual.
@@ -823,6 +829,7 @@ def wrap(
         placement = Placement(
             model, device=device, shard_io=shard_io, meter=meter, rank=rank, world=world, source=source,
             init_fn=init_fn, dtype=_train_dtype(config), from_store=config.resume,
+            initialize_missing=initialize_missing, cast_unloaded_buffers=cast_unloaded_buffers,
         )
         try:
             bar = byte_progress("wrap: parameters to the store", placement.total_bytes(),

@@ -23,5 +23,7 @@ def test_four_contenders_train_to_the_same_losses(tmp_path, benchmark_script, ca
     assert runs["tiered+activations"]["activation_bytes_offloaded"] > 0
     assert runs["tiered+activations"]["activation_bytes_read"] > 0
     assert runs["tiered"]["activation_bytes_offloaded"] == 0
+    assert runs["tiered"]["vs_reference"] == 1.0 and report["reference"] == "tiered, activations in memory"
+    assert all(r["forward_backward_peak_gib"] > 0 for r in runs.values()) and "machine" in report
     assert "| tiered, activations on nvme |" in capsys.readouterr().out
     assert os.listdir(scratch) == []  # every contender removed its store

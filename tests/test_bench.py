@@ -11,19 +11,24 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from tiered.bench import fio_best
 from tiered.bench.cli import main
 from tiered.bench.deepspeed_aio import load_aio
+from tiered.bench.fio import fio_status
 from tiered.bench.options import BenchOptions
 from tiered.bench.phases import Context, run_round_robin
-from tiered.bench.results import BenchResult, Run
+from tiered.bench.results import BenchResult, Figure, Run
+from tiered.bench.targets import check_targets
 from tiered.bench.tensors import TensorFactory
 from tiered.cli import main as tiered_main
 
 TINY = [
     "--quick", "--quiet", "--size", "4MiB", "--tensor-sizes", "1MiB,512KiB", "--small-count", "12",
     "--small-sizes", "4KiB,64KiB", "--concurrency", "4", "--prefetch-count", "3", "--prefetch-size", "256KiB",
-    "--compute-ms", "1", "--block-size", "256KiB",
+    "--compute-ms", "1", "--block-size", "256KiB", "--fio-size", "4MiB",
+    "--fio-jobs", "1", "--fio-queue-depths", "64",
 ]
 
 
@@ -36,13 +41,13 @@ def no_deepspeed(monkeypatch):
 def test_quick_run_reports_every_phase_and_round_trips(tmp_path, no_deepspeed, capsys):
     out = tmp_path / "bench.json"
     work = tmp_path / "disk"
-    assert main(["--dir", str(work), "--json", str(out), *TINY]) == 0
+    assert main(["--dir", str(work), "--json", str(out), "--device", "cpu", *TINY]) == 0
     report = json.loads(out.read_text())
     table = capsys.readouterr().out
 
     assert os.listdir(work) == []  # the scratch directory is gone
     phases = report["phases"]
-    for prefix in ("large (", "large, zstd", "small 64KiB", "small mix", "prefetch"):
+    for prefix in ("large (", "large, zstd", "small 64KiB", "small mix", "prefetch", "device ("):
         assert any(p.startswith(prefix) for p in phases), (prefix, phases)
 
     figures = {f["name"]: f for f in report["figures"]}
@@ -65,6 +70,13 @@ def test_quick_run_reports_every_phase_and_round_trips(tmp_path, no_deepspeed, c
     if fio["present"]:
         assert f"{large} / fio write" in figures and f"{large} / fio read" in figures
         assert figures[f"{large} / store write"]["ratio_to_fio"] is not None
+        # fio's limit is its best setting of a sweep (here 1 MiB blocks at depth 64), not one of ours.
+        sweep = report["fio_sweep"]
+        assert {(g["block_size"], g["queue_depth"]) for g in sweep["grid"]} == {(1 << 20, 64)}
+        for rw in ("write", "read"):
+            best = sweep[f"best_{rw}"]
+            assert best["median"] == max(g[f"{rw}_bytes_per_s"] for g in sweep["grid"])
+            assert all(r["detail"] | best["setting"] == r["detail"] for r in figures[f"{large} / fio {rw}"]["runs"])
     else:
         assert "not installed" in fio["note"] and f"{large} / fio write" not in figures
     ds = report["tools"]["deepspeed"]
@@ -84,12 +96,23 @@ def test_quick_run_reports_every_phase_and_round_trips(tmp_path, no_deepspeed, c
     assert "store read into out=, aligned tensors, gets in flight vs deepspeed read" in targets
     assert "store read into out=, aligned tensors vs deepspeed read, one tensor at a time" in targets
     assert "store read into out=, aligned tensors vs deepspeed read" not in targets
-    assert "small 64 KiB put+get" in targets
-    # The batched row (put_many/get_many) sits beside the per-call ones and counts toward the target.
+    # The target is one call per tensor; the batched row (put_many/get_many) is reported beside it.
+    small = targets["small 64 KiB put+get, one call per tensor"]
+    per_call = max((f for f in report["figures"] if f["phase"] == "small 64KiB" and f["op"].startswith("put+get")),
+                   key=lambda f: f["median"])
+    assert small["measured"] == per_call["median"] and small["runs"] == 3
     batched = [f for f in report["figures"] if f["phase"] == "small 64KiB" and f["op"].startswith("put_many+get_many")]
     assert len(batched) == 1 and all(r["verified"] is True for r in batched[0]["runs"])
-    small_note = targets["small 64 KiB put+get"]["note"]
-    assert "per call" in small_note and "batched" in small_note
+    assert "batched (put_many+get_many" in small["note"]
+    # Three runs are reported, never judged: a verdict needs five.
+    assert all(t["met"] is None for t in report["targets"])
+    assert all("a verdict needs >= 5 runs" in t["note"] for t in report["targets"] if t["measured"] is not None)
+    # The device phase: puts from and gets into the device's memory beside host memory, every get checked.
+    device = next(p for p in phases if p.startswith("device ("))
+    for op in ("put from cpu", "put from host", "get into cpu", "get into host"):
+        assert len(figures[f"{device} / store {op}"]["runs"]) == 3, op
+    assert all(r["verified"] is True for r in figures[f"{device} / store get into cpu"]["runs"])
+    assert "of host memory's speed" in figures[f"{device} / store get into cpu"]["note"]
     assert any("wrote its files once, untimed" in note for note in report["notes"])
 
 
@@ -140,6 +163,50 @@ def test_bad_options_are_clear_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--dir", str(tmp_path), "--size", "lots"])
     assert "not a size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--dir", str(tmp_path), "--only", "device"])
+    assert "--only device needs --device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["--dir", str(tmp_path), "--device", "cuda"])
+        assert "CUDA is not available" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # refused before any work
+
+
+def test_judged_targets_need_five_runs_and_use_the_median_of_paired_ratios():
+    def figure(tool: str, op: str, values: list[float]) -> Figure:
+        return Figure("large (1MiB as 1 tensors)", tool, op, "GB/s", runs=[Run(v, 1.0) for v in values])
+
+    def target(store: list[float], fio: list[float]) -> dict:
+        result = BenchResult(options={}, machine={}, figures=[figure("store", "write", store),
+                                                              figure("fio", "write", fio)])
+        return next(t for t in check_targets(result) if t.name == "store write vs fio write")
+
+    # Five repetitions: each ratio within its repetition, the median judged (0.96 >= 0.95), the range kept.
+    met = target([1.9, 0.9, 2.0, 1.0, 1.8], [2.0, 1.0, 2.0, 1.0, 1.875])
+    assert met.met is True and met.measured == pytest.approx(0.96) and (met.low, met.high) == (0.9, 1.0)
+    missed = target([1.8, 0.9, 2.0, 0.9, 1.8], [2.0, 1.0, 2.0, 1.0, 2.0])
+    assert missed.met is False and missed.measured == pytest.approx(0.9)
+    assert target([2.0, 2.0, 2.0], [1.0, 1.0, 1.0]).met is None  # three runs: reported, not judged
+
+
+def test_fio_best_is_the_best_setting_of_its_sweep(tmp_path):
+    if not fio_status().present:
+        pytest.skip("fio is not installed here")
+    read, write, details = fio_best(str(tmp_path / "disk"), nbytes=1 << 20, block_sizes=(1 << 20,),
+                                    queue_depths=(64,), jobs=(1, 2), repeats=2)
+    grid = {(g["block_size"], g["queue_depth"], g["jobs"]) for g in details["grid"]}
+    assert grid == {(1 << 20, 64, 1)}  # with 2 jobs each one's share of the file would hold no whole block
+    assert read == details["best_read"]["median"] and write == details["best_write"]["median"]
+    for rw in ("read", "write"):
+        best = details[f"best_{rw}"]
+        assert len(best["bytes_per_s"]) == 2 and best["bytes_per_s"][0] == max(
+            g[f"{rw}_bytes_per_s"] for g in details["grid"])
+    assert os.listdir(tmp_path / "disk") == []  # its scratch folder is removed
+    with pytest.raises(ValueError, match="repeats"):
+        fio_best(str(tmp_path), repeats=0)
+    with pytest.raises(ValueError, match="fits"):
+        fio_best(str(tmp_path), nbytes=4096, block_sizes=(1 << 20,), queue_depths=(1,), jobs=(1,))
 
 
 def test_entry_points(tmp_path):

@@ -12,11 +12,13 @@ def test_every_contender_runs_and_round_trips(tmp_path, benchmark_script, capsys
     out = tmp_path / "results" / "checkpoint.json"  # neither directory exists yet: the script makes them
     scratch = tmp_path / "disk" / "scratch"
     assert module.main(["--dir", str(scratch), "--layers", "2", "--width", "512", "--rounds", "2",
-                        "--json", str(out)]) == 0
+                        "--fio-size", str(1 << 20), "--fio-quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["verified"] is True and report["bytes"] == 2 * 512 * 512 * 4
     rows = {r["contender"]: r for r in report["rows"]}
     assert set(module.CONTENDERS) <= set(rows)
     assert all(len(r["runs"]) == 2 and r["median"] > 0 for r in rows.values())
+    if report["fio_sweep"] is not None:  # fio at its best setting of each direction, swept on this disk
+        assert {"fio write", "fio read"} <= set(rows) and report["fio_sweep"]["best_read"]["median"] > 0
     assert "| tiered save_checkpoint |" in capsys.readouterr().out
     assert os.listdir(scratch) == []  # the store, checkpoint, exports and torch file are removed

@@ -1,9 +1,10 @@
-"""benchmarks/inference_bench.py and benchmarks/train_bench.py on a tiny model on the CPU: every
-contender's outputs (or losses) agree with the in-memory model's and the JSON says where it computed
-(no timing assertions; docs/results.md has real runs, GPU ones included)."""
+"""benchmarks/inference_bench.py, train_bench.py and scaling_bench.py on a tiny model on the CPU:
+every contender's outputs (or losses) equal the in-memory model's, a mismatch exits 1, and the JSON
+holds the verdict and the machine (no timing assertions: docs/results.md has real runs)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -20,9 +21,11 @@ def test_inference_contenders_match_the_in_memory_model(tmp_path, benchmark_scri
     scratch.mkdir()
     assert benchmark_script("inference_bench").main([
         "--dir", str(scratch), "--layers", "1", "--embd", "64", "--tokens", "8", "--repeats", "1", "--loop", "2",
-        "--host-mib", "1", "--prefetch-mib", "16", "--queue-depth", "4", "--json", str(out)]) == 0
+        "--host-mib", "1", "--prefetch-mib", "16", "--queue-depth", "4", "--fio-size", "0", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["device"] == "cpu"
+    assert report["verdict"]["runs"] == 1 and report["verdict"]["met"] is None  # one repetition: not judged
+    assert report["machine"]["cpus"] == os.cpu_count() and "loadavg_after" in report["machine"]
     assert "queue depth 4" in report["contenders"][2]["note"]
     assert [c["equal_outputs"] for c in report["contenders"]] == [True] * 4
     assert all(len(c["seconds"]) == 1 for c in report["contenders"])
@@ -45,7 +48,41 @@ def test_training_contenders_match_torch_adamw(tmp_path, benchmark_script, optio
     assert memory["vs_first"] == 1.0
     for run in ours:
         assert len(run["losses"]) == 2 and len(run["optimizer_seconds"]) == 2
-        assert run["losses"] == pytest.approx(memory["losses"], rel=1e-5)
+        assert run["losses"] == memory["losses"] and run["max_loss_diff"] == 0.0  # bit for bit
+    assert report["losses_match"] and report["verdict"]["runs"] == 1 and report["verdict"]["met"] is None
+
+
+def test_training_exits_1_when_a_contender_trains_to_other_losses(tmp_path, benchmark_script, monkeypatch, capsys):
+    module = benchmark_script("train_bench")
+    reference = module.in_memory
+
+    def other_lr(model, args):  # the reference contender, at another learning rate: its losses differ
+        return reference(model, argparse.Namespace(**{**vars(args), "lr": args.lr * 2}))
+
+    monkeypatch.setattr(module, "in_memory", other_lr)
+    out = tmp_path / "train.json"
+    assert module.main(["--dir", str(tmp_path), "--layers", "1", "--embd", "64", "--vocab", "128", "--seq", "16",
+                        "--batch", "2", "--steps", "3", "--skip", "fsdp2", "--json", str(out)]) == 1
+    assert "losses differ" in capsys.readouterr().err
+    assert json.loads(out.read_text())["losses_match"] is False
+
+
+def test_scaling_holds_the_step_against_fio_and_the_in_memory_step(tmp_path, benchmark_script):
+    out = tmp_path / "scaling.json"
+    assert benchmark_script("scaling_bench").main([
+        "--dir", str(tmp_path / "scratch"), "--embd", "64", "--layers", "1", "--vocab", "128", "--seq", "16",
+        "--batch", "1", "--steps", "3", "--fio-size", str(1 << 20), "--fio-quick", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert row["losses_match"] and row["bytes_read_per_step"] > 0 and row["bytes_written_per_step"] > 0
+    if report["fio"] is None:
+        pytest.skip("fio is not installed here: no floor")
+    floors = [r / report["fio"]["read_bytes_per_s"] + w / report["fio"]["write_bytes_per_s"]
+              for r, w in zip(row["bytes_read"][1:], row["bytes_written"][1:])]
+    assert row["io_floor_s"] == pytest.approx(sum(floors) / 2)  # the median of the two timed steps
+    ratios = [t / max(f, row["memory_step_s"]) for t, f in zip(row["tiered_steps"][1:], floors)]
+    assert row["verdict"]["values"] == pytest.approx(ratios) and row["verdict"]["met"] is None  # 2 runs: not judged
+    assert os.listdir(tmp_path / "scratch") == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without CUDA")

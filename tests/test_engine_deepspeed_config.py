@@ -511,8 +511,8 @@ def test_a_full_hugging_face_style_config(store, tmp_path):
     assert os.fspath(nvme) in engine_config.store.nvme_paths
 
 
-def test_the_training_guide_lists_every_key():
-    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "training.md"), encoding="utf-8") as f:
+def test_the_configuration_reference_lists_every_key():
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md"), encoding="utf-8") as f:
         doc = f.read()
 
     def paths(schema, prefix):
@@ -524,7 +524,7 @@ def test_the_training_guide_lists_every_key():
                 yield from paths(spec, path)
 
     missing = [p for p in paths({k: v for k, v in TOP.items() if k != "bfloat16"}, "") if f"`{p}`" not in doc]
-    assert not missing, f"docs/training.md does not list {missing}"
+    assert not missing, f"docs/configuration.md does not list {missing}"
 
 
 def test_monitors_turned_on_are_named_in_a_warning(store):

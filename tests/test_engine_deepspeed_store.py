@@ -233,6 +233,40 @@ def test_zero_inference_script_generates_what_the_plain_model_does(tmp_path):
         ds_engine.destroy()
 
 
+def test_zero_inference_in_fp16_runs_without_an_optimizer(tmp_path):
+    """DeepSpeed's ZeRO-Inference recipe in fp16 (its run_model.py config: an "fp16" section, stage 3,
+    parameters on NVMe with its aio settings, no optimizer): no loss to scale, so it loads and
+    generates as the plain model converted to fp16 does (DeepSpeed's module.half()), logits bit for bit."""
+    pytest.importorskip("transformers")
+    nvme, hidden = str(tmp_path / "nvme"), 32
+    ds = {"fp16": {"enabled": True}, "bf16": {"enabled": False}, "steps_per_print": 2000, "train_batch_size": 2,
+          "wall_clock_breakdown": False,
+          "zero_optimization": {
+              "stage": 3, "stage3_prefetch_bucket_size": 2 * hidden * hidden,
+              "stage3_param_persistence_threshold": hidden, "stage3_max_live_parameters": 2 * hidden * hidden,
+              "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 5,
+                                "buffer_size": 1 << 20}},
+          "aio": {"block_size": 1 << 24, "queue_depth": 64, "thread_count": 8, "use_gds": False,
+                  "single_submit": False, "overlap_events": True}}
+    prompts = torch.tensor([[5, 17, 33], [40, 2, 61]])
+    mask = torch.ones_like(prompts)
+    plain = tiny_gpt2().half()
+    with torch.no_grad():
+        expected_logits = plain(prompts, attention_mask=mask).logits
+    expected = generate(plain, prompts, attention_mask=mask)
+    ds_engine = engine.initialize(model=tiny_gpt2(), config_params=ds)[0]
+    try:
+        ds_engine.module.eval()
+        assert ds_engine.optimizer is None and ds_engine.fp16_enabled() and ds_engine.loss_scale is None
+        assert ds_engine.config.train_dtype == "float16" and ds_engine.config.loss_scaling is None
+        with torch.no_grad():
+            logits = ds_engine.module(prompts, attention_mask=mask).logits
+        assert logits.dtype == torch.float16 and torch.equal(logits, expected_logits)
+        assert torch.equal(generate(ds_engine.module, prompts, attention_mask=mask), expected)
+    finally:
+        ds_engine.destroy()
+
+
 def _zero_inference_rank(rank: int, nvme: str) -> None:
     """Each rank its own prompt, generating with synced_gpus=True as DeepSpeed's examples do (the
     ranks keep calling forward together until every one is done)."""

@@ -324,7 +324,7 @@ def test_engine_trainer_trains_fp16_with_the_engines_loss_scaling(tmp_path):
             EngineTrainer(eng, model=model, args=arguments(tmp_path / "out", max_grad_norm=CLIP, fp16=True))
         # The Trainer's own sharding would take the model from the engine (a namespace stands in for
         # arguments naming a DeepSpeed config, which need deepspeed installed to be made).
-        with pytest.raises(ValueError, match=r"deepspeed='ds.json'.*EngineTrainer\(model=model, args=args\) builds it"):
+        with pytest.raises(ValueError, match=r"deepspeed='ds.json'.*args=args, deepspeed_config=\.\.\.\) builds it"):
             EngineTrainer(eng, model=model, args=SimpleNamespace(deepspeed="ds.json", fsdp=None))
         with pytest.raises(ValueError, match=r"fsdp=True.*leave fsdp unset"):
             EngineTrainer(eng, model=model, args=arguments(tmp_path / "out", max_grad_norm=CLIP, fsdp="full_shard"))
@@ -552,6 +552,51 @@ def test_engine_trainer_at_two_ranks_trains_as_distributed_data_parallel(tmp_pat
             assert files.world_size == 2
 
 
+def _one_launched_process(rank: int, root: str) -> None:
+    """One process as torchrun or `tiered launch --num_gpus 1` starts it (LOCAL_RANK set, a gloo
+    group of one): the plain Trainer, whose accelerate puts the model in DDP even then, and
+    EngineTrainer over a wrapped copy; what each did, to the parent."""
+    import json
+
+    root_path = Path(root)
+    model, ref, plain = model_and_plain_run(root_path / "ref")
+    with wrapped(model, root_path / "store") as eng:
+        try:
+            EngineTrainer(eng, model=model, args=arguments(root_path / "eng", max_grad_norm=CLIP, torch_compile=True))
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        trainer = EngineTrainer(eng, model=model, args=arguments(root_path / "eng", max_grad_norm=CLIP),
+                                train_dataset=Tokens())
+        trainer.train()
+        trained = eng.state_dict()
+        result = {"world": eng.world_size, "plain": losses_of(plain), "engine": losses_of(trainer),
+                  "plain_norms": grad_norms_of(plain), "engine_norms": grad_norms_of(trainer),
+                  "plain_wrapped": type(plain.model_wrapped).__name__,
+                  "engine_wrapped": type(trainer.model_wrapped).__name__, "compile_refused": refused,
+                  "weights_equal": all(torch.equal(trained[k], v) for k, v in ref.state_dict().items())}
+    (root_path / "rank0.json").write_text(json.dumps(result))
+
+
+def test_engine_trainer_under_a_launcher_with_one_process(tmp_path):
+    """torchrun (or `tiered launch --num_gpus 1`) with one CPU process: accelerate's multi-CPU state
+    puts even one process's model in DistributedDataParallel, which cannot read released parameters;
+    EngineTrainer keeps it out and trains to the losses, gradient norms and weights of the plain
+    Trainer in DDP at world size 1, bit for bit. torch_compile, which would have accelerate wrap it
+    anyway, is refused there as with several processes."""
+    import json
+
+    from test_engine_distributed import run_ranks
+
+    run_ranks(_one_launched_process, str(tmp_path), world=1)
+    res = json.loads((tmp_path / "rank0.json").read_text())
+    assert res["world"] == 1 and res["plain_wrapped"] == "DistributedDataParallel"
+    assert res["engine_wrapped"] == "GPT2LMHeadModel"
+    assert res["engine"] == res["plain"] and len(res["engine"]) == 4
+    assert res["engine_norms"] == res["plain_norms"] and res["weights_equal"]
+    assert "under a launcher" in res["compile_refused"], res["compile_refused"]
+
+
 def hf_deepspeed_config(nvme: str, **sections) -> dict:
     """A config as Hugging Face's DeepSpeed docs write them: every value the Trainer knows "auto"."""
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -621,14 +666,16 @@ def test_engine_trainer_from_a_deepspeed_config_fills_auto_as_the_trainer_does(t
         EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "x"))
 
 
-def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_and_schedule(tmp_path):
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])  # the Trainer's default, and the for-loop
+def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_and_schedule(tmp_path, optim):
     """No optimizer or scheduler section: the Trainer's own AdamW (no weight decay on biases and
-    norms) and its linear schedule with warmup, as with DeepSpeed; the same losses as the plain
-    Trainer given the same arguments, bit for bit. The model is built on the meta device and filled
+    norms, its fused or for-loop kernel: they round differently in the last bit on some CPUs) and its
+    linear schedule with warmup, as with DeepSpeed; the same losses and weights as the plain Trainer
+    given the same arguments, bit for bit. The model is built on the meta device and filled
     from its save_pretrained directory (state_dict=), where DeepSpeed loads it under zero.Init. bf16
     in the arguments: the engine trains bf16 weights with fp32 masters (DeepSpeed's bf16), not under
     the Trainer's autocast."""
-    args = dict(max_grad_norm=CLIP, weight_decay=0.1, warmup_steps=1, optim="adamw_torch")
+    args = dict(max_grad_norm=CLIP, weight_decay=0.1, warmup_steps=1, optim=optim)
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(CONFIG)
     ref.save_pretrained(tmp_path / "hf")
@@ -643,6 +690,7 @@ def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_
         groups = trainer.engine.optimizer.param_groups
         no_decay = [p for n, p in ref.named_parameters() if n not in plain.get_decay_parameter_names(ref)]
         assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and len(groups[1]["params"]) == len(no_decay) == 18
+        assert [bool(g["fused"]) for g in groups] == [optim == "adamw_torch_fused"] * 2
         trainer.train()
         assert losses_of(trainer) == losses_of(plain) and learning_rates_of(trainer) == learning_rates_of(plain)
         got, want = trainer.engine.state_dict(), ref.state_dict()
@@ -684,21 +732,114 @@ def test_engine_trainer_removes_the_temporary_store_it_made(tmp_path, monkeypatc
     assert os.listdir(scratch) == []
 
 
-def test_engine_trainer_takes_the_deepspeed_config_from_training_arguments(tmp_path):
-    """TrainingArguments(deepspeed=...), as `--deepspeed ds_config.json` sets it (transformers needs
-    the deepspeed package to make such arguments): the same run as deepspeed_config=."""
-    pytest.importorskip("deepspeed")
+def command_line(out, ds_path, *extra: str) -> list[str]:
+    """The command line of a Trainer script run with `--deepspeed ds_config.json`: arguments()'s values."""
+    return ["--output_dir", str(out), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+            "--max_steps", "4", "--learning_rate", str(LR), "--weight_decay", "0.0", "--max_grad_norm", str(CLIP),
+            "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--use_cpu", "--seed", "0",
+            "--dataloader_num_workers", "0", "--disable_tqdm", "true", "--deepspeed", str(ds_path), *extra]
+
+
+def test_engine_trainer_takes_deepspeed_from_the_command_line(tmp_path):
+    """`--deepspeed ds_config.json` parsed by HfArgumentParser into EngineTrainingArguments (no
+    deepspeed package here): the config goes to the engine, not to transformers (no global ZeRO-3
+    config, so from_config builds the model as it is, not under zero.Init), and the run is the one
+    deepspeed_config= gives. Plain TrainingArguments(deepspeed=...) is refused, naming both forms."""
+    import json
+
+    from transformers import AutoModelForCausalLM, HfArgumentParser
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from engine.integrations.hf import EngineTrainingArguments
+
     runs = []
-    for name, where in (("args", "args"), ("kwarg", "kwarg")):
-        torch.manual_seed(0)
+    for name in ("command_line", "deepspeed_config"):
         ds = hf_deepspeed_config(str(tmp_path / name / "nvme"), optimizer=DS_OPTIMIZER)
-        args = arguments(tmp_path / name, max_grad_norm=CLIP, deepspeed=ds if where == "args" else None)
-        trainer = EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=args, train_dataset=Tokens(),
-                                deepspeed_config=None if where == "args" else ds)
+        ds_path = tmp_path / f"{name}.json"
+        ds_path.write_text(json.dumps(ds))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(CONFIG)
+        if name == "command_line":
+            (args,) = HfArgumentParser((EngineTrainingArguments,)).parse_args_into_dataclasses(
+                args=command_line(tmp_path / name, ds_path))
+            assert args.deepspeed is None and args.engine_deepspeed_config == str(ds_path)
+            assert not is_deepspeed_zero3_enabled()
+            trainer = EngineTrainer(model=model, args=args, train_dataset=Tokens())
+        else:
+            trainer = EngineTrainer(model=model, args=arguments(tmp_path / name, max_grad_norm=CLIP),
+                                    train_dataset=Tokens(), deepspeed_config=str(ds_path))
         try:
             assert trainer.args.deepspeed is None and not trainer.is_deepspeed_enabled
+            assert trainer.engine.config.param_tier == "nvme"
             trainer.train()
             runs.append(losses_of(trainer))
         finally:
             trainer.engine.close()
     assert runs[0] == runs[1] and len(runs[0]) == 4
+    with pytest.raises(ValueError, match=r"deepspeed_config=.*EngineTrainingArguments"):  # a namespace: see below
+        EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=SimpleNamespace(deepspeed="ds.json", fsdp=None))
+
+
+#: A stand-in `deepspeed` distribution (a module and its metadata), enough for transformers'
+#: TrainingArguments to accept `--deepspeed`, as it does where DeepSpeed is installed. It has no
+#: `deepspeed.zero`: building a model under zero.Init fails on it.
+STUB_SCRIPT = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, HfArgumentParser, TrainingArguments
+from transformers.integrations import is_deepspeed_zero3_enabled
+sys.path.insert(0, {tests!r})
+from test_engine_hf_trainer import CONFIG, Tokens, command_line, losses_of
+from engine.integrations.hf import EngineTrainer, EngineTrainingArguments
+
+ds_path, out = sys.argv[1], sys.argv[2]
+(args,) = HfArgumentParser((EngineTrainingArguments,)).parse_args_into_dataclasses(
+    args=command_line(out + "/engine", ds_path, "--max_steps", "2"))
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(CONFIG)  # under zero.Init with a global ZeRO-3 config
+trainer = EngineTrainer(model=model, args=args, train_dataset=Tokens())
+trainer.train()
+trainer.engine.close()
+print("engine", is_deepspeed_zero3_enabled(), json.dumps(losses_of(trainer)))
+
+(args,) = HfArgumentParser((TrainingArguments,)).parse_args_into_dataclasses(args=command_line(out + "/plain", ds_path))
+print("plain", is_deepspeed_zero3_enabled())
+try:
+    EngineTrainer(model=torch.nn.Linear(1, 1), args=args)
+except ValueError as exc:
+    print("refused", exc)
+"""
+
+
+def test_deepspeed_on_the_command_line_where_deepspeed_is_installed(tmp_path):
+    """Where the deepspeed package is importable (a stand-in here, in a fresh process): with
+    EngineTrainingArguments `--deepspeed` reaches the engine and no ZeRO-3 state is set, so
+    from_config builds the model as it is (under zero.Init it would fail on the stand-in); with
+    plain TrainingArguments transformers takes the ZeRO-3 config, and EngineTrainer refuses the
+    arguments with a message naming the supported forms, rather than train a model DeepSpeed
+    partitioned."""
+    import json
+    import subprocess
+    import sys
+
+    stub = tmp_path / "site"
+    (stub / "deepspeed").mkdir(parents=True)
+    # accelerate's unwrap_model imports DeepSpeedEngine wherever deepspeed is installed
+    (stub / "deepspeed" / "__init__.py").write_text('__version__ = "0.18.0"\n\n\nclass DeepSpeedEngine:\n    pass\n')
+    (stub / "deepspeed-0.18.0.dist-info").mkdir()
+    (stub / "deepspeed-0.18.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\n"
+                                                                  "Version: 0.18.0\n")
+    ds_path = tmp_path / "ds_config.json"
+    ds_path.write_text(json.dumps(hf_deepspeed_config(str(tmp_path / "nvme"), optimizer=DS_OPTIMIZER)))
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub), str(root), os.environ.get("PYTHONPATH", "")]))
+    script = STUB_SCRIPT.format(tests=str(root / "tests"))
+    done = subprocess.run([sys.executable, "-c", script, str(ds_path), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in done.stdout.splitlines() if " " in line}
+    zero3, losses = lines["engine"].split(" ", 1)
+    assert zero3 == "False" and len(json.loads(losses)) == 2
+    assert lines["plain"] == "True"  # transformers took the config: the stand-in passed its package check
+    assert "EngineTrainer(model=model, args=args, deepspeed_config=...)" in lines["refused"], lines["refused"]
+    assert "EngineTrainingArguments" in lines["refused"]

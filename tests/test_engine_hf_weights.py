@@ -520,6 +520,76 @@ def test_load_checkpoint_and_dispatch_as_accelerates_tutorial_writes_it(tmp_path
         assert torch.equal(eng.state_dict()["lm_head.weight"].cpu(), ref.lm_head.weight.to("cpu", torch.bfloat16))
 
 
+def test_load_checkpoint_and_dispatch_refuses_a_weight_the_checkpoint_lacks_as_accelerate_does(tmp_path):
+    """GPT-2 built under accelerate's init_empty_weights: transformers 5 leaves its output layer
+    untied, and the checkpoint holds only the embedding it is tied to. accelerate's
+    load_checkpoint_and_dispatch refuses it (a meta tensor left); so does the engine's, naming the
+    weight before anything is loaded; initialize_missing_weights=True initializes it instead, with a
+    warning. Tied first (model.tie_weights(), as accelerate asks), both give the same logits, bit for bit."""
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+
+    def empty_model():
+        with init_empty_weights():
+            return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+    untied = empty_model()
+    assert untied.lm_head.weight is not untied.transformer.wte.weight and untied.lm_head.weight.is_meta
+    with pytest.raises((NotImplementedError, RuntimeError, ValueError), match="meta"):
+        load_checkpoint_and_dispatch(untied, tmp_path / "hf", device_map="auto")
+    untied = empty_model()
+    with pytest.raises(ValueError, match=r"not in .*: \['lm_head.weight'\].*initialize_missing_weights=True"):
+        engine.load_checkpoint_and_dispatch(untied, tmp_path / "hf", device_map="auto", offload_folder=tmp_path / "a")
+    assert all(p.is_meta for p in untied.parameters())  # refused before anything was loaded
+    with pytest.warns(UserWarning, match=r"\['lm_head.weight'\]"):
+        eng = engine.load_checkpoint_and_dispatch(untied, tmp_path / "hf", device_map="auto",
+                                                  offload_folder=tmp_path / "b", initialize_missing_weights=True)
+    with eng:
+        weights = eng.state_dict()
+        assert not torch.equal(weights["lm_head.weight"], weights["transformer.wte.weight"])  # its own values
+
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    ref = empty_model()
+    ref.tie_weights()
+    ref = load_checkpoint_and_dispatch(ref, tmp_path / "hf", device_map="auto")
+    model = empty_model()
+    model.tie_weights()
+    with engine.load_checkpoint_and_dispatch(model, tmp_path / "hf", device_map="auto",
+                                             offload_folder=tmp_path / "c"), torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_load_checkpoint_and_dispatch_with_dtype_keeps_the_buffers_accelerate_keeps(tmp_path):
+    """dtype=torch.bfloat16 on a LLaMA checkpoint saved in fp32: the weights in bf16, and the model's
+    own buffers (the rotary embedding's fp32 inv_freq, which the checkpoint does not hold) in their
+    dtype, as accelerate's load_checkpoint_and_dispatch keeps them: the same logits, bit for bit."""
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+
+    def empty_model():
+        with init_empty_weights():
+            return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    ref = load_checkpoint_and_dispatch(empty_model(), tmp_path / "hf", device_map="auto", dtype=torch.bfloat16)
+    model = empty_model()
+    with engine.load_checkpoint_and_dispatch(model, tmp_path / "hf", device_map="auto", dtype=torch.bfloat16,
+                                             offload_folder=tmp_path / "store") as eng, torch.no_grad():
+        buffers = dict(model.named_buffers())
+        assert buffers["model.rotary_emb.inv_freq"].dtype == torch.float32
+        assert {n: b.dtype for n, b in buffers.items()} == {n: b.dtype for n, b in ref.named_buffers()}
+        assert eng.state_dict()["lm_head.weight"].dtype == torch.bfloat16
+        logits = model(ids).logits
+        assert logits.dtype == torch.bfloat16 and torch.equal(logits, ref(ids).logits)
+
+
 def test_from_pretrained_puts_a_new_head_on_a_base_checkpoint_as_transformers_does(tmp_path):
     """The fine-tuning start: ``from_pretrained(base, num_labels=3)`` into a classification model.
     The base's weights load under the head model's prefix, the new head is initialized as

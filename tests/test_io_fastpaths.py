@@ -88,7 +88,7 @@ def test_buffers_that_o_direct_fills_ask_for_huge_pages_where_the_kernel_gives_t
     if "[never]" in mode:
         pytest.skip("transparent huge pages are off here ([never])")
     # Asked for (MADV_HUGEPAGE) even under the "madvise" mode: each 2 MiB is then physically
-    # contiguous, so an 8 MiB block is a few segments, not up to 2,048 (docs/benchmarks.md, "Memory").
+    # contiguous, so an 8 MiB block is a few segments, not up to 2,048 (docs/tuning.md, "Memory").
     pool = ResultPool(capacity=0)
     result, view = pool.take(8 * MiB)
     view.release()
@@ -117,7 +117,7 @@ def test_new_result_is_aligned_for_large_cpu_results_and_plain_otherwise():
 
 
 def test_results_from_4_mib_come_from_the_pool():
-    # torch.empty memory of a few MiB may be faulted in afresh on every allocation (benchmarks/result_memory.py).
+    # torch.empty memory of a few MiB may be faulted in afresh on every allocation.
     assert DIRECT_RESULT_BYTES == 4 * MiB
     pool = ResultPool(capacity=8 * MiB)
     first, spans = new_result((MiB,), torch.float32, "cpu", pool)

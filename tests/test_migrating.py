@@ -7,6 +7,7 @@ import os
 import re
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "migrating.md")
@@ -62,3 +63,20 @@ def test_migrating_example_runs(index, tmp_path, capsys, monkeypatch):
         assert re.search(r"loss \d+\.\d+, adapter tensors 4", out), out
     if index == 0:
         assert os.path.isfile(tmp_path / "model.pt") and os.path.isfile(tmp_path / "ckpt" / "step4" / "metadata.json")
+
+
+def test_the_device_lines_run_on_this_machine():
+    """The table's replacements for DeepSpeed's get_accelerator() device calls run as written with or
+    without a GPU, and name the device type a DeepSpeed script would get (DeepSpeed's CPU
+    accelerator says "cpu")."""
+    with open(DOC, encoding="utf-8") as f:
+        row = next(line for line in f if line.startswith("| `deepspeed.comm`"))
+    spans = re.findall(r"`([^`]*)`", row)
+    set_device = next(s for s in spans if "set_device_index" in s)
+    device_type = next(s for s in spans if "current_accelerator" in s)
+    names = {"torch": torch, "local_rank": 0}
+    exec(compile(set_device, "docs/migrating.md device line", "exec"), names)
+    expected = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+    assert eval(device_type, names) == expected
+    if torch.accelerator.is_available():
+        assert torch.accelerator.current_device_index() == 0

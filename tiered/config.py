@@ -36,8 +36,8 @@ class StoreConfig:
     #: Bytes per I/O request; large transfers are split into blocks of this size.
     block_size: int = 8 * MiB
     #: Most blocks in flight at once over the whole store: the disk's queue depth, since each block
-    #: is one syscall on its own thread. See docs/benchmarks.md for how 8/8/8 -> 32/16/16 -> 64/16/64
-    #: (queue depth / staging buffers / io threads) was chosen: reads gain most from depth.
+    #: is one syscall on its own thread. Reads gain most from depth; `tiered bench --only sweep`
+    #: measures block size x queue depth x io threads on a disk (docs/tuning.md).
     queue_depth: int = 64
     #: Staging buffers of ``block_size`` bytes (page-aligned; pinned under CUDA). A block whose memory
     #: cannot take O_DIRECT (a caller's tensor, a device copy) moves through one, so at most this many

@@ -141,10 +141,10 @@ def _huge_pages() -> Check:
             mode = f.read().strip()
     except OSError:
         return Check("transparent huge pages", "absent", "note",
-                     "large get results and staging buffers use 4 KiB pages (docs/benchmarks.md, 'Memory')")
+                     "large get results and staging buffers use 4 KiB pages (docs/tuning.md, 'Memory')")
     if "[never]" in mode:
         return Check("transparent huge pages", mode, "note",
-                     "off: large get results and staging buffers use 4 KiB pages (docs/benchmarks.md, 'Memory')")
+                     "off: large get results and staging buffers use 4 KiB pages (docs/tuning.md, 'Memory')")
     return Check("transparent huge pages", mode)
 
 

@@ -18,9 +18,9 @@ from tiered.io.results import ResultPool
 #: CPU results of a get at least this large get page-aligned memory of their own (see new_result):
 #: recycled, already faulted in, and read into with O_DIRECT in place. torch.empty's memory of this
 #: size may be faulted in afresh on every allocation (with torch 2.13 on the project's VM, 160-256
-#: faults per 4 MiB get in some runs); benchmarks/result_memory.py measured pooled gets of 4 and 16 MiB at
+#: faults per 4 MiB get in some runs); pooled gets of 4 and 16 MiB measured
 #: 1.08-1.78 times torch's memory's speed on two machines, while at 1 MiB one machine's heap
-#: reuse beat the pool (docs/architecture.md, "Get results").
+#: reuse beat the pool.
 DIRECT_RESULT_BYTES = 4 * 1024 * 1024
 
 

@@ -55,7 +55,15 @@ def model_device(model: nn.Module) -> torch.device:
 
 class Placement:
     """Writes a model's parameters into the store module by module; ``handles`` grows as it goes,
-    so a caller can undo a placement that failed half way."""
+    so a caller can undo a placement that failed half way.
+
+    With a weight source, ``initialize_missing=False`` makes a tensor on the meta device that the
+    source does not set a ValueError before anything is written (accelerate's loading refuses it),
+    where by default it is initialized as the model initializes it; ``cast_unloaded_buffers=False``
+    leaves the buffers the source does not set in their own dtype under ``dtype`` (accelerate's
+    ``dtype=`` casts only what the checkpoint holds, so a rotary embedding's fp32 ``inv_freq``
+    stays fp32), where by default ``dtype`` casts every floating tensor, as DeepSpeed's
+    ``module.half()`` does."""
 
     def __init__(
         self,
@@ -70,8 +78,12 @@ class Placement:
         init_fn: Optional[InitFn] = None,
         dtype: Optional[torch.dtype] = None,
         from_store: bool = False,
+        initialize_missing: bool = True,
+        cast_unloaded_buffers: bool = True,
     ) -> None:
         assert not (from_store and source is not None), "resuming takes every value from the store"
+        self._initialize_missing = initialize_missing
+        self._cast_unloaded_buffers = cast_unloaded_buffers
         self._model = model
         self._device = device
         self._io = shard_io
@@ -124,6 +136,8 @@ class Placement:
                         f"{name!r}: {self._source.origin} has shape {self._source.shape(name)}, the model "
                         f"{tuple(tensor.shape)}"
                     )
+            if not self._initialize_missing:
+                self._check_nothing_missing()
         for name, param in self._model.named_parameters():
             if param.device.type != "meta" and param.untyped_storage().nbytes() < _extent_bytes(param):
                 raise ValueError(
@@ -146,6 +160,28 @@ class Placement:
                 f"loaded, but initialized (newly, as the model initializes them, or kept as they were): "
                 f"{names[:10]}{' ...' if len(names) > 10 else ''}; train them before using the model for predictions, "
                 "or load weights that have them", UserWarning, stacklevel=4)
+
+    def _check_nothing_missing(self) -> None:
+        """ValueError naming the tensors on the meta device that the weight source does not set."""
+        assert self._source is not None
+        missing = [self._names[id(p)][0] for p in self._model.parameters()
+                   if p.device.type == "meta" and self._source.find(self._names[id(p)]) is None]
+        missing += [name for name, buf in self._model.named_buffers()
+                    if buf.device.type == "meta" and name not in self._source]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} parameters and buffers of the model are on the meta device and not in "
+                f"{self._source.origin}: {missing[:10]}{' ...' if len(missing) > 10 else ''}; nothing was loaded. "
+                "Load weights that have them (a weight the model shares with another, as an output layer tied to "
+                "the input embedding, needs model.tie_weights() first), or ask for them to be initialized as the "
+                "model initializes them (load_checkpoint_and_dispatch(..., initialize_missing_weights=True))"
+            )
+
+    def _buffer_dtype(self, name: str, buf: torch.Tensor) -> torch.dtype:
+        """The dtype buffer ``name`` is placed in (see the class docstring, ``cast_unloaded_buffers``)."""
+        if not self._cast_unloaded_buffers and (self._source is None or name not in self._source):
+            return buf.dtype
+        return self._stored_dtype(buf)
 
     # ------------------------------------------------------------------ one module
 
@@ -235,7 +271,7 @@ class Placement:
                 continue
             moved = self._moved_buffers.get(id(buf))
             if moved is None:
-                dtype = self._stored_dtype(buf)
+                dtype = self._buffer_dtype(_join(prefix, name), buf)
                 if buf.device.type == "meta":
                     meta.append(_join(prefix, name))
                     moved = torch.empty_like(buf, dtype=dtype, device=self._device)

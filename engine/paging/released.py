@@ -165,10 +165,10 @@ def _message(cls: type, what: str) -> str:
         return (
             f"parameter {name!r} is released by the tiered engine, and DistributedDataParallel cannot wrap a model "
             "the engine wraps (it reads every parameter's values; accelerate's prepare(model) and the Hugging Face "
-            "Trainer apply it at world size > 1). The engine already shards the parameters and averages the "
-            "gradients across ranks: leave the model out of DDP (with accelerate, prepare only the optimizer and "
-            "the data loaders, and run the forward in `with accelerator.autocast():` for its mixed_precision; "
-            "with the Trainer, use engine.integrations.hf.EngineTrainer; docs/migrating.md)."
+            "Trainer apply it under a launcher, even to one process). The engine already shards the parameters and "
+            "averages the gradients across ranks: leave the model out of DDP (with accelerate, prepare only the "
+            "optimizer and the data loaders, and run the forward in `with accelerator.autocast():` for its "
+            "mixed_precision; with the Trainer, use engine.integrations.hf.EngineTrainer; docs/migrating.md)."
         )
     return (
         f"parameter {name!r} is released by the tiered engine: its values are in the store, not in memory, so "

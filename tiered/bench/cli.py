@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+import torch
+
 from tiered.bench.options import PHASES, TOOLS, BenchOptions, parse_size, parse_sizes, quick_overrides
 from tiered.bench.plot import write_plot
 from tiered.bench.report import table, write_json
@@ -59,7 +61,7 @@ def build_parser(prog: str = "tiered bench") -> argparse.ArgumentParser:
     p.add_argument("--small-count", type=int, default=None, help="small tensors per run (default 2000)")
     p.add_argument("--concurrency", type=int, default=64, help="small-tensor operations in flight (default 64)")
     p.add_argument("--block-size", type=_size, default=StoreConfig.block_size, help="store block size "
-                   "(default %(default)s bytes); fio uses it clamped to 1-8 MiB")
+                   "(default %(default)s bytes)")
     p.add_argument("--queue-depth", type=int, default=StoreConfig.queue_depth, help="store queue depth "
                    "(default %(default)s)")
     p.add_argument("--io-threads", type=int, default=StoreConfig.io_threads, help="store I/O threads "
@@ -73,7 +75,17 @@ def build_parser(prog: str = "tiered bench") -> argparse.ArgumentParser:
     compression.add_argument("--no-compress", action="store_true", help="leave out the compressed phases")
     p.add_argument("--no-checksum", action="store_true", help="run the store without its CRC-32 per block "
                    "(StoreConfig.checksum=False), to price the check against a run without this option")
-    p.add_argument("--repeats", type=int, default=3, help="runs per figure, >= 3 (default 3)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per figure, >= 3 (default 5, --quick 3); "
+                   "targets are judged only from >= 5")
+    p.add_argument("--fio-size", type=_size, default=None, help="bytes each setting of fio's sweep moves "
+                   "(default 512MiB; --quick: 128MiB)")
+    p.add_argument("--fio-block-sizes", type=_sizes, default=None, help="fio's sweep: block sizes (default "
+                   "1MiB,4MiB,8MiB,16MiB; --quick: 1MiB,8MiB)")
+    p.add_argument("--fio-queue-depths", type=_ints, default=None, help="fio's sweep: queue depths (default "
+                   "4,16,64,128; --quick: 16,64)")
+    p.add_argument("--fio-jobs", type=_ints, default=None, help="fio's sweep: job counts (default 1,4)")
+    p.add_argument("--device", default=None, help="also time puts from and gets into this device's memory "
+                   "(e.g. cuda) beside host memory; cpu checks the phase on a machine without a GPU")
     p.add_argument("--prefetch-count", type=int, default=None, help="tensors in the prefetch phase (default 16)")
     p.add_argument("--prefetch-size", type=_size, default=None, help="their size (default 64MiB)")
     p.add_argument("--compute-ms", type=float, default=None, help="fixed compute delay between gets (default 40)")
@@ -86,8 +98,9 @@ def build_parser(prog: str = "tiered bench") -> argparse.ArgumentParser:
                    f"{','.join(map(str, BenchOptions.sweep_queue_depths))})")
     p.add_argument("--sweep-io-threads", type=_ints, default=None, help="io thread counts to sweep (default "
                    f"{','.join(map(str, BenchOptions.sweep_io_threads))})")
-    p.add_argument("--quick", action="store_true", help="a short run (under a minute): 256 MiB, 128 small "
-                   "tensors, every phase and contender; quote figures from a full run")
+    p.add_argument("--quick", action="store_true", help="a short run (about a minute): 256 MiB, 128 small "
+                   "tensors, fio's quick grid, 3 runs per figure, every phase and contender; quote figures "
+                   "from a full run")
     p.add_argument("--skip", default="", help=f"contenders to leave out, comma-separated: {', '.join(TOOLS)}")
     p.add_argument("--only", default="", help=f"phases to run, comma-separated: {', '.join(PHASES)}, sweep "
                    "(default: all but sweep)")
@@ -111,6 +124,10 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         "sweep_block_sizes": tuple(args.sweep_block_sizes) if args.sweep_block_sizes else None,
         "sweep_queue_depths": tuple(args.sweep_queue_depths) if args.sweep_queue_depths else None,
         "sweep_io_threads": tuple(args.sweep_io_threads) if args.sweep_io_threads else None,
+        "repeats": args.repeats, "fio_sweep_bytes": args.fio_size,
+        "fio_block_sizes": tuple(args.fio_block_sizes) if args.fio_block_sizes else None,
+        "fio_queue_depths": tuple(args.fio_queue_depths) if args.fio_queue_depths else None,
+        "fio_jobs": tuple(args.fio_jobs) if args.fio_jobs else None,
     }
     fields.update({k: v for k, v in explicit.items() if v is not None})
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
@@ -120,7 +137,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(
         directory=args.dir, block_size=args.block_size, queue_depth=args.queue_depth, io_threads=args.io_threads,
         coalesce_bytes=args.coalesce_bytes, checksum=not args.no_checksum,
-        small_concurrency=args.concurrency, compress=not args.no_compress, repeats=args.repeats, sweep=args.sweep,
+        small_concurrency=args.concurrency, compress=not args.no_compress, sweep=args.sweep, device=args.device,
         drop_caches=args.drop_caches, skip=skip, json_path=args.json_path, plot_path=args.plot_path,
         quiet=args.quiet, quick=args.quick, seed=args.seed, **fields,
     )
@@ -134,6 +151,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "tiered bench") -> in
         options = options_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if options.device is not None and torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {options.device}: CUDA is not available on this machine")
     result = run_bench(options)
     if options.plot_path:
         why = write_plot(result, options.plot_path)

@@ -5,13 +5,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+import torch
+
 from tiered.config import GiB, KiB, MiB, StoreConfig
 from tiered.util import parse_size
 
 #: Contenders that can be left out with --skip.
 TOOLS = ("fio", "torch", "deepspeed")
-#: Phases in the order they run; --only picks some (--sweep adds "sweep").
-PHASES = ("large", "compress", "small", "prefetch")
+#: Phases in the order they run; --only picks some (--sweep adds "sweep"; "device" runs with --device).
+PHASES = ("large", "compress", "small", "prefetch", "device")
+
+#: fio's sweep grid (fio's bs, iodepth, numjobs): 32 settings per direction, depth up to 128.
+FIO_BLOCK_SIZES = (1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)
+FIO_QUEUE_DEPTHS = (4, 16, 64, 128)
+FIO_JOB_COUNTS = (1, 4)
+#: The grid of ``--quick``: 8 settings per direction.
+FIO_QUICK_BLOCK_SIZES = (1 * MiB, 8 * MiB)
+FIO_QUICK_QUEUE_DEPTHS = (16, 64)
+FIO_QUICK_JOB_COUNTS = (1, 4)
+#: Runs a figure needs before a target is judged met or missed (fewer: reported, not judged).
+VERDICT_RUNS = 5
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -54,7 +67,15 @@ class BenchOptions:
     prefetch_bytes: int = 64 * MiB
     compute_seconds: float = 0.04
     prefetch_ahead: int = 2
-    repeats: int = 3
+    #: Runs per figure; targets are judged from >= VERDICT_RUNS of them.
+    repeats: int = VERDICT_RUNS
+    #: fio's sweep: bytes per setting and the grid; the best setting of each direction is the limit.
+    fio_sweep_bytes: int = 512 * MiB
+    fio_block_sizes: tuple[int, ...] = FIO_BLOCK_SIZES
+    fio_queue_depths: tuple[int, ...] = FIO_QUEUE_DEPTHS
+    fio_jobs: tuple[int, ...] = FIO_JOB_COUNTS
+    #: The device phase: puts from and gets into this device's memory beside host memory (None: no phase).
+    device: Optional[str] = None
     sweep: bool = False
     sweep_block_sizes: tuple[int, ...] = (1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)
     # The grids bracket StoreConfig's defaults (queue_depth 64, io_threads 64) from both sides.
@@ -74,17 +95,28 @@ class BenchOptions:
         if self.repeats < 3:
             raise ValueError(f"--repeats must be >= 3 (each figure is a median of >= 3 runs), got {self.repeats}")
         for name in ("total_bytes", "small_count", "small_concurrency", "prefetch_count", "prefetch_bytes",
-                     "queue_depth", "io_threads", "sweep_bytes", "prefetch_ahead"):
+                     "queue_depth", "io_threads", "sweep_bytes", "prefetch_ahead", "fio_sweep_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.tensor_sizes or not self.small_sizes:
             raise ValueError("tensor and small sizes must not be empty")
+        for name in ("fio_block_sizes", "fio_queue_depths", "fio_jobs"):
+            values = getattr(self, name)
+            if not values or min(values) <= 0:
+                raise ValueError(f"{name} must be positive values, got {values!r}")
         if self.compute_seconds < 0:
             raise ValueError(f"the compute delay must be >= 0, got {self.compute_seconds}")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, ValueError):
+                raise ValueError(f"--device takes a torch device such as cuda or cpu, got {self.device!r}") from None
         unknown = set(self.skip) - set(TOOLS)
         if unknown:
             raise ValueError(f"--skip takes {', '.join(TOOLS)}; unknown: {', '.join(sorted(unknown))}")
         unknown = set(self.only) - set(PHASES) - {"sweep"}
+        if "device" in self.only and self.only != PHASES and self.device is None:
+            raise ValueError("--only device needs --device (e.g. --device cuda)")
         if unknown:
             raise ValueError(f"--only takes {', '.join(PHASES)}, sweep; unknown: {', '.join(sorted(unknown))}")
         StoreConfig(path=self.directory, block_size=self.block_size, queue_depth=self.queue_depth,
@@ -95,9 +127,12 @@ class BenchOptions:
         return tool not in self.skip
 
     def runs(self, phase: str) -> bool:
-        """Whether ``phase`` runs ("compress" also needs compression on, "sweep" needs --sweep)."""
+        """Whether ``phase`` runs ("compress" also needs compression on, "sweep" needs --sweep,
+        "device" needs --device)."""
         if phase == "sweep":
             return self.sweep or "sweep" in self.only
+        if phase == "device" and self.device is None:
+            return False
         return phase in self.only and (phase != "compress" or self.compress)
 
     def large_sizes(self) -> list[int]:
@@ -126,10 +161,13 @@ def quick_overrides() -> dict:
     """What ``--quick`` changes: smaller sizes and counts, every phase, contender and target row kept.
 
     256 MiB of large tensors as 2 x 128 MiB, 128 small tensors (two batches of 64), a shorter prefetch
-    phase: about 30 s on 2 quiet cores, well under a minute with them busy. Quote figures from a full run.
+    phase, fio's quick grid on 128 MiB, 3 runs per figure (too few for a verdict: targets are
+    reported, not judged). Quote figures from a full run.
     """
     return {"total_bytes": 256 * MiB, "tensor_sizes": (128 * MiB,), "small_count": 128, "prefetch_count": 6,
-            "prefetch_bytes": 32 * MiB, "compute_seconds": 0.02, "sweep_bytes": 256 * MiB}
+            "prefetch_bytes": 32 * MiB, "compute_seconds": 0.02, "sweep_bytes": 256 * MiB, "repeats": 3,
+            "fio_sweep_bytes": 128 * MiB, "fio_block_sizes": FIO_QUICK_BLOCK_SIZES,
+            "fio_queue_depths": FIO_QUICK_QUEUE_DEPTHS, "fio_jobs": FIO_QUICK_JOB_COUNTS}
 
 
 def describe(sizes: Sequence[int]) -> str:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import statistics
 from typing import Any, Callable, Optional
 
 import torch
 
 from tiered import StoreConfig
 from tiered.bench.deepspeed_aio import DeepSpeedAio
-from tiered.bench.fio import Fio
+from tiered.bench.fio import READ, WRITE, FioFile, FioSetting
+from tiered.bench.fio_sweep import best_setting, fio_best
 from tiered.bench.options import BenchOptions, fill, format_size
 from tiered.progress import Progress
 from tiered.bench.results import GBPS, OPS, SECONDS, BenchResult, Figure, Run
@@ -117,7 +119,7 @@ def large_phase(ctx: Context) -> None:
         # The same tensors in page-aligned memory, which the store writes from and reads into in place: when
         # DeepSpeed runs, its own page-locked buffers, so both move the same bytes from and to the same
         # memory (on a VM, identical buffers allocated at different times moved the same reads by 10% and
-        # more: benchmarks/uring_reads.py); otherwise empty_aligned copies.
+        # more); otherwise empty_aligned copies.
         shared = ds.buffer_tensors() if ds is not None else None
         aligned = shared if shared is not None else _aligned_copies(tensors)
         if shared is not None:
@@ -132,10 +134,10 @@ def large_phase(ctx: Context) -> None:
             ctx.note("the store fell back to buffered I/O here (no O_DIRECT), so its reads may come from the page "
                      "cache" + ("" if opts.drop_caches else "; use --drop-caches for cold reads"))
         if ctx.fio_present and opts.uses("fio"):
-            fio = Fio(os.path.join(ctx.workdir, "fio"), opts.total_bytes, opts.block_size, max(16, opts.queue_depth))
+            fio, fio_write, fio_read = fio_at_its_best(ctx)
             closers.append(fio.close)
-            writers["fio:write"] = ("fio", fio.write)
-            readers["fio:read"] = ("fio", fio.read)
+            writers["fio:write"] = ("fio", lambda: fio.write(fio_write))
+            readers["fio:read"] = ("fio", lambda: fio.read(fio_read))
         if opts.uses("torch"):
             ts = TorchSave(os.path.join(ctx.workdir, "torch"), tensors)
             closers.append(ts.close)
@@ -157,7 +159,7 @@ def large_phase(ctx: Context) -> None:
             ctx.note(f"deepspeed: {ds.describe()}; on the store's swap file at the ranges holding the same tensors "
                      f"(TieredStore.nvme_layout), and, as {own}, on one file per tensor")
         # A virtual disk may write blocks it never held before at half speed (thin provisioning: the host
-        # allocates them on first touch; benchmarks/first_writes.py), which fio's layout pass and
+        # allocates them on first touch), which fio's layout pass and
         # DeepSpeed on the store's blocks never pay: every writer first writes its files once, untimed.
         run_round_robin(ctx, phase, writers, readers, "large tensors", warm_up=True)
         ctx.note("large tensors: every writer wrote its files once, untimed, before the timed runs (each timed "
@@ -173,7 +175,6 @@ def large_phase(ctx: Context) -> None:
                             {f"{tool}:read": (tool, lambda: plain.read(in_store()))}, "deepspeed, plain tensors")
             ctx.note(f"{tool}: {plain.describe()}; on the store's swap file; measured after the other contenders")
         if ctx.fio_present and opts.uses("fio"):
-            ctx.note(f"fio: {fio.describe()}")
             ctx.note(fio.note)
         cold = "O_DIRECT (page cache bypassed)" if sut.direct else "buffered (may be cached)"
         for f in ctx.result.figures:
@@ -193,6 +194,59 @@ def large_phase(ctx: Context) -> None:
         for close in reversed(closers):
             close()
     _set_fio_ratios(ctx.result, phase)
+
+
+def fio_at_its_best(ctx: Context) -> tuple[FioFile, FioSetting, FioSetting]:
+    """Sweep fio over the options' grid (on ``fio_sweep_bytes``, at most the large phase's size) and
+    return a file of the large phase's size with fio's best write and best read setting: the limit
+    the store is held against is what fio does at its best here, not at one setting of ours."""
+    opts = ctx.options
+    nbytes = min(opts.fio_sweep_bytes, opts.total_bytes)
+    with ctx.progress("fio sweep", 1) as bar:
+        _, _, details = fio_best(os.path.join(ctx.workdir, "fio-sweep"), nbytes=nbytes,
+                                 block_sizes=opts.fio_block_sizes, queue_depths=opts.fio_queue_depths,
+                                 jobs=opts.fio_jobs, repeats=1)
+        bar.advance()
+    ctx.result.fio_sweep = details
+    write, read = best_setting(details, WRITE), best_setting(details, READ)
+    ctx.note(f"fio: swept {len(details['grid'])} settings (block sizes x queue depths x jobs) on "
+             f"{format_size(details['nbytes'])}; its timed runs use the best of each direction: writes "
+             f"{write.describe()} ({details['best_write']['median'] / 1e9:.2f} GB/s in the sweep), reads "
+             f"{read.describe()} ({details['best_read']['median'] / 1e9:.2f} GB/s); libaio, "
+             f"{'O_DIRECT' if details['direct'] else 'buffered'}, writes with end_fsync=1 over a laid-out file, "
+             "reads with zero_buffers=1")
+    return FioFile(os.path.join(ctx.workdir, "fio"), opts.total_bytes), write, read
+
+
+def device_phase(ctx: Context) -> None:
+    """Large tensors put from and got into ``--device`` memory, beside the same tensors from and into
+    host memory, alternated: what the copies between device memory and the store's staging cost
+    against the disk's own speed (on a CPU-only machine, ``--device cpu`` checks the phase)."""
+    opts = ctx.options
+    device = torch.device(opts.device)
+    sizes = opts.large_sizes()
+    host = ctx.factory.make_all(sizes)
+    on_device = [t.to(device) for t in host]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    phase = f"device ({format_size(opts.total_bytes)} as {len(sizes)} tensors, {device})"
+    sut = StoreUnderTest(ctx.store_config("store-device", device=str(device)))
+    try:
+        sides = {"host": LargeTensors(sut, host, prefix="host"), str(device): LargeTensors(sut, on_device,
+                                                                                         prefix="device")}
+        writers = {f"store:put from {name}": ("store", side.write) for name, side in sides.items()}
+        readers = {f"store:get into {name}": ("store", side.read) for name, side in sides.items()}
+        run_round_robin(ctx, phase, writers, readers, "device memory", warm_up=True)
+    finally:
+        sut.close()
+    for op in ("put from", "get into"):
+        mine, host_fig = ctx.result.figure(phase, "store", f"{op} {device}"), ctx.result.figure(phase, "store",
+                                                                                                   f"{op} host")
+        paired = [a.value / b.value for a, b in zip(mine.runs, host_fig.runs)]
+        mine.note = (f"{statistics.median(paired):.2f} of host memory's speed (median of runs paired within a "
+                     f"repetition; {min(paired):.2f}-{max(paired):.2f})")
+    ctx.note(f"device: puts to nvme and cold gets of the same tensors from and into {device} memory and host "
+             "memory, alternated; gets into new tensors on that side")
 
 
 def compress_phase(ctx: Context) -> None:

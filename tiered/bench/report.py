@@ -48,7 +48,7 @@ def table(result: BenchResult) -> str:
         unchecked = result.options.get("checksum") is False
         lines.append("targets (the store without its checksums, --no-checksum):" if unchecked else "targets:")
         for t in result.targets:
-            mark = {True: "MET   ", False: "MISSED", None: "n/a   "}[t.met]
+            mark = {True: "MET   ", False: "MISSED", None: "-     "}[t.met]
             lines.append(f"  {mark} {t.name}: wanted {t.wanted}, measured {_num(t.measured)}"
                          + (f" ({t.note})" if t.note else ""))
     if result.sweep:

@@ -89,13 +89,17 @@ class ToolStatus:
 
 @dataclasses.dataclass
 class Target:
-    """One target of docs/benchmarks.md checked against this run's figures."""
+    """One target of docs/benchmarks.md judged from this run's figures: ``measured`` is the median of
+    the runs' values (``low``-``high`` their range, ``runs`` their count)."""
 
     name: str
     wanted: str
     measured: Optional[float]
-    met: Optional[bool]  # None: a figure it needs was not measured
+    met: Optional[bool]  # None: a figure it needs was not measured, or too few runs to judge
     note: str = ""
+    low: Optional[float] = None
+    high: Optional[float] = None
+    runs: int = 0
 
 
 @dataclasses.dataclass
@@ -108,6 +112,8 @@ class BenchResult:
     figures: list[Figure] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     sweep: Optional[dict[str, Any]] = None
+    #: fio's sweep (tiered.bench.fio_sweep.fio_best's details) when fio ran.
+    fio_sweep: Optional[dict[str, Any]] = None
     targets: list[Target] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -137,5 +143,6 @@ class BenchResult:
             "figures": [f.as_dict() for f in self.figures],
             "notes": list(self.notes),
             "sweep": self.sweep,
+            "fio_sweep": self.fio_sweep,
             "targets": [dataclasses.asdict(t) for t in self.targets],
         }

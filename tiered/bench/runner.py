@@ -12,7 +12,7 @@ import time
 from tiered.bench.deepspeed_aio import load_aio
 from tiered.bench.fio import fio_status
 from tiered.bench.options import BenchOptions
-from tiered.bench.phases import Context, compress_phase, large_phase, prefetch_phase, small_phase
+from tiered.bench.phases import Context, compress_phase, device_phase, large_phase, prefetch_phase, small_phase
 from tiered.bench.results import BenchResult, ToolStatus
 from tiered.bench.sweep import sweep_phase
 from tiered.bench.system import drop_page_cache, machine_info
@@ -38,7 +38,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
             done, why = drop_page_cache()
             ctx.note("--drop-caches: the page cache is dropped before every read" if done else f"--drop-caches: {why}")
         for name, phase in (("large", large_phase), ("compress", compress_phase), ("small", small_phase),
-                            ("prefetch", prefetch_phase), ("sweep", sweep_phase)):
+                            ("prefetch", prefetch_phase), ("device", device_phase), ("sweep", sweep_phase)):
             if options.runs(name):
                 phase_started = time.perf_counter()
                 phase(ctx)
@@ -47,6 +47,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         result.seconds = time.perf_counter() - started
+        result.machine["loadavg_after"] = list(os.getloadavg())
     return result
 
 

@@ -41,10 +41,11 @@ class StoreUnderTest:
         """Run a coroutine on this object's loop."""
         return self.loop.run_until_complete(coro)
 
-    def clear(self) -> None:
-        """Delete every key (not timed), so the next run writes into reused extents."""
+    def clear(self, keys: Optional[Sequence[str]] = None) -> None:
+        """Delete ``keys`` (default: every key; not timed), so the next run writes into reused extents."""
         async def go() -> None:
-            await asyncio.gather(*(self.store.delete(k) for k in self.store.keys()))
+            doomed = self.store.keys() if keys is None else [k for k in keys if k in self.store]
+            await asyncio.gather(*(self.store.delete(k) for k in doomed))
         self.run(go())
 
     def placements(self, keys: Sequence[str]) -> list[list[tuple[str, int, int]]]:
@@ -76,17 +77,20 @@ class StoreUnderTest:
 class LargeTensors:
     """Sequential puts of large tensors to nvme (durable on return) and cold gets of them."""
 
-    def __init__(self, sut: StoreUnderTest, tensors: Sequence[torch.Tensor], *, compress: bool = False) -> None:
+    def __init__(self, sut: StoreUnderTest, tensors: Sequence[torch.Tensor], *, compress: bool = False,
+                 prefix: str = "large") -> None:
         self.sut = sut
         self.tensors = list(tensors)
         self.compress = compress
-        self.keys = [f"large/{i:05d}" for i in range(len(self.tensors))]
+        self.keys = [f"{prefix}/{i:05d}" for i in range(len(self.tensors))]
+        #: Where gets into new tensors put them: the device the tensors live on.
+        self.device = str(self.tensors[0].device) if self.tensors else "cpu"
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
 
     def write(self) -> Run:
         """put every tensor to nvme, one after another; durable when each call returns."""
         store = self.sut.store
-        self.sut.clear()
+        self.sut.clear(self.keys)
 
         async def go() -> float:
             start = time.perf_counter()
@@ -102,7 +106,7 @@ class LargeTensors:
     def write_concurrently(self) -> Run:
         """put every tensor to nvme with all the puts in flight at once (asyncio.gather)."""
         store = self.sut.store
-        self.sut.clear()
+        self.sut.clear(self.keys)
 
         async def go() -> float:
             start = time.perf_counter()
@@ -115,7 +119,7 @@ class LargeTensors:
 
     def read(self, *, into: Optional[list[torch.Tensor]] = None) -> Run:
         """get every tensor from nvme, one after another (each awaited before the next starts),
-        each into a new tensor (checked, then dropped before the next get, as a loop streaming
+        each into a new tensor on the tensors' device (checked, then dropped before the next get, as a loop streaming
         tensors in would; only the gets are timed) or into ``into``: back to back, checked after
         the last, as DeepSpeed's reads one tensor at a time are timed and checked (a check between
         two gets leaves the disk idle for it, which cost the next get ~3% here)."""
@@ -131,7 +135,7 @@ class LargeTensors:
             seconds, ok = 0.0, True
             for key, want in zip(self.keys, self.tensors):
                 start = time.perf_counter()
-                got = await store.get(key)
+                got = await store.get(key, device=self.device)  # complete when the call returns
                 seconds += time.perf_counter() - start
                 ok = ok and same(got, want)
                 del got

@@ -47,16 +47,51 @@ def filesystem_of(path: str) -> str:
     return kind
 
 
+def disk_info(path: str) -> dict[str, Any]:
+    """The block device holding ``path`` (its whole disk, for a partition): name, model (or, where
+    the device reports none, as virtio disks do, its driver), size and whether it rotates, from
+    /sys; {} where /sys says nothing (a network or in-memory filesystem)."""
+    try:
+        st = os.stat(nearest_existing_directory(path))
+        node = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    except OSError:
+        return {}
+    if not os.path.isdir(node):
+        return {}
+    if os.path.exists(os.path.join(node, "partition")):
+        node = os.path.dirname(node)
+    info: dict[str, Any] = {"device": os.path.basename(node)}
+    model = _read(os.path.join(node, "device", "model"))
+    driver = os.path.basename(os.path.realpath(os.path.join(node, "device", "driver")))
+    info["model"] = model or (f"({driver})" if os.path.exists(os.path.join(node, "device", "driver")) else "")
+    sectors = _read(os.path.join(node, "size"))
+    if sectors.isdigit():
+        info["size_bytes"] = int(sectors) * 512
+    rotational = _read(os.path.join(node, "queue", "rotational"))
+    if rotational in ("0", "1"):
+        info["rotational"] = rotational == "1"
+    return info
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def machine_info(directory: str) -> dict[str, Any]:
-    """CPU, memory, kernel, filesystem and library versions, for the report."""
+    """CPU, memory, disk, kernel, filesystem, library versions and the load average now, for the report."""
     info: dict[str, Any] = {
-        "hostname": platform.node(),
         "kernel": platform.release(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "directory": os.path.abspath(directory),
         "filesystem": filesystem_of(directory),
+        "disk": disk_info(directory),
+        "loadavg": list(os.getloadavg()),
     }
     try:
         with open("/proc/meminfo") as f:

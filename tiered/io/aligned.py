@@ -54,7 +54,7 @@ def lock_pages(region: mmap.mmap) -> bool:
     Why: on the development VM, whose kernel pages cold memory out in the background (a DAMON
     ``pageout`` scheme, which leaves locked pages alone), 16 threads of O_DIRECT writes from locked
     memory ran ~12% faster than from the same bytes unlocked, alternated in one process over one
-    file; reads did not change (docs/benchmarks.md, "Memory").
+    file; reads did not change (docs/tuning.md, "Memory").
     """
     address = ctypes.c_char.from_buffer(region)
     try:

@@ -58,7 +58,7 @@ class ResultPool:
             # result is physically contiguous, whatever state free memory is in. Pages faulted in 4 KiB
             # at a time by the reads came out in up to 26,000 physical runs per 256 MiB here, and a
             # buffer so scattered took every later read into it 1.2-1.4 GB/s instead of 1.5
-            # (docs/benchmarks.md, "Memory").
+            # (docs/tuning.md, "Memory").
             buf = anonymous_map(size, populate=False, huge_pages=True)
         array = np.frombuffer(buf, dtype=np.uint8)
         # The tensor keeps `array` alive; when the last tensor on this memory dies, so does `array`,

@@ -145,6 +145,10 @@ def _initialize(
     if optimizer is None and (lr_scheduler is not None or ds.get("scheduler") is not None):
         raise ValueError("engine.initialize: an LR scheduler needs an optimizer (an optimizer= or the config's "
                          "\"optimizer\" section)")
+    if optimizer is None and engine_config.loss_scaling is not None:
+        # ZeRO-Inference's fp16 section: no optimizer, so no step to unscale and no loss to scale;
+        # DeepSpeed builds no loss scaler then either, and runs the model in fp16.
+        engine_config = engine_config.replace(loss_scaling=None)
     # Everything that can be refused is checked before wrap, which moves the model's values into the store.
     loader = (_loader(training_data, ds, engine_config.gradient_accumulation_steps, collate_fn)
               if training_data is not None else None)

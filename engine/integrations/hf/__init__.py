@@ -9,14 +9,14 @@ PEFT), so ``from engine.integrations.hf import from_pretrained`` does not need a
 from typing import Any
 
 __all__ = [
-    "EngineCheckpointCallback", "EngineTrainer", "deepspeed_config_from_accelerate", "from_pretrained",
-    "load_checkpoint_and_dispatch", "lora_init", "peft_base_weights", "register_engine_state",
+    "EngineCheckpointCallback", "EngineTrainer", "EngineTrainingArguments", "deepspeed_config_from_accelerate",
+    "from_pretrained", "load_checkpoint_and_dispatch", "lora_init", "peft_base_weights", "register_engine_state",
 ]
 
 
 def __getattr__(name: str) -> Any:
     """The integration's public names, each imported (with its library) when first asked for."""
-    if name in ("EngineTrainer", "EngineCheckpointCallback"):
+    if name in ("EngineTrainer", "EngineCheckpointCallback", "EngineTrainingArguments"):
         from engine.integrations.hf import trainer
 
         return getattr(trainer, name)

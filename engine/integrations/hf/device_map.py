@@ -69,21 +69,33 @@ def load_checkpoint_and_dispatch(
     offload_state_dict: Optional[bool] = None,
     *,
     config: Optional[EngineConfig] = None,
+    initialize_missing_weights: bool = False,
 ) -> Engine:
     """accelerate's ``load_checkpoint_and_dispatch`` for a model built under ``init_empty_weights()``
     (or ``torch.device("meta")``): ``engine.wrap(model, state_dict=checkpoint, ...)`` with the
     store in ``offload_folder`` (or ``config``'s), ``max_memory`` its budgets and ``device_map``
     the compute device (:func:`accelerate_config`). Returns the engine; the model object is the same
-    and is called as before. ``dtype`` casts the weights as they are placed (the engine's
-    ``train_dtype``). ``no_split_module_classes``, ``offload_buffers`` and ``offload_state_dict``
-    are accepted: modules are never split across devices here, buffers stay with the model and the
-    checkpoint is read one tensor at a time."""
+    and is called as before.
+
+    As accelerate's: a parameter or buffer on the meta device that the checkpoint does not hold is
+    a ValueError naming it, before anything is loaded (transformers 5 builds GPT-2 under
+    ``init_empty_weights`` with its output layer untied from the embedding the checkpoint holds:
+    call ``model.tie_weights()`` first, as accelerate asks); ``initialize_missing_weights=True``
+    initializes such tensors as the model initializes them instead (with a warning naming them),
+    which accelerate cannot. ``dtype`` casts what the checkpoint holds as it is placed (the engine's
+    ``train_dtype``), and leaves the model's own buffers (a rotary embedding's ``inv_freq``) in
+    their dtype, as accelerate leaves them. ``no_split_module_classes``, ``offload_buffers`` and
+    ``offload_state_dict`` are accepted: modules are never split across devices here, buffers stay
+    with the model and the checkpoint is read one tensor at a time."""
     del no_split_module_classes, offload_buffers, offload_state_dict
+    if not isinstance(initialize_missing_weights, bool):
+        raise TypeError(f"initialize_missing_weights must be a bool, got {type(initialize_missing_weights).__name__}")
     config = accelerate_config(config, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
     if dtype is not None:
         name = str(dtype).removeprefix("torch.")
         config = config.replace(train_dtype=name)
-    return wrap(model, config=config, state_dict=checkpoint)
+    return wrap(model, config=config, state_dict=checkpoint, initialize_missing=initialize_missing_weights,
+                cast_unloaded_buffers=False)
 
 
 def parse_size(value: Any) -> int:

@@ -23,13 +23,16 @@ than training on from fresh moments. Needs ``transformers``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedType
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.optimization import GreedyLR
 from transformers.trainer_pt_utils import remove_dummy_checkpoint
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -67,27 +70,49 @@ class EngineCheckpointCallback(TrainerCallback):  # type: ignore[misc]
                                   exclude_frozen_parameters=self._exclude_frozen)
 
 
+@dataclasses.dataclass
+class EngineTrainingArguments(TrainingArguments):  # type: ignore[misc]
+    """``TrainingArguments`` whose DeepSpeed config is the engine's: ``deepspeed=`` (``--deepspeed
+    ds_config.json`` on the command line of a script that parses its arguments with ``HfArgumentParser``)
+    is moved to :attr:`engine_deepspeed_config` before transformers sees it, so no ``deepspeed``
+    package is needed, a ZeRO-3 config builds no model under ``deepspeed.zero.Init`` and accelerate
+    starts no DeepSpeed process group; ``EngineTrainer(model=model, args=args)`` then builds the
+    engine from it. Every other field is ``TrainingArguments``' own; ``deepspeed`` reads None."""
+
+    #: The DeepSpeed config (a dict or a JSON path) given as ``deepspeed=``; None without one.
+    engine_deepspeed_config: Optional[Union[dict, str]] = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.deepspeed:
+            self.engine_deepspeed_config, self.deepspeed = self.deepspeed, None
+        super().__post_init__()
+
+
 class EngineTrainer(Trainer):  # type: ignore[misc]
     """The Trainer over a model ``engine.wrap`` returned ``eng`` for, at any world size.
 
     Same arguments as ``Trainer`` (``model`` must be ``eng.model``); ``optimizers`` defaults to
     ``(eng.optimizer, None)`` and an :class:`EngineCheckpointCallback` is added unless one is
-    given. With several processes the model is kept out of ``DistributedDataParallel`` (the
-    engine shards the parameters and averages the gradients across ranks itself). ``save_model``
+    given. With several processes, or one under a launcher (a process group, or accelerate's
+    distributed state), the model is kept out of ``DistributedDataParallel`` (the engine shards
+    the parameters and averages the gradients across ranks itself). ``save_model``
     streams the weights (``eng.save_weights``) rather than holding the whole model in memory, the
     logged ``grad_norm`` is the engine's, the engine's fp16 loss scaling (DeepSpeed's ``fp16``
     section) scales the Trainer's backward and holds its LR schedule on skipped steps, and a PEFT
     model saves its adapter and leaves its frozen base out of the engine's checkpoints.
 
-    Without ``eng``, the Trainer's DeepSpeed integration: ``EngineTrainer(model=model, args=args)``
-    with ``TrainingArguments(deepspeed=ds_config)`` (or ``deepspeed_config=ds_config``, which needs
-    no ``deepspeed`` package) wraps the model under that config, its ``"auto"`` values filled from
+    Without ``eng``, the Trainer's DeepSpeed integration: ``EngineTrainer(model=model, args=args,
+    deepspeed_config=ds_config)``, or ``args`` an :class:`EngineTrainingArguments` made with
+    ``deepspeed=ds_config`` (``--deepspeed ds_config.json`` on a script's command line), wraps the
+    model under that config (no ``deepspeed`` package needed), its ``"auto"`` values filled from
     the arguments as the Trainer fills them (:mod:`engine.integrations.hf.trainer_deepspeed`); the engine is
     ``trainer.engine``. ``store``: where its store goes (default: under the config's ``nvme_path``,
     else a temporary directory, removed when the engine closes); ``state_dict``/``init_fn``: as for
     ``engine.wrap``, so a model built on the meta device (larger than memory) is filled from its
     ``save_pretrained`` directory one tensor at a time, where the Trainer's DeepSpeed runs load it
-    under ``zero.Init``."""
+    under ``zero.Init``. Plain ``TrainingArguments(deepspeed=...)`` is refused with a ``ValueError``
+    naming those two forms: transformers needs the ``deepspeed`` package to make them, and with a
+    ZeRO-3 config builds models under ``deepspeed.zero.Init`` and sets up DeepSpeed's process group."""
 
     def __init__(self, eng: Any = None, *args: Any, deepspeed_config: Optional[DeepSpeedConfig] = None,
                  store: Optional[StoreConfig] = None, state_dict: Optional[StateDictLike] = None,
@@ -97,9 +122,10 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         model = _trainer_argument(args, kwargs, "model", 0)
         self._deepspeed_schedule: Optional[dict[str, Any]] = None
         if eng is not None:
-            if any(x is not None for x in (deepspeed_config, store, state_dict, init_fn)):
-                raise ValueError("EngineTrainer(eng, deepspeed_config=/store=/state_dict=/init_fn=): those build an "
-                                 "engine; eng is one already")
+            engine_deepspeed = getattr(_trainer_argument(args, kwargs, "args", 1), "engine_deepspeed_config", None)
+            if any(x is not None for x in (deepspeed_config, engine_deepspeed, store, state_dict, init_fn)):
+                raise ValueError("EngineTrainer(eng, deepspeed_config=/store=/state_dict=/init_fn=, or "
+                                 "EngineTrainingArguments(deepspeed=...)): those build an engine; eng is one already")
             self._set_up(eng, model, args, kwargs)
             return
         eng, args, kwargs = self._engine_from_deepspeed(model, args, kwargs, deepspeed_config, store,
@@ -122,17 +148,19 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         training_args = _trainer_argument(args, kwargs, "args", 1)  # None: the Trainer's defaults
         _check_sharding(getattr(training_args, "deepspeed", None), getattr(training_args, "fsdp", None))
         _check_mixed_precision(getattr(training_args, "fp16", False))
-        if eng.world_size > 1:
+        distributed = eng.world_size > 1 or _launched_distributed(getattr(training_args, "distributed_state", None))
+        if distributed:
             _check_compile(getattr(training_args, "torch_compile", False))
         if training_args is not None:
             _check_device(eng.device, training_args.device)
         self.engine = eng
         super().__init__(*args, callbacks=callbacks, **kwargs)
         _check_clipping(self.args.max_grad_norm, eng)
-        if eng.world_size > 1:
+        if distributed or _launched_distributed(self.accelerator.state):
             # What the Trainer does for a model that reduces its own gradients: accelerate's
             # evaluation-mode preparation (autocast under bf16/fp16 arguments, no DDP), which also
-            # marks the model prepared, so the prepare() in train() leaves it as it is.
+            # marks the model prepared, so the prepare() in train() leaves it as it is. Under a
+            # launcher accelerate puts even one process's model in DDP, so this is not only for world > 1.
             self.accelerator.prepare_model(eng.model, device_placement=False, evaluation_mode=True)
             assert getattr(eng.model, "_is_accelerate_prepared", False), "accelerate no longer marks prepared models"
 
@@ -145,8 +173,8 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         source = training_arguments_source(training_args, deepspeed_config)
         if not isinstance(model, nn.Module) or training_args is None or source is None:
             raise ValueError("EngineTrainer needs an engine (EngineTrainer(eng, model=eng.model, ...)), or model= and "
-                             "args= with a DeepSpeed config (TrainingArguments(deepspeed=...), or deepspeed_config=) "
-                             "to build one from")
+                             "args= with a DeepSpeed config (deepspeed_config=, or "
+                             "EngineTrainingArguments(deepspeed=...)) to build one from")
         plan = plan_for_trainer(model, training_args, source, store=store,
                                 decay_parameter_names=self.get_decay_parameter_names(model),
                                 trainer_optimizer=Trainer.get_optimizer_cls_and_kwargs)
@@ -247,15 +275,26 @@ def _trainer_argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, 
     return kwargs.get(name, args[position] if len(args) > position else None)
 
 
+def _launched_distributed(state: Any) -> bool:
+    """Whether the Trainer's ``accelerator.prepare(model)`` would put the model in
+    ``DistributedDataParallel``: a ``torch.distributed`` process group exists, or accelerate's
+    state (``TrainingArguments.distributed_state``, the accelerator's ``state``; None: not made yet)
+    is a distributed one, as under ``torchrun`` or ``tiered launch`` with a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return state is not None and getattr(state, "distributed_type", DistributedType.NO) != DistributedType.NO
+
+
 def _check_sharding(deepspeed: Any, fsdp: Any) -> None:
     """ValueError for ``TrainingArguments(deepspeed=...)`` or ``(fsdp=...)``: the Trainer would hand
     the model to DeepSpeed or FSDP, which would shard parameters the engine already holds."""
     if deepspeed:
         raise ValueError(
             f"TrainingArguments(deepspeed={deepspeed!r}) would hand the model to DeepSpeed, but the engine already "
-            "shards and offloads it: give EngineTrainer no engine (EngineTrainer(model=model, args=args) builds it "
-            "from that config), or build the engine's config from it (engine.EngineConfig.from_deepspeed(path, "
-            "store=...)) and leave deepspeed unset"
+            "shards and offloads it: give EngineTrainer no engine and the config as deepspeed_config= "
+            "(EngineTrainer(model=model, args=args, deepspeed_config=...) builds it from that config), or build "
+            "the engine's config from it (engine.EngineConfig.from_deepspeed(path, store=...)) and leave deepspeed "
+            "unset"
         )
     if fsdp:
         raise ValueError(
@@ -265,14 +304,15 @@ def _check_sharding(deepspeed: Any, fsdp: Any) -> None:
 
 
 def _check_compile(torch_compile: bool) -> None:
-    """ValueError for ``TrainingArguments(torch_compile=True)`` with several processes: accelerate
-    would return a compiled wrapper and prepare (put in DDP) the model itself."""
+    """ValueError for ``TrainingArguments(torch_compile=True)`` with several processes or under a
+    launcher: accelerate would return a compiled wrapper and prepare (put in DDP) the model itself."""
     if torch_compile:
         raise ValueError(
-            "TrainingArguments(torch_compile=True) is not supported by EngineTrainer with several processes: "
-            "accelerate would compile a wrapper and put the model itself in DistributedDataParallel, which cannot "
-            "read the engine's released parameters. Pass torch_compile=False (the engine's hooks split dynamo's "
-            "graph at every module, so compiling measured no speed-up; docs/training.md), or run one process"
+            "TrainingArguments(torch_compile=True) is not supported by EngineTrainer with several processes or "
+            "under a launcher (a process group): accelerate would compile a wrapper and put the model itself in "
+            "DistributedDataParallel, which cannot read the engine's released parameters. Pass torch_compile=False "
+            "(the engine's hooks split dynamo's graph at every module, so compiling measured no speed-up; "
+            "docs/training.md), or run one process without a launcher"
         )
 
 
@@ -325,4 +365,5 @@ def _check_clipping(max_grad_norm: Optional[float], eng: Any) -> None:
         )
 
 
-__all__ = ["ENGINE_SUBDIR", "EngineCheckpointCallback", "EngineTrainer", "engine_checkpoint", "is_peft_model"]
+__all__ = ["ENGINE_SUBDIR", "EngineCheckpointCallback", "EngineTrainer", "EngineTrainingArguments",
+           "engine_checkpoint", "is_peft_model"]

@@ -1,6 +1,8 @@
 """The Hugging Face Trainer's DeepSpeed integration, on the engine: what ``Trainer`` does with
 ``TrainingArguments(deepspeed=ds_config)`` (``--deepspeed ds_config.json`` in its example scripts),
-done for :class:`engine.integrations.hf.EngineTrainer` when it is given no engine.
+done for :class:`engine.integrations.hf.EngineTrainer` when it is given no engine (the config as
+``deepspeed_config=``, or as ``deepspeed=`` of ``engine.integrations.hf.EngineTrainingArguments``, which
+keeps it from transformers' own integration).
 
 The Trainer fills the config's ``"auto"`` values from its arguments and checks the others against
 them (transformers' ``HfTrainerDeepSpeedConfig``); the same is done here, then the model is wrapped
@@ -120,7 +122,9 @@ def plan_for_trainer(model: nn.Module, args: Any, ds_source: DeepSpeedConfig, *,
 def _trainer_adamw(model: nn.Module, args: Any, decay: Collection[str],
                    trainer_optimizer: Callable[[Any, nn.Module], Any]) -> AdamW:
     """The Trainer's ``create_optimizer`` for a config without an ``optimizer`` section, as
-    ``engine.AdamW``: its two groups (weight decay on all but biases and norms), its lr, betas, eps."""
+    ``engine.AdamW``: its two groups (weight decay on all but biases and norms), its lr, betas, eps,
+    and its kernel (``fused=True`` for the default ``adamw_torch_fused``: torch's fused and for-loop
+    AdamW round differently in the last bit on some CPUs)."""
     optimizer_cls, kwargs = trainer_optimizer(args, model)
     if optimizer_cls is not torch.optim.AdamW:
         raise ValueError(
@@ -131,16 +135,29 @@ def _trainer_adamw(model: nn.Module, args: Any, decay: Collection[str],
     groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
               {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
     return AdamW([g for g in groups if g["params"]], lr=kwargs["lr"], betas=kwargs.get("betas", (0.9, 0.999)),
-                 eps=kwargs.get("eps", 1e-8), weight_decay=args.weight_decay)
+                 eps=kwargs.get("eps", 1e-8), weight_decay=args.weight_decay, foreach=kwargs.get("foreach"),
+                 fused=kwargs.get("fused"))
 
 
 def training_arguments_source(args: Any, explicit: Optional[DeepSpeedConfig]) -> Optional[DeepSpeedConfig]:
-    """The DeepSpeed config EngineTrainer builds from: ``deepspeed_config=`` or ``args.deepspeed``."""
-    given = getattr(args, "deepspeed", None)
-    if explicit is not None and given:
+    """The DeepSpeed config EngineTrainer builds from: ``deepspeed_config=`` (``explicit``) or the
+    ``engine_deepspeed_config`` of ``engine.integrations.hf.EngineTrainingArguments`` (what its
+    ``deepspeed=`` was given). ValueError when both are given, and for plain
+    ``TrainingArguments(deepspeed=...)``, which hands the run to DeepSpeed before EngineTrainer sees it."""
+    plain = getattr(args, "deepspeed", None)
+    if plain:
+        raise ValueError(
+            f"TrainingArguments(deepspeed={plain!r}) is transformers' DeepSpeed integration: it needs the deepspeed "
+            "package to make such arguments and, with a ZeRO-3 config, builds models (from_pretrained, from_config) "
+            "under deepspeed.zero.Init and has accelerate start DeepSpeed's process group, before EngineTrainer "
+            "sees them. Give the config to the engine instead: EngineTrainer(model=model, args=args, "
+            "deepspeed_config=...), or make the arguments as engine.integrations.hf.EngineTrainingArguments (the same "
+            "fields; its deepspeed=, `--deepspeed ds_config.json` through HfArgumentParser, goes to the engine)")
+    given = getattr(args, "engine_deepspeed_config", None)
+    if explicit is not None and given is not None:
         raise ValueError("EngineTrainer: a DeepSpeed config both as deepspeed_config= and in "
-                         "TrainingArguments(deepspeed=...); give one")
-    return explicit if explicit is not None else (given or None)
+                         "EngineTrainingArguments(deepspeed=...); give one")
+    return explicit if explicit is not None else given
 
 
 __all__ = ["TrainerPlan", "filled_config", "plan_for_trainer", "scheduled_config", "training_arguments_source"]
