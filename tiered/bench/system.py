@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from tiered.util import nearest_existing_directory
+
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 
