@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import io
 import os
+import shutil
 import subprocess
 import sys
 
@@ -42,6 +43,22 @@ def test_train_demo_learns_and_reports_where_the_data_went(tmp_path):
     assert "where the data went" in text and "nvme" in text and "disk I/O" in text
     assert not (tmp_path / "demo").exists()  # removed unless --keep
     assert gc.get_freeze_count() == frozen  # the demo's gc.freeze() is undone when it returns
+
+
+def test_train_beyond_memory_checks_the_disk_before_it_builds_anything(tmp_path, capsys):
+    """``tiered train --beyond-memory`` sizes a model from RAM or --state-gib and refuses, naming the free and
+    the needed bytes, when the disk under --dir cannot hold it; its options are checked first."""
+    too_big = 2 * shutil.disk_usage(tmp_path).free / 2**30  # GiB of state: twice what the disk could hold
+    with pytest.raises(SystemExit, match=r"has .* free, and this model needs about .* on disk during a step"):
+        train_main(["--beyond-memory", "--state-gib", f"{too_big:.0f}", "--dir", str(tmp_path / "big")],
+                   out=io.StringIO())
+    assert not any((tmp_path / "big").glob("store*"))  # nothing written: the store was never opened
+    with pytest.raises(SystemExit):
+        train_main(["--demo", "--state-gib", "4", "--dir", str(tmp_path / "d")], out=io.StringIO())
+    assert "--state-gib sizes --beyond-memory's model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--demo", "--beyond-memory", "--dir", str(tmp_path / "d")], out=io.StringIO())
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_train_demo_with_activations_in_the_store(tmp_path):

@@ -67,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in (*DEMO_SIZE_OPTIONS, "world_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("host_mib", "device_mib", "prefetch_mib", "nvme_gib"):
         value = getattr(args, name)

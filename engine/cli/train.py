@@ -1,5 +1,11 @@
-"""``tiered train --demo``: train a GPT-style model whose parameters, gradients and optimizer states
-do not fit the configured device + host budgets, with the rest in NVMe swap files."""
+"""``tiered train``: train a model whose parameters, gradients and optimizer states do not fit the
+configured device + host budgets, with the rest in NVMe swap files.
+
+``--demo`` trains a small GPT on a synthetic bigram language in seconds. ``--beyond-memory`` trains
+the model of ``benchmarks/beyond_memory.py``: a Llama-style decoder sized from the machine's RAM so
+that its fp32 training state is 1.5x the RAM (``--state-gib`` to choose), with a 2 GiB host budget,
+after checking that the disk under ``--dir`` has room for it.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +22,14 @@ import torch
 
 if TYPE_CHECKING:
     from engine.demo import GPTConfig
+    from engine.demo.llama import LlamaConfig
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
+#: Training state / RAM that ``--beyond-memory`` sizes its model for, unless ``--state-gib`` is given.
+BEYOND_MEMORY_RAM_MULTIPLE = 1.5
+#: ``--beyond-memory``'s defaults where the option is not given: few steps of a large model, a real budget.
+BEYOND_MEMORY_DEFAULTS = {"steps": 3, "host_mib": 2048, "batch": 1, "seq": 32, "lr": 1e-4}
 #: A file the demo leaves in its directory, so a rerun may clear what an earlier run left.
 MARKER = ".tiered-train-demo"
 
@@ -49,18 +61,28 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a GPT-style model with its parameters, gradients and AdamW states paged through a "
         "tiered store: budgets for device and host memory, everything else in swap files under --dir.",
     )
-    p.add_argument("--demo", action="store_true", help="the built-in demo: a GPT on a synthetic bigram language "
-                   "(the model sizes below default to the demo's)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--demo", action="store_true", help="the built-in demo: a GPT on a synthetic bigram language "
+                       "(the model sizes below default to the demo's)")
+    which.add_argument("--beyond-memory", action="store_true", help="a Llama-style model whose fp32 training state "
+                       f"is {BEYOND_MEMORY_RAM_MULTIPLE}x this machine's RAM (--state-gib to choose), everything on "
+                       "nvme with a 2 GiB host budget, 3 steps of 32 tokens unless given; needs about 1.1x the "
+                       "state free under --dir (checked first)")
+    p.add_argument("--state-gib", type=float, default=None, help="--beyond-memory: size the model for this much "
+                   "fp32 training state (parameters, gradients, two AdamW moments) instead")
     p.add_argument("--dir", default="tiered-demo", help="directory for the swap files and manifest (default: "
                    "./tiered-demo); use a directory on your NVMe disk")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 30; 3 with --beyond-memory)")
     add_demo_size_arguments(p)
-    p.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default 8; 1 with "
+                   "--beyond-memory)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation, counted by the engine as DeepSpeed counts it; default 1)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=None, help="AdamW's learning rate (default 1e-3; 1e-4 with "
+                   "--beyond-memory)")
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--host-mib", type=int, default=48, help="host memory budget of the store (MiB)")
+    p.add_argument("--host-mib", type=int, default=None, help="host memory budget of the store (MiB; default 48, "
+                   "2048 with --beyond-memory)")
     p.add_argument("--device-mib", type=int, default=0, help="device memory budget of the store (MiB)")
     p.add_argument("--prefetch-mib", type=int, default=32, help="parameter bytes fetched ahead of use (MiB)")
     p.add_argument("--param-tier", choices=("device", "host", "nvme"), default="nvme")
@@ -87,22 +109,52 @@ def add_demo_size_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embd", type=int, default=384, help="demo GPT: width")
     p.add_argument("--heads", type=int, default=6, help="demo GPT: attention heads")
     p.add_argument("--vocab", type=int, default=512, help="demo GPT: vocabulary")
-    p.add_argument("--seq", type=int, default=128, help="demo GPT: sequence length")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 128; 32 with --beyond-memory)")
 
 
 def demo_config(args: argparse.Namespace) -> GPTConfig:
     """The demo GPT's configuration from the options :func:`add_demo_size_arguments` added."""
     from engine.demo import GPTConfig
 
-    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_embd=args.embd, n_head=args.heads)
+    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq if args.seq is not None else 128, n_layer=args.layers,
+                     n_embd=args.embd, n_head=args.heads)
+
+
+def beyond_memory_config(args: argparse.Namespace) -> LlamaConfig:
+    """``--beyond-memory``'s model: a Llama-style decoder whose fp32 training state is ``--state-gib``,
+    or 1.5x this machine's RAM."""
+    from engine.demo.llama import LlamaConfig
+
+    state = args.state_gib * GiB if args.state_gib is not None else BEYOND_MEMORY_RAM_MULTIPLE * _ram_bytes()
+    return LlamaConfig.for_state_bytes(int(state))
+
+
+def _ram_bytes() -> int:
+    """This machine's memory (MemTotal), or the physical pages sysconf reports."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> int:
     """Run ``tiered train``; return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.demo:
-        parser.error("only the built-in demo exists so far: run `tiered train --demo` (see --help for its sizes)")
+    if not (args.demo or args.beyond_memory):
+        parser.error("choose the model: `tiered train --demo` (a small GPT, seconds) or `tiered train "
+                     "--beyond-memory` (a model larger than this machine's memory)")
+    defaults = BEYOND_MEMORY_DEFAULTS if args.beyond_memory else {"steps": 30, "host_mib": 48, "batch": 8,
+                                                                    "seq": 128, "lr": 1e-3}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.state_gib is not None and not (args.beyond_memory and args.state_gib > 0):
+        parser.error(f"--state-gib sizes --beyond-memory's model and must be > 0, got {args.state_gib}")
     for name in ("steps", *DEMO_SIZE_OPTIONS, "batch", "grad_accum"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -157,29 +209,26 @@ def _prepare(path: str) -> str:
 def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
     import engine
     import tiered
-    from engine.demo import GPT, BigramStream
+    from engine.demo import BigramStream
 
-    cfg = demo_config(args)
-    n = cfg.num_params
-    state_bytes = n * (4 + 4 + 12)  # fp32 parameter, gradient, master + two moments
+    model, name, vocab, init_fn = _model(args)
+    n = sum(p.numel() for p in model.parameters())
+    state_bytes = n * 16  # fp32 parameter, gradient and two moments (the master is the parameter)
     budget = (args.host_mib + args.device_mib) * MiB
-    print(f"model: GPT, {args.layers} layers x {args.embd}, {n / 1e6:.1f} M parameters, computing on "
-          f"{_device_name(args.device)}", file=out)
+    print(f"model: {name}, {n / 1e6:,.1f} M parameters, computing on {_device_name(args.device)}", file=out)
     print(f"parameters + gradients + AdamW states: {_gb(state_bytes)}; device + host budget: {_gb(budget)}"
           f" ({state_bytes / max(budget, 1):.1f}x); the rest goes to {directory}", file=out)
-
-    torch.manual_seed(args.seed)
-    with torch.device("meta"):
-        model = GPT(cfg)
     store = tiered.StoreConfig(path=os.path.join(directory, "store"), host_bytes=args.host_mib * MiB,
                                device_bytes=args.device_mib * MiB, device=args.device, prefault_host=False)
     config = engine.EngineConfig(store=store, compute_device=args.device, param_tier=args.param_tier,
                                  optimizer_tier=args.optimizer_tier,
                                  prefetch_bytes=args.prefetch_mib * MiB, compress_optimizer=args.compress_optimizer,
                                  activation_tier=args.activation_tier, gradient_accumulation_steps=args.grad_accum)
+    if args.beyond_memory:
+        _check_room(model, config, directory)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay), config=config,
-                      init_fn=_init_module(cfg))
-    data = BigramStream(cfg.vocab_size, cfg.seq_len, args.batch, seed=args.seed)
+                      init_fn=init_fn)
+    data = BigramStream(vocab, args.seq, args.batch, seed=args.seed)
     tty = out.isatty() if hasattr(out, "isatty") else False
     losses: list[float] = []
     # What docs/tuning.md suggests to applications (the library cannot: it is process-wide): leave
@@ -220,6 +269,37 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
         if froze:
             gc.unfreeze()
     return 0
+
+
+def _model(args: argparse.Namespace) -> "tuple[torch.nn.Module, str, int, object]":
+    """The model on the meta device, its description, its vocabulary and its initializer."""
+    torch.manual_seed(args.seed)
+    if args.beyond_memory:
+        from engine.demo.llama import Llama, init_weights
+
+        llama = beyond_memory_config(args)
+        with torch.device("meta"):
+            model = Llama(llama)
+        return model, f"Llama-style, {llama.n_layers} layers x {llama.dim}", llama.vocab_size, init_weights
+    from engine.demo import GPT
+
+    cfg = demo_config(args)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return model, f"GPT, {args.layers} layers x {args.embd}", cfg.vocab_size, _init_module(cfg)
+
+
+def _check_room(model: torch.nn.Module, config: object, directory: str) -> None:
+    """Raise SystemExit naming the free and the needed bytes when the disk under ``directory`` cannot
+    hold what the store needs during a step (``engine.estimate_memory``)."""
+    import engine
+
+    needed = engine.estimate_memory(model, config).during_step.nvme  # type: ignore[arg-type]
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise SystemExit(f"tiered train: {directory} has {_gb(free)} free, and this model needs about {_gb(needed)} "
+                         "on disk during a step: free some space, point --dir at a larger disk, or pass a smaller "
+                         "--state-gib")
 
 
 def _device_name(device: str) -> str:
