@@ -1,9 +1,25 @@
 """Group commit: make swap-file bytes durable, then write manifest records, many puts per fsync.
 
-Each step of a commit is a round trip from the store's loop to a worker thread, and on a small
-VM a round trip costs ~0.2 ms, as much as the fdatasync itself. So when a batch's bytes lie in one
-swap file (the common case), the manifest thread flushes it and writes the records in one job;
-only a batch spread over several files flushes them in parallel on I/O threads first.
+[Note: group commit]
+Every change of the manifest (a record, or a tombstone: ``record=None``) goes through one
+``CommitLog``, whose task takes everything submitted so far as one batch:
+
+1. unless the store is opened with ``durable=False``, flush (``fdatasync``) every swap file the
+   batch's bytes lie in, once each, before any record naming them is written;
+2. per key, keep the request with the highest generation, if it is not older than what is
+   already committed for that key;
+3. write the kept records and remove the tombstoned keys in one SQLite transaction;
+4. answer each request True (applied) or False (superseded, in this batch or before); a writer
+   told False frees the extents it wrote.
+
+Requests that arrive while a batch commits form the next one, so concurrent puts share one flush
+round and one transaction, and the requests of one ``put_many``, submitted together, normally
+make one batch (not always: a crash may find some of its keys committed and others not). A
+failure reaches every request of its batch. Each step is a round trip from the store's loop to a
+worker thread, which can cost as much as a flush, so when the batch's bytes lie in one swap file
+(the common case) the manifest thread flushes it and writes the records in one job; a batch spread
+over several files flushes them in parallel on I/O threads first. Why the order matters: see
+[Note: crash safety] in tiered.store.tiered_store.
 """
 
 from __future__ import annotations

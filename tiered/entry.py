@@ -1,4 +1,17 @@
-"""An entry (one key's current version) and the public snapshot of it."""
+"""An entry (one key's current version) and the public snapshot of it.
+
+[Note: versions and copies]
+An ``Entry`` is one version of one key. Its copies, one per tier at most, hold the same bytes
+(inclusive caching): dropping an upper copy while a slower one exists costs no I/O, and only a
+dirty entry (no nvme copy) is written down before its last copy goes. A put makes a new ``Entry``
+with the next generation of a store-wide counter (it keeps the old version's ``pinned``), so work
+still in flight on the old one notices that ``store._entries[key] is not entry`` and discards what
+it made: ``_install`` frees the new copy instead of attaching it, ``_copy_to`` stops before it
+reads, ``_make_room`` drops nothing. Retiring a version releases its copies, and a copy being read
+is freed only when its last reader finishes (``Copy.readers``), so a get that races a put or a
+delete still reads intact bytes of the version it started on. A version with a committed record
+(``persisted``) is retired durably: see [Note: crash safety] in tiered.store.tiered_store.
+"""
 
 from __future__ import annotations
 
@@ -16,11 +29,8 @@ RAW = "raw"
 
 @dataclasses.dataclass(eq=False)
 class Entry:
-    """One version of one key. A put makes a new Entry; in-flight work on an old one notices it
-    was superseded (``store._entries[key] is not entry``) and discards what it produced.
-
-    All copies hold the same bytes; the entry is dirty while it has no nvme copy.
-    """
+    """One version of one key; all its copies hold the same bytes, and it is dirty while it has no
+    nvme copy (see [Note: versions and copies])."""
 
     key: str
     dtype: torch.dtype

@@ -1,4 +1,8 @@
-"""Per-key mutual exclusion for the coroutines of one event loop, free of cost when uncontended."""
+"""Per-key mutual exclusion for the coroutines of one event loop, free of cost when uncontended.
+
+Which store operations take a key's lock, and which rely on versions instead: see [Note: key locks]
+in tiered.store.tiered_store.
+"""
 
 from __future__ import annotations
 

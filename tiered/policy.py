@@ -1,4 +1,16 @@
-"""Eviction policies: which copies a full tier gives up first."""
+"""Eviction policies: which copies a full tier gives up first.
+
+[Note: what the policy sees]
+A policy sees keys, never tensors or tiers. The store calls ``touch(key)`` at every access: a put,
+a get, the start of a modify block, and each record adopted when the store opens. It calls
+``touch(key, access=False)`` after a prefetch, a pin or an eviction made a copy in host or device
+memory: recent, but not a step in the access order. It calls ``forget(key)`` on delete. A
+transfer that finds the copy already there touches nothing. When a tier is full, the store walks
+``victims`` over the keys with a copy there and takes the first one it may evict (see
+[Note: admission and eviction] in tiered.store.tiers). ``TieredStore.set_access_order`` hands the
+policy the caller's future access order (the engine's recorded step), which ``FutureOrderPolicy``,
+the default, follows.
+"""
 
 from __future__ import annotations
 

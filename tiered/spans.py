@@ -2,6 +2,21 @@
 
 A tier copy, a caller's tensor and a result tensor are all presented as a list of spans, so one
 copy routine moves bytes between any two of them and one block planner maps them onto file extents.
+
+[Note: in-place O_DIRECT]
+A block moves straight between its memory and the disk, with no copy, when O_DIRECT is on and
+:func:`aligned_views` finds every piece of that memory usable: host memory the store may hand the
+kernel (a span with a ``view``), at an address the disk takes, every piece but the last a multiple
+of 4 KiB long, and the last one's view reaching the block's end rounded up to 4 KiB. The address
+rule is the kernel's (``statx``'s ``STATX_DIOALIGN``: 4 bytes on NVMe drives, 512 on virtio disks,
+a page where it does not say; ``tiered.io.files.direct_io_memory_alignment``). So host-tier copies,
+codec payloads and decode buffers, large CPU get results (:func:`new_result`) and callers' CPU
+tensors of ``DIRECT_TENSOR_BYTES`` or more at a suitable address (those of ``tiered.empty_aligned``
+always; torch's own where the disk takes their 64-byte alignment) move in place. Everything else
+(GPU memory, a device tier on the CPU, smaller or misaligned tensors, the last partial page of a
+caller's tensor: see [Note: tail padding] in tiered.io.blocks), and every block of swap files
+opened without O_DIRECT, goes through a staging slot (see [Note: blocks in flight] in
+tiered.io.blocks), copied in or out on the I/O thread.
 """
 
 from __future__ import annotations
@@ -17,10 +32,8 @@ from tiered.io.results import ResultPool
 
 #: CPU results of a get at least this large get page-aligned memory of their own (see new_result):
 #: recycled, already faulted in, and read into with O_DIRECT in place. torch.empty's memory of this
-#: size may be faulted in afresh on every allocation (with torch 2.13 on the project's VM, 160-256
-#: faults per 4 MiB get in some runs); pooled gets of 4 and 16 MiB measured
-#: 1.08-1.78 times torch's memory's speed on two machines, while at 1 MiB one machine's heap
-#: reuse beat the pool.
+#: size may or may not come back faulted in, depending on the allocator's history; for smaller
+#: results the heap's reuse of memory it has touched can beat the pool.
 DIRECT_RESULT_BYTES = 4 * 1024 * 1024
 
 

@@ -17,7 +17,7 @@ class Copy:
 
     ``nbytes`` is the logical size of what the copy holds; ``footprint`` what it costs against the
     tier's budget. ``readers`` counts transfers reading it; a copy released while read is freed
-    when the last reader finishes.
+    when the last reader finishes (see [Note: versions and copies] in tiered.entry).
     """
 
     nbytes: int

@@ -1,16 +1,19 @@
 """Coalescing: small transfers that reach a backend in the same event-loop iteration go together.
 
+[Note: coalescing]
 Independent puts and gets in flight (64 callers each putting a 64 KiB tensor, say) arrive at the
-nvme backend a dozen per loop iteration. Run one by one, each is a block on a worker thread, a
+nvme backend several per loop iteration. Run one by one, each is a block on a worker thread, a
 syscall, a CRC call and a wakeup of the loop; run together through the batched path
 (``nvme_batch``), chunks lying back to back become one vectored syscall and the whole group one
-wakeup. Every transfer still has its own chunks and CRCs, so what lands on disk is what it would
-have been alone, and a failed block fails only the transfers with a chunk in it.
+wakeup. Every transfer (up to ``StoreConfig.coalesce_bytes``; 0 turns this off) still has its own
+chunks and CRCs, so what lands on disk is what it would have been alone, and a failed block fails
+only the transfers with a chunk in it. A cancelled caller waits until its batch is done with its
+buffers.
 
 The first transfer of an iteration schedules the flush with ``call_soon``, so the ones queued
 behind it in the same iteration join it; a lone transfer waits for nothing but one loop turn.
-A large transfer that the backend runs alone calls :meth:`Coalescer.go_first` before its own
-I/O: the queued batch is started at once and reaches the I/O engine first. Otherwise a burst of
+A large read, which the backend runs alone, calls :meth:`Coalescer.go_first` before its own I/O:
+the queued batch of reads is started at once and reaches the I/O engine first. Otherwise a burst of
 requests in need order (a model's parameters: embedding, small biases and norms, large weights)
 would put every large read ahead of the small ones queued before it, and the disk, which serves
 requests in about the order they come, would return the small ones last.

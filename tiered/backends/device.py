@@ -1,4 +1,27 @@
-"""The device tier: CUDA memory when present, otherwise the compute device's (CPU) memory."""
+"""The device tier: CUDA memory when present, otherwise the compute device's (CPU) memory.
+
+On the CPU (no CUDA, or ``StoreConfig(device="cpu")``) the tier is one plain tensor per copy under
+``device_bytes``, not a pool, so the three-tier logic runs, and is tested, on machines without a GPU.
+
+[Note: CUDA stream order]
+Copies between GPU memory and a memory tier or a caller's tensor run on a side stream, issued by a
+cpu-pool thread that then waits on an event recorded after them, so the loop never blocks and a
+copy is complete when its coroutine returns. Two rules order them against the caller's kernels:
+
+1. Memory the caller hands in (a put's tensor, a get's ``out``): on the caller's thread, the call
+   records an event on the caller's current stream (``tiered.store.validation.ready_event``), and
+   the store waits for it on a cpu-pool thread before it reads the tensor or writes ``out``, so
+   kernels queued to write the tensor, or still reading ``out``, have finished.
+2. Memory the store allocates on the GPU (a device-tier copy, a get's new result): the caching
+   allocator hands back a block freed on the allocating stream at once, while kernels queued there
+   may still read it, so the store records an event right after the allocation (:func:`allocation_event`,
+   kept on a copy as ``Copy.allocated``) and the side stream waits for it on the GPU before it
+   writes, blocking no thread.
+
+tests/test_cuda.py checks each rule against a kernel queued behind a GPU sleep. Blocks staged
+between the disk and GPU memory (tiered.spans.copy_out/copy_in) are copied on the I/O thread with a
+blocking copy on the default stream: ordered, but the thread waits for the kernels queued there.
+"""
 
 from __future__ import annotations
 
@@ -23,11 +46,8 @@ class DeviceCopy(Copy):
 
 
 def allocation_event(tensor: torch.Tensor) -> Any:
-    """For memory the caller just allocated on CUDA, an event on the allocating thread's current stream.
-
-    The caching allocator hands back a freed block at once, while kernels queued on that stream may
-    still read it: a side-stream copy into the new tensor must wait for this event. None off CUDA.
-    """
+    """For memory just allocated on CUDA, an event on the allocating thread's current stream, which a
+    side-stream copy into it must wait for (rule 2 of [Note: CUDA stream order]). None off CUDA."""
     if not tensor.is_cuda:
         return None
     event = torch.cuda.Event()
@@ -98,7 +118,8 @@ class DeviceBackend(TierBackend):
             copy_spans(dst, src)
             return
         # The store has already waited for the caller's stream (put and a get into `out` record an
-        # event there); what remains is memory the store itself allocated, named by `after`.
+        # event there); what remains is memory the store itself allocated, named by `after`
+        # (see [Note: CUDA stream order]).
         with torch.cuda.stream(self._stream):
             for event in after:
                 self._stream.wait_event(event)

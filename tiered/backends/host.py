@@ -1,4 +1,19 @@
-"""The host tier: a fixed pool of page-aligned (and, under CUDA, pinned) memory."""
+"""The host tier: a fixed pool of page-aligned (and, under CUDA, pinned) memory.
+
+[Note: host arena]
+The host tier is one anonymous mapping of the whole budget, made at open (populated then unless
+``prefault_host=False``, and pinned with ``cudaHostRegister`` under CUDA, so copies to and from
+the GPU are asynchronous DMA). An ``ExtentAllocator`` hands out 4 KiB-aligned ranges of it, one
+contiguous range when it can and several otherwise, rather than slabs of fixed sizes: there are no
+size classes to tune, nothing is wasted beyond the round-up to 4 KiB, and any request no larger
+than the free total fits, so fragmentation never forces an extra eviction. The price is that a
+host copy is a list of spans, which every copy routine handles anyway. The ranges double as
+O_DIRECT buffers, so moving a copy between host memory and the disk needs no staging copy (see
+[Note: in-place O_DIRECT] in tiered.spans), and pages are reused across copies: the hot path never
+maps memory, and a page is first touched at most once per store. The arena is not asked for huge
+pages: finding them for a mapping this large may have the kernel compact memory, which makes
+opening the store slow and its time erratic.
+"""
 
 from __future__ import annotations
 
@@ -24,12 +39,8 @@ class HostCopy(Copy):
 
 
 class HostBackend(TierBackend):
-    """Host memory served from one preallocated pool, so the hot path never allocates.
-
-    The pool is a single anonymous mapping of ``budget`` bytes; copies take 4 KiB-aligned ranges
-    of it (scattered when the pool is fragmented), which double as O_DIRECT buffers for the nvme
-    tier. Pages are reused across transfers, so a page is first-touched at most once per store.
-    """
+    """Host memory served from one preallocated pool of ``budget`` bytes, so the hot path never
+    allocates (see [Note: host arena])."""
 
     tier = Tier.HOST
 

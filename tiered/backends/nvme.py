@@ -1,4 +1,42 @@
-"""The nvme tier: a few large swap files per directory, extents allocated from a free list."""
+"""The nvme tier: a few large swap files per directory, extents allocated from a free list.
+
+[Note: swap files]
+Entries live in a few large swap files per directory (``swap_files_per_dir``), never a file per
+tensor: small tensors pack at 4 KiB, a put creates no file and syncs no directory, the directory
+never holds a name per key, and space one tensor frees the next one reuses. Keys never become file
+names (they exist only in the manifest), so any string is a key and no key reaches outside the
+store's directories. While the store is open the files only grow, by ``posix_fallocate`` on an
+I/O thread, so no write ever extends a file (ext4 serializes O_DIRECT writes that do); only
+``tiered fsck --reclaim``, on a closed store, cuts their tails. Which store and place a file
+belongs to: see [Note: relocatable swap files] in tiered.backends.swap_ids.
+
+An allocation runs under ``_alloc_lock``, which also covers the budget check and the charge to
+``used``, so two allocations cannot both pass the check. With one directory, or for at most
+``block_size`` bytes, it goes to one directory, the first one rotating from one allocation to the
+next; a larger one is cut into one contiguous piece per directory. Within its directory a piece
+takes one contiguous range of a file, starting from the next file in turn; failing that,
+scattered ranges of one file; failing that, the smallest file grows by ``swap_grow_bytes``, or by
+what the piece needs beyond the file's free tail when that is more, or by just that when the disk
+has less room (CapacityError when even that is not free). ``allocate_many`` puts a batch's copies
+of at most ``block_size`` back to back in one run of one directory, so that ``nvme_batch`` moves
+them with few syscalls. ``_chunks`` lists a copy's chunks interleaved across its extents (the
+first chunk of every extent, then the second, ...), so the blocks of one transfer in flight at once
+keep every striped directory busy.
+
+[Note: data checksums]
+A copy's stored bytes (after any codec) are cut into chunks of ``copy.chunk`` bytes, none crossing
+an extent, each one block of I/O with a CRC-32 of its own, kept by chunk index whatever order the
+blocks ran in. The chunk size is ``block_size`` when the copy is written and the record keeps it,
+so an entry written under another block size reads back (a chunk larger than a staging slot goes
+through a temporary buffer). The I/O thread computes the CRC just before the write and checks it
+right after the read, before a staged block is copied out; batched transfers (``nvme_batch``)
+compute and check each chunk's own CRC as they copy it through the staging slot, so their records
+are exactly a lone put's. A read that fails its check raises ChecksumError naming the key, and its
+bytes are never served: a get raises (an ``out=`` tensor then holds unspecified bytes) and a
+promotion discards its copy. ``StoreConfig(checksum=False)`` writes records without CRCs and skips
+the check on reads, even of records that have them. The manifest's rows carry a checksum of their
+own: [Note: record checksums] in tiered.records.
+"""
 
 from __future__ import annotations
 
@@ -53,12 +91,9 @@ class SwapFile:
 
 
 class NvmeBackend(TierBackend):
-    """Swap files under one or more directories; an entry's bytes are striped across directories.
-
-    Files grow by ``grow_bytes`` (fallocate) as space is needed, so writes never extend a file
-    (ext4 serializes extending O_DIRECT writes). Committed extents are never written again: a new
-    version of an entry always gets new extents, and the old ones are released after the commit.
-    """
+    """Swap files under one or more directories; an entry's bytes are striped across directories
+    (see [Note: swap files]). The store never writes extents a committed record points at (see
+    [Note: crash safety] in tiered.store.tiered_store)."""
 
     tier = Tier.NVME
 
@@ -278,7 +313,8 @@ class NvmeBackend(TierBackend):
         """``(index, file, file_offset, logical_start, length)`` per checksummed chunk.
 
         ``index`` is the chunk's place in the entry (its CRC's index). The list is interleaved
-        across extents, so the blocks in flight at once spread over every striped directory.
+        across extents, so the blocks in flight at once spread over every striped directory (see
+        [Note: swap files], [Note: data checksums]).
         """
         if len(copy.extents) == 1 and 0 < copy.nbytes <= copy.chunk:  # one small extent: one chunk
             ext = copy.extents[0]
@@ -313,7 +349,7 @@ class NvmeBackend(TierBackend):
         if self._coalesces(copy):
             await self.reads.submit(copy, dst)
         else:
-            await self.reads.go_first()  # small reads that came first are not made to wait for this one
+            await self.reads.go_first()  # small reads that came first go first: see [Note: coalescing]
             await self._load_one(copy, dst)
 
     def _in_place_alignment(self) -> Optional[int]:

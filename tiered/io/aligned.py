@@ -51,10 +51,8 @@ def lock_pages(region: mmap.mmap) -> bool:
     (``RLIMIT_MEMLOCK``, 8 MiB by default without root or ``CAP_IPC_LOCK``): locking only speeds
     transfers up, nothing depends on it. The lock goes with the mapping.
 
-    Why: on the development VM, whose kernel pages cold memory out in the background (a DAMON
-    ``pageout`` scheme, which leaves locked pages alone), 16 threads of O_DIRECT writes from locked
-    memory ran ~12% faster than from the same bytes unlocked, alternated in one process over one
-    file; reads did not change (docs/tuning.md, "Memory").
+    Why: a kernel that pages cold memory out in the background (a DAMON ``pageout`` scheme, say)
+    leaves locked pages alone, so no transfer waits for its buffer to come back into memory.
     """
     address = ctypes.c_char.from_buffer(region)
     try:

@@ -1,4 +1,27 @@
-"""The block scheduler: transfers split into blocks, run on worker threads, bounded in flight."""
+"""The block scheduler: transfers split into blocks, run on worker threads, bounded in flight.
+
+[Note: blocks in flight]
+Every block takes one of ``queue_depth`` tokens before it is handed to a worker thread, so at most
+``queue_depth`` blocks are at the disk over the whole store. A staged block (one without iovecs of
+its own: its memory cannot take O_DIRECT in place) also takes one of ``staging_buffers`` slots of
+``block_size`` bytes, cut from one buffer made when the engine starts (populated, page-locked where
+allowed, pinned under CUDA), so staging memory is bounded whatever the size of the tensors and does
+not grow with the queue depth. Tokens and slots are handed out first come, first served. Workers
+hand finished blocks back through a mailbox, one wakeup of the loop for all the blocks finishing
+together, and a slot returns to the pool only once its thread is done with it. A transfer waits for
+every one of its blocks before it raises the first error, and a cancelled transfer still waits for
+the blocks it submitted, which use its buffers.
+
+[Note: tail padding]
+Every block starts at a file offset that is a multiple of 4 KiB (``ALIGNMENT``) and its syscall
+moves its length rounded up to one, as O_DIRECT needs. A staged write pads the tail with zeros; an
+in-place write sends the rest of its memory's last page (the host arena's extents and the store's
+own buffers run to a page boundary), bytes past the block's length that no CRC covers and no read
+returns. A read fills the same padded length, into the slot or into that padding. A caller's tensor
+offers no memory past its end, so when its length is not a multiple of 4 KiB its last block is
+staged (see [Note: in-place O_DIRECT] in tiered.spans): no transfer reads or writes a byte past a
+caller's tensor.
+"""
 
 from __future__ import annotations
 
@@ -74,8 +97,9 @@ class IOCounters:
 class IOEngine:
     """Runs block reads and writes on ``io_threads`` worker threads with at most ``queue_depth`` in flight.
 
-    Each in-flight block owns one staging buffer of ``block_size`` bytes, so memory is bounded
-    whatever the transfer size. Methods are coroutines for the event loop that created the engine.
+    A block that moves through a staging buffer holds one of ``staging_buffers`` of ``block_size``
+    bytes while it runs, so memory is bounded whatever the transfer size (see
+    [Note: blocks in flight]). Methods are coroutines for the event loop that created the engine.
     """
 
     def __init__(

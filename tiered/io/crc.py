@@ -1,12 +1,12 @@
 """CRC-32 (the zlib/gzip polynomial) of iovec lists, with libdeflate's SIMD version where there is one.
 
-zlib's crc32 runs at about 2 GB/s a core; on a 2-core machine writing 3 GB/s that alone takes more
-than a core. libdeflate computes the same values much faster, so it is used when found: first the
-copy the ``deflate`` package bundles (a recent libdeflate, whose CRC uses VPCLMULQDQ with AVX2
-where the CPU has them: 19 GB/s on this project's 2-core EPYC VM), then the system's (Debian 12's
-1.14 runs at 10 GB/s). It is called through ctypes so that the GIL is released while it runs (the
-package's own ``deflate.crc32`` keeps it). Values are identical either way, so files written with
-one verify with another.
+zlib's crc32 runs at about 2 GB/s a core, so on a machine with few cores and a fast disk the
+checksums alone can take more than a core. libdeflate computes the same values several times
+faster, so it is used when found: first the copy the ``deflate`` package bundles (a recent
+libdeflate, whose CRC uses VPCLMULQDQ with AVX2 where the CPU has them), then the system's. It is
+called through ctypes so that the GIL is released while it runs (the package's own
+``deflate.crc32`` keeps it). Values are identical either way, so files written with one verify
+with another. Where the store checks them: [Note: data checksums] in tiered.backends.nvme.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Callbacks posted to an event loop from other threads, with one wakeup per batch.
 
 ``loop.call_soon_threadsafe`` writes to the loop's self-pipe on every call: a syscall and a
-wakeup each time, which on a small VM costs more than the callback itself. When many completions
-arrive together (many small transfers in flight), a Mailbox wakes the loop once and runs all of
-them in that turn.
+wakeup each time, which can cost more than the callback itself. When many completions arrive
+together (many small transfers in flight), a Mailbox wakes the loop once and runs all of them in
+that turn. How the store uses them: [Note: calls from any thread] in tiered.store.tiered_store.
 """
 
 from __future__ import annotations

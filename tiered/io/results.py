@@ -1,11 +1,14 @@
 """Page-aligned buffers for the tensors a get returns, recycled once the caller frees them.
 
 A get that returns a new tensor must put its bytes in memory nobody has touched yet, and first
-touches are the slow part on many machines (about 1.5 GB/s a core here, against 10 GB/s to copy into
-memory already mapped). So large results live in page-aligned mappings that O_DIRECT reads fill
-directly, and when the caller drops such a tensor, its mapping comes back here, already mapped,
-for the next get of the same size, like a caching allocator. At most ``capacity`` bytes wait here;
-beyond that, freed mappings go back to the system.
+touches (a page fault per 4 KiB page) are often slower than copying into memory already mapped.
+So large results (``tiered.spans.DIRECT_RESULT_BYTES`` and up) live in page-aligned mappings that
+O_DIRECT reads fill directly, the kernel faulting their pages in on the I/O threads, in parallel;
+and when the caller drops such a tensor, its mapping comes back here, already mapped, for the next
+get of the same size, like a caching allocator. The tensor owns its mapping through a numpy array
+whose finalizer hands it back, so it is an ordinary CPU tensor except that its storage cannot be
+resized. At most ``capacity`` bytes wait here, oldest unmapped first; beyond that, freed mappings
+go back to the system.
 """
 
 from __future__ import annotations
@@ -56,9 +59,8 @@ class ResultPool:
         if buf is None:
             # Transparent huge pages where the kernel gives them on request: then every 2 MiB of the
             # result is physically contiguous, whatever state free memory is in. Pages faulted in 4 KiB
-            # at a time by the reads came out in up to 26,000 physical runs per 256 MiB here, and a
-            # buffer so scattered took every later read into it 1.2-1.4 GB/s instead of 1.5
-            # (docs/tuning.md, "Memory").
+            # at a time may lie in thousands of physical pieces, each a segment of the disk request,
+            # which slows every later read into the buffer (docs/tuning.md, "Memory").
             buf = anonymous_map(size, populate=False, huge_pages=True)
         array = np.frombuffer(buf, dtype=np.uint8)
         # The tensor keeps `array` alive; when the last tensor on this memory dies, so does `array`,

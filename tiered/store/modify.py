@@ -2,13 +2,21 @@
 
 A mixin of TieredStore: its methods run on the store's state, and the private ones on its loop.
 
+[Note: modify blocks]
 An entry whose fastest copy is in host or device memory is lent: the store swaps the entry for a
 new version that owns that copy (retiring the old version's other copies, durably when it was
 committed), and the block writes that memory directly when it is one contiguous CPU range (the
 host pool; the device tier without a GPU), or else a CPU copy that goes back into the same memory
-on exit. An entry held only on nvme is read into a new tensor and put on exit (back to nvme unless
-the caller names a tier). Either way the key is locked for the block's duration: its gets wait for
-the block, and so do its puts, deletes, prefetches, flushes and evictions.
+on exit, so a block never needs room in a tier, which other blocks could be holding. An entry held
+only on nvme is read into a new tensor and put on exit (back to nvme unless the caller names a
+tier). Either way the key is locked for the block's duration: its gets wait for the block, and so
+do its puts, deletes, prefetches, flushes and evictions.
+
+A lent copy has a reader, so eviction never picks it, and admission counts it as pinned: a put
+that only its memory could make room for fails with CapacityError instead of waiting for a block
+that may be open in the same task. ``close()`` ends the open blocks before it waits for anything
+else (a lent copy keeps the bytes written so far; a CPU copy of the value is never written back),
+and their exit then raises StoreClosedError.
 """
 
 from __future__ import annotations

@@ -1,9 +1,38 @@
 """TieredStore: keys -> tensors over device memory, host buffers and nvme swap files.
 
-Every piece of store state is owned by the store's own event loop (one thread). Public coroutines
-may be awaited from any other loop: they hand the work to the store's loop and await the result,
-and the work is shielded there, so a cancelled caller never leaves a transfer half-applied.
-Syscalls, copies, checksums and codecs run on worker threads; the loop only does bookkeeping.
+[Note: one loop owns the state]
+Every piece of store state (entries, the resident sets, allocators, the policy, the commit log,
+stats) is read and changed only on the store's own asyncio loop, which runs on a thread of its
+own (``LoopThread``, named ``tiered-store:<dir>``). So no lock guards store state and the hot path
+takes none; the few thread locks there are guard what worker threads share (I/O counters,
+mailboxes, buffer pools). Asyncio locks order the work on the loop: one per tier for admission
+(see [Note: admission and eviction] in tiered.store.tiers), one around nvme allocation, and the
+key locks (see [Note: key locks]). Blocking work runs in three pools, never on the loop:
+``io_threads`` (``IOEngine``: preadv/pwritev, fdatasync, fallocate, the CRCs of the blocks they
+move), ``cpu_threads`` (memory and CUDA copies, CUDA event waits, dense copies of caller tensors,
+codecs) and one manifest thread, so SQLite is used from one thread only (it also opens the
+store's files at open). The loop itself does bookkeeping and a few short syscalls: opening the
+swap files at open, ``statvfs`` before a swap file grows, mapping a get result or a codec buffer
+the pools have none of. ``keys()``, ``in``, ``len()``, ``info()``, ``stats()``, ``nvme_space()`` and
+``nvme_layout()`` read the loop's state from the caller's thread without a round trip, so they
+return snapshots that may be a moment stale.
+
+[Note: calls from any thread]
+A public coroutine, awaited on any other loop, posts ``_start_detached`` to the store's inbox
+(``tiered.io.mailbox.Mailbox``) with a ``LoopReply``: a future on the caller's loop that the
+outcome reaches through that loop's own mailbox (one per caller loop, weakly keyed). The blocking
+facade (``store.sync``) and prefetch handles do the same with a ``concurrent.futures.Future``
+(``FutureReply``). A mailbox wakes its loop once for all the posts that arrive together, not once
+per post, so many small operations in flight cost few wakeups. On the store's own thread a call
+awaits ``_detached`` instead (the blocking facade refuses to run there: it would deadlock).
+
+Either way the operation is a task of its own, tracked in ``_tasks``, and the caller only waits
+for its outcome: a cancelled caller stops waiting, the operation finishes on the store's loop, and
+``close()`` waits for it; a call cancelled before the loop picked it up never starts. So a
+cancellation never leaves a transfer half-applied. Below the store the same rule holds: a
+cancelled transfer waits for the blocks it submitted, which still use its buffers (see
+[Note: blocks in flight] in tiered.io.blocks), and a cancelled caller of a coalesced batch waits
+until the batch is done with its buffers (tiered.backends.coalesce).
 """
 
 from __future__ import annotations
@@ -67,6 +96,54 @@ __all__ = ["TieredStore"]
 
 T = TypeVar("T")
 
+# [Note: key locks]
+# Puts, deletes and modify blocks of one key take that key's lock (``KeyLocks``: first come, first
+# served) and run one at a time. ``put_many`` takes all of its keys at once, in sorted order so that
+# two batches sharing keys cannot deadlock, and holds them until every entry is written, committed
+# and installed. Gets, prefetches, pins, evictions, write-downs and flushes take no key lock: they
+# work on the version they found, and what they make for a version that is no longer the key's
+# current one is discarded (see [Note: versions and copies] in tiered.entry); they wait for a
+# version's ``editing`` future before reading bytes a modify block may be changing.
+#
+# [Note: promotion]
+# A get reads the fastest copy into its result and leaves the tiers as they are, so a one-off read
+# never evicts the working set. Copies move up only when the caller asks, by ``prefetch`` or ``pin``:
+# ``_materialize`` starts the transfer as a tracked task kept in ``entry.moving``, and a prefetch of
+# the same key into the same tier joins it. A get that finds a transfer into a faster tier in
+# flight waits for it and reads the copy it made; when it failed, the get reads the slower copy.
+#
+# [Note: crash safety]
+# A process killed at any instant leaves every key with its old or its new value, bit-exact,
+# because of two rules:
+#
+# 1. a record is committed only after the bytes it names are durable (see [Note: group commit] in
+#    tiered.commits);
+# 2. extents that a committed record points at are never written. A new version always gets new
+#    extents (``_write_nvme``), and old ones are freed only once the record replacing them has
+#    committed: a put to nvme commits its record in place of the old one, and ``_finish_put`` then
+#    retires the old version. A delete, a put to host or device memory and a modify block lending a
+#    memory copy, over a key that has a record (``persisted``), commit a tombstone first
+#    (``_commit_tombstone``, ``_retire_durably``); else a crash would bring the older value back.
+#    ``persisted`` is set before a write-down writes its first byte, so a delete or put racing it
+#    commits a tombstone too, and a write-down whose record committed just before its version was
+#    replaced waits for that tombstone (``CommitLog.barrier``) before freeing its extents. When a
+#    tombstone fails to commit, the extents it would have freed stay allocated (at worst until the
+#    next open).
+#
+# So space written by work that never committed is free again at the next open, with no scan:
+# ``_adopt`` marks the committed records' extents used (one that overlaps another or lies past the
+# end of its file is a ManifestError) and the rest of each swap file is free. Generations continue
+# after the largest committed one. ``StoreConfig(durable=False)`` skips the ``fdatasync`` of rule 1:
+# records still commit, but after a crash one may name bytes that fail their checksums.
+#
+# [Note: closing]
+# ``close()`` sets ``_closing`` (new calls raise StoreClosedError), ends the open modify blocks
+# (gets and transfers waiting for one would hold the close up), waits for every tracked task,
+# writes dirty entries down (``flush_on_close``) and drains the commit log; only then does it close
+# the manifest, the backends, the codecs, the I/O engine and the pools, and last the directories'
+# descriptors, so their locks go only when nothing of this store can write there any more. A store
+# the program never closed is closed at interpreter exit (tiered.store.process).
+
 
 class TieredStore(BatchCalls, Modifications, TierBookkeeping):
     """A key -> tensor store over three tiers. Create it with :meth:`open`."""
@@ -81,7 +158,7 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         self._inflight: dict[Tier, int] = {t: 0 for t in TIERS_TOP_DOWN}
         self._tier_locks = {t: asyncio.Lock() for t in TIERS_TOP_DOWN}
         self._space_waiters: dict[Tier, list[asyncio.Future[None]]] = {t: [] for t in TIERS_TOP_DOWN}
-        self._key_locks = KeyLocks()  # puts, deletes and modify blocks of one key run one at a time
+        self._key_locks = KeyLocks()  # see [Note: key locks]
         self._edits: set[Any] = set()  # open modify blocks (store_modify._Edit)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._generation = itertools.count()
@@ -186,7 +263,8 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         )
 
     def _adopt(self, rec: Record) -> None:
-        """Rebuild an entry from its committed record; its extents become used, all else is free."""
+        """Rebuild an entry from its committed record; its extents become used, all else is free
+        (see [Note: crash safety])."""
         copy = NvmeCopy(
             nbytes=rec.stored_nbytes,
             footprint=sum(e.length for e in rec.extents),
@@ -231,6 +309,7 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         await asyncio.shield(self._close_task)
 
     async def _close_once(self) -> None:
+        # See [Note: closing].
         self._closing = True
         self._abandon_modifications()  # gets and transfers waiting for a block would hold the close up
         current = asyncio.current_task()
@@ -435,7 +514,7 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         Like ``_detached`` but with one task instead of two and a shield: the caller giving up
         never reaches the task. A call the caller cancelled before the loop got here never starts.
         Calls arrive through a mailbox and answer through the caller loop's, so many calls in
-        flight cost a few wakeups, not two per call.
+        flight cost a few wakeups, not two per call. See [Note: calls from any thread].
         """
         if reply.cancelled():
             return
@@ -538,7 +617,8 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         old = self._entries.get(key)
         if old is not None and old.persisted and tier is not Tier.NVME:
             # The old version must not come back after a crash once a newer one was put: its
-            # tombstone commits first, and when it cannot, the put fails and the old version stays.
+            # tombstone commits first, and when it cannot, the put fails and the old version stays
+            # (see [Note: crash safety]).
             try:
                 await self._commit_tombstone(key, entry.generation, "putting")
             except BaseException:
@@ -575,7 +655,7 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         allocated = None
         if out is None:
             result, dst = new_result(entry.shape, entry.dtype, device, self._results)
-            allocated = allocation_event(result)
+            allocated = allocation_event(result)  # see [Note: CUDA stream order] in tiered.backends.device
         else:
             check_out(out, entry)
             result, dst = out, spans_of_tensor(out)
@@ -680,7 +760,8 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
     # ------------------------------------------------------------------ moving copies between tiers
 
     def _materialize(self, entry: Entry, tier: Tier) -> "Optional[asyncio.Task[None]]":
-        """Start (or join) a transfer that gives ``entry`` a copy in ``tier``; None if it has one."""
+        """Start (or join) a transfer that gives ``entry`` a copy in ``tier``; None if it has one
+        (see [Note: promotion])."""
         if tier in entry.copies:
             return None
         task = entry.moving.get(tier)
@@ -715,7 +796,8 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
             else:
                 # Replaced or deleted while being written, after our record committed: the
                 # tombstone that supersedes it is already submitted. Until it commits, our record
-                # still points at these extents, so they must not be reused yet.
+                # still points at these extents, so they must not be reused yet (see the
+                # tombstones of [Note: crash safety]).
                 self._settle(Tier.NVME, written)
                 await self._commits.barrier()
                 if self._commits.committed_generation(entry.key) != entry.generation:
@@ -740,10 +822,11 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         self._stats.transfers += 1
         self._stats.tiers[tier].bytes_in += entry.nbytes
         self._install(entry, tier, new)
-        self._policy.touch(entry.key, access=False)
+        self._policy.touch(entry.key, access=False)  # see [Note: what the policy sees] in tiered.policy
 
     async def _write_nvme(self, entry: Entry, src: Sequence[Span]) -> Optional[NvmeCopy]:
-        """Write ``src`` (the entry's bytes) to new extents and commit a record for it.
+        """Write ``src`` (the entry's bytes) to new extents and commit a record for it (see
+        [Note: crash safety]).
 
         Returns the copy, or None when a newer version of the key committed first.
         """
@@ -779,7 +862,8 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         return copy
 
     async def _encode(self, entry: Entry, src: Sequence[Span]) -> "Payload":
-        """What goes to disk for ``entry``: its bytes, or their compressed form when that is wanted and pays."""
+        """What goes to disk for ``entry``: its bytes, or their compressed form when that is wanted and pays
+        (see [Note: compressed copies] in tiered.codecs)."""
         if not (entry.nbytes and self._compression.wants(entry.compress)):
             return Payload(src, entry.nbytes)
         host = await self._host_bytes(src, entry.nbytes)
@@ -871,7 +955,7 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
     async def _wait_for_callers(self, events: Sequence[Any]) -> None:
         """Wait, in one trip to the cpu pool, for the caller-stream events a put or a get into ``out``
         captured (:func:`ready_event`; None entries are skipped): the kernels the caller queued on
-        those tensors have finished."""
+        those tensors have finished. See [Note: CUDA stream order] in tiered.backends.device."""
         pending = [e for e in events if e is not None]
         if pending:
             await self._in_cpu_pool(lambda: [e.synchronize() for e in pending])

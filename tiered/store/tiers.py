@@ -1,6 +1,25 @@
 """Tier budgets, eviction and the bookkeeping of copies between tiers.
 
-A mixin of TieredStore: every method runs on the store's loop and uses its state.
+A mixin of TieredStore: every method runs on the store's loop and uses its state (see
+[Note: one loop owns the state] in tiered.store.tiered_store).
+
+[Note: admission and eviction]
+Space in a tier is taken only through ``_admit``. A tensor larger than the tier's whole budget is
+refused at once (CapacityError with the numbers). nvme evicts nothing: its allocation checks the
+budget and the disk itself. In device or host memory, under that tier's lock, ``_admit`` picks
+victims in the policy's order (skipping pinned entries, copies being read or written down, and
+versions in modify blocks) until the tensor fits. ``_make_room`` drops a victim's copy outright
+when a slower copy exists; otherwise it writes the entry one tier down first (host, or nvme when
+the tensor is larger than the whole host budget), so eviction cascades device -> host -> nvme.
+
+A holder of the device tier's lock may wait for the host tier's (a write-down into host admits
+there), a holder of the host tier's never waits for the device tier's, and nvme has only its
+allocation lock: the lock graph has no cycle. When no victim is left, ``_admit`` waits only while
+some of the bytes in use are not pinned: those are transient (copies allocated but not installed
+yet, copies being read or written down, released copies waiting for their last reader), and
+``_wake`` runs at every drop, install, discard, retire, end of a read and unpin. When every byte
+in use is pinned (a copy lent to a modify block counts), it raises CapacityError rather than wait
+for something that may never come.
 """
 
 from __future__ import annotations
@@ -21,7 +40,8 @@ class TierBookkeeping:
     # ------------------------------------------------------------------ budgets and eviction
 
     async def _admit(self, tier: Tier, nbytes: int) -> Copy:
-        """Allocate ``nbytes`` in ``tier``, evicting victims (writing dirty ones down) as needed.
+        """Allocate ``nbytes`` in ``tier``, evicting victims (writing dirty ones down) as needed
+        (see [Note: admission and eviction]).
 
         Waits while the only bytes that could be freed belong to transfers in flight; raises
         CapacityError when even evicting everything evictable could not make room.
@@ -67,7 +87,7 @@ class TierBookkeeping:
     def _pinned_bytes(self, tier: Tier) -> int:
         return sum(
             e.copies[tier].footprint for k in self._resident[tier]
-            if (e := self._entries[k]).pinned or e.editing is not None  # a modify block holds it as if pinned
+            if (e := self._entries[k]).pinned or e.editing is not None  # see [Note: modify blocks]
         )
 
     async def _make_room(self, entry: Entry, tier: Tier) -> None:
@@ -160,7 +180,8 @@ class TierBookkeeping:
 
     async def _retire_durably(self, entry: Entry, generation: int) -> None:
         """Retire an entry whose record may be committed: remove the record first, and only then
-        free its extents, so committed extents are never reused while a record points at them."""
+        free its extents, so committed extents are never reused while a record points at them
+        (see [Note: crash safety] in tiered.store.tiered_store)."""
         nvme = entry.copies.pop(Tier.NVME, None)
         current = self._entries.get(entry.key)
         if nvme is not None and (current is None or Tier.NVME not in current.copies):

@@ -140,7 +140,8 @@ def check_out(out: torch.Tensor, entry: Entry) -> None:
 
 
 def ready_event(tensor: object) -> Any:
-    """A CUDA event on the caller's current stream (captured on the caller's thread), or None."""
+    """A CUDA event on the caller's current stream (captured on the caller's thread), or None: rule 1
+    of [Note: CUDA stream order] in tiered.backends.device."""
     if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(tensor.device))
