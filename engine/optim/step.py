@@ -50,11 +50,10 @@ from engine.optim.step_io import (
     plan_groups,
 )
 from engine.optim.types import AdamHyper, OptimShard, OptimStepStats
+from engine.paging.memory_plan import MATH_CHUNK_BYTES
 from tiered import Tier
 
 MiB = 1024 * 1024
-#: fp32 bytes of each tensor torch's AdamW is given per call ([Note: Chunked AdamW math]).
-MATH_CHUNK_BYTES = 16 * MiB
 #: Chunks of the AdamW math start at multiples of this many elements ([Note: Chunked AdamW math]).
 MATH_CHUNK_ALIGN = 4096
 STATE_TIERS = ("host", "nvme")
