@@ -67,12 +67,15 @@ STAGING_SHARE = 32
 # optimizer group (``optimizer_group_bytes``, halved down to 16 MiB), the prefetch window
 # (``prefetch_bytes``, halved down to 0), the activation window (``activation_window_bytes``, down to
 # 4 MiB), the optimizer group again (down to 1 MiB: three groups are then the three largest
-# consecutive shards), the codec's idle cache; then each piece shrunk on the
-# way gets back as much of its size as still fits, the prefetch window first. The minimum is the
-# budget with every piece at its floor, by phase; below it ``wrap`` raises MemoryBudgetError naming
-# the minimum and what takes it. What the budget does not cover is torch's and Python's own: the
-# autograd graph, the batch's activations (unless ``activation_tier`` moves them), allocator slack,
-# thread stacks.
+# consecutive shards), the codec's idle cache; then each piece shrunk on the way gets back as much of
+# its size as still fits, the prefetch window first. The minimum is the budget with every piece at
+# its floor, by phase; below it ``wrap`` raises MemoryBudgetError naming the minimum and what takes
+# it. What the budget does not cover is torch's and Python's own: the autograd graph, the batch's
+# activations (unless ``activation_tier`` moves them), allocator slack, thread stacks.
+#
+# With CUDA the host tier and staging are page-locked (pinned) and counted here like the rest, and
+# the engine allocates no other pinned memory; parameters and gradients are then GPU memory, so
+# forward and backward hold no host memory of theirs, while the step's groups are still host memory.
 #
 # ``host_budget="host_tier"`` keeps the older meaning: host_bytes is the host tier alone and the
 # pieces come on top at their configured sizes, shared (the plan then only reports them).
