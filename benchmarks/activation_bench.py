@@ -100,7 +100,7 @@ def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
             store = tiered.StoreConfig(path=path, host_bytes=args.host_mib * MiB, prefault_host=False)
             config = engine.EngineConfig(
-                store=store, prefetch_bytes=args.prefetch_mib * MiB,
+                store=store, host_budget="host_tier", prefetch_bytes=args.prefetch_mib * MiB,
                 activation_tier="nvme" if name == "tiered+activations" else None,
                 activation_window_bytes=args.window_mib * MiB, activation_min_bytes=args.min_kib * 1024,
             )
@@ -166,7 +166,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=6, help="steps per contender; the first is not timed")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--host-mib", type=int, default=64, help="the store's host budget")
+    p.add_argument("--host-mib", type=int, default=64,
+                   help="the store's host tier (the engine's working set comes on top)")
     p.add_argument("--prefetch-mib", type=int, default=128)
     p.add_argument("--window-mib", type=int, default=64, help="EngineConfig.activation_window_bytes")
     p.add_argument("--min-kib", type=int, default=1024, help="EngineConfig.activation_min_bytes")

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> dict:
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers)])
     store = tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=0, prefault_host=False)
-    config = engine.EngineConfig(store=store, progress=False)
+    config = engine.EngineConfig(store=store, host_budget="host_tier", progress=False)  # no host tier at all
     eng = engine.wrap(model, config=config, init_fn=lambda m: torch.nn.init.normal_(m.weight, std=0.02))
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     state = eng.state_dict()

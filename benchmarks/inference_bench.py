@@ -203,8 +203,8 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
                                        **{name: value for name, value in chosen.items() if value})  # 0: the default
         eng = engine.wrap(
             wrapped_model,
-            config=engine.EngineConfig(store=store_cfg, param_tier="nvme", prefetch_bytes=args.prefetch_mib * MiB,
-                                       compute_device=str(device)),
+            config=engine.EngineConfig(store=store_cfg, host_budget="host_tier", param_tier="nvme",
+                                       prefetch_bytes=args.prefetch_mib * MiB, compute_device=str(device)),
         )
         ours = Contender("tiered engine, nvme, one forward from nothing prefetched")
         ours.note = (f"host budget {args.host_mib} MiB, prefetch {args.prefetch_mib} MiB, "
@@ -359,7 +359,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=5, help="repetitions (>= 5 for a verdict)")
-    p.add_argument("--host-mib", type=int, default=64, help="the store's host budget (keep it far below the model)")
+    p.add_argument("--host-mib", type=int, default=64,
+                   help="the store's host tier (keep it far below the model; the engine's working set comes on top)")
     p.add_argument("--prefetch-mib", type=int, default=320,
                    help="the engine's prefetch window. The tied wte/lm_head (196 MiB) stays in it for the whole "
                         "forward; the rest must hold the next two layers (48 MiB each) for them to be read ahead "

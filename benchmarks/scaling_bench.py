@@ -70,7 +70,7 @@ def measure(cfg: GPTConfig, args: argparse.Namespace, workdir: str) -> dict:
     path = os.path.join(workdir, f"store-{cfg.n_embd}")
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=1e-3, weight_decay=0.0), config=engine.EngineConfig(
         store=tiered.StoreConfig(path=path, host_bytes=args.host_mib * MiB, prefault_host=False),
-        param_tier="nvme", optimizer_tier="nvme", prefetch_bytes=args.prefetch_mib * MiB))
+        host_budget="host_tier", param_tier="nvme", optimizer_tier="nvme", prefetch_bytes=args.prefetch_mib * MiB))
     ours, losses, read, written = [], [], [], []
     try:
         for i in range(args.steps):
@@ -109,7 +109,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=6, help="steps per size; the first is not counted (>= 6 for a "
                    "verdict)")
-    p.add_argument("--host-mib", type=int, default=32)
+    p.add_argument("--host-mib", type=int, default=32, help="the store's host tier (the engine's working set "
+                   "comes on top)")
     p.add_argument("--prefetch-mib", type=int, default=64)
     add_fio_arguments(p)
     p.add_argument("--json")

@@ -143,7 +143,7 @@ def tiered_engine(model: GPT, args: argparse.Namespace, path: str, *, in_place: 
     eng = engine.wrap(
         model,
         optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay, fused=args.fused),
-        config=engine.EngineConfig(store=store, param_tier=args.tier, optimizer_tier=args.tier,
+        config=engine.EngineConfig(store=store, host_budget="host_tier", param_tier=args.tier, optimizer_tier=args.tier,
                                    optimizer_in_place=in_place, prefetch_bytes=args.prefetch_mib * MiB,
                                    optimizer_group_bytes=args.group_mib * MiB, compute_device=args.device),
     )
@@ -162,7 +162,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=6, help="steps per contender; the first is not timed")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--host-mib", type=int, default=64, help="the store's host budget")
+    p.add_argument("--host-mib", type=int, default=64,
+                   help="the store's host tier (the engine's working set comes on top)")
     p.add_argument("--prefetch-mib", type=int, default=128)
     p.add_argument("--io-threads", type=int, default=0, help="the store's io_threads (0: StoreConfig's default)")
     p.add_argument("--cpu-threads", type=int, default=0, help="the store's cpu_threads (0: StoreConfig's default)")

@@ -19,6 +19,7 @@ from engine.errors import (
     CheckpointError,
     EngineClosedError,
     EngineError,
+    MemoryBudgetError,
     OptimizerStateError,
     ReleasedParameterError,
     SafetensorsFormatError,
@@ -32,10 +33,11 @@ from engine.stats import EngineStats
 
 __all__ = [
     "AdamW", "CheckpointError", "DeepSpeedEngine", "Engine", "EngineClosedError", "EngineConfig", "EngineError",
-    "EngineStats", "LossScaling", "MemoryEstimate", "OptimizerStateError", "OverflowAwareScheduler",
-    "ReleasedParameterError", "SafetensorsFormatError", "ShardLayout", "StepRecordError", "add_config_arguments",
-    "checkpoint_state_dict", "estimate_memory", "export_checkpoint", "from_pretrained", "import_deepspeed_checkpoint",
-    "init_distributed", "initialize", "load_checkpoint_and_dispatch", "param_key", "wrap",
+    "EngineStats", "LossScaling", "MemoryBudgetError", "MemoryEstimate", "OptimizerStateError",
+    "OverflowAwareScheduler", "ReleasedParameterError", "SafetensorsFormatError", "ShardLayout", "StepRecordError",
+    "add_config_arguments", "checkpoint_state_dict", "estimate_memory", "export_checkpoint", "from_pretrained",
+    "import_deepspeed_checkpoint", "init_distributed", "initialize", "load_checkpoint_and_dispatch", "param_key",
+    "wrap",
 ]
 
 

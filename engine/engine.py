@@ -33,7 +33,9 @@ from engine.paging.gathered import ParamsArg, check_modifier_rank, select_handle
 from engine.paging.gathered import gathered as gathered_block
 from engine.paging.handle import HandleState, ParamHandle
 from engine.paging.input_cast import InputCast
+from engine.paging.allocator import limit_heap_retention
 from engine.paging.layout import rank_store_config
+from engine.paging.memory_plan import MemoryPlan
 from engine.paging.module_hooks import ForwardScope, ModuleHooks
 from engine.paging.pager import Pager
 from engine.paging.placement import InitFn, Placement, model_device
@@ -71,9 +73,11 @@ class Engine:
         shard_io: ShardIO,
         optimizer: Optional[torch.optim.Optimizer],
         extensions: Extensions = DEFAULT_EXTENSIONS,
+        memory_plan: Optional[MemoryPlan] = None,
     ) -> None:
         # Built by wrap() once every parameter is in the store.
         self._model = model
+        self._memory_plan = memory_plan
         self._extensions = extensions
         self._config = config
         self._device = placement.device
@@ -123,6 +127,15 @@ class Engine:
         except BaseException:
             self._remove_hooks()
             raise
+        self._pool_hooks: list[Any] = []
+        if memory_plan is not None and memory_plan.step_pool_bytes != memory_plan.pool_bytes and self._training:
+            # [Note: One memory budget], by phase: the step's buffers, then backward's.
+            self._pool_hooks = [
+                optimizer.register_step_pre_hook(  # type: ignore[union-attr]
+                    lambda *_: store.resize_result_pool(memory_plan.step_pool_bytes)),
+                optimizer.register_step_post_hook(  # type: ignore[union-attr]
+                    lambda *_: store.resize_result_pool(memory_plan.pool_bytes)),
+            ]
         self._step_applied = False
         self._lr_scheduler: Optional[Any] = None
         self._baseline = bytes_out_by_tier(store.stats())
@@ -197,8 +210,15 @@ class Engine:
 
     @property
     def config(self) -> EngineConfig:
-        """The configuration the engine was made with."""
+        """The configuration the engine was made with, with the sizes its memory plan chose
+        (``prefetch_bytes``, ``optimizer_group_bytes``, ``optimizer_prefetch_groups``)."""
         return self._config
+
+    @property
+    def memory_plan(self) -> Optional[MemoryPlan]:
+        """How ``store.host_bytes`` was divided among the host tier, staging, the buffer pool, the
+        transients and the codec (engine/paging/memory_plan.py); None for an engine not made by wrap."""
+        return self._memory_plan
 
     @property
     def extensions(self) -> Extensions:
@@ -699,7 +719,6 @@ class Engine:
         if self._training is not None:
             self._training.close()
         self._remove_hooks()
-        self._pager.close()
         self._last_store_stats = self._store.stats()
         self._io.close()
         self._store.sync.close()
@@ -714,6 +733,8 @@ class Engine:
             self._optimizer_hooks.remove()
         if self._input_cast is not None:
             self._input_cast.remove()
+        for hook in getattr(self, "_pool_hooks", ()):
+            hook.remove()
 
     def _start_training(self, resume: bool) -> None:
         """Fresh: commit an empty step record. Resume: take up the store's (Training.start)."""
@@ -748,7 +769,8 @@ def wrap(
     Args:
         model: the model, unmodified; its ``nn.Parameter`` objects stay the same objects. It may be
             built on the meta device (then ``init_fn`` or ``state_dict`` gives it its values).
-        config: the engine's configuration; ``config.store`` is opened as the store.
+        config: the engine's configuration; the store is opened from ``config.store`` with the sizes
+            of the host memory plan (``config.host_budget``: engine/paging/memory_plan.py).
         optimizer: ``engine.AdamW(...)`` (offloaded: its state lives in the store), or a
             ``torch.optim.Optimizer`` built on the model's parameters before wrap (its step fetches
             them and writes them back), or None (inference).
@@ -776,6 +798,8 @@ def wrap(
         The engine; the model object is the one passed, called as usual.
 
     Raises:
+        MemoryBudgetError: ``config.store.host_bytes`` is below what the model needs under ``config``
+            (a ValueError naming the minimum and what takes it); nothing is written.
         TypeError: an argument of the wrong type (named in the message).
         ValueError: a configuration the engine cannot honour (a shard larger than its tier's budget,
             ``resume=True`` without ``engine.AdamW``, an optimizer holding none of the model's
@@ -799,14 +823,18 @@ def wrap(
             "optimizer=engine.AdamW(...) and no state_dict"
         )
     group, rank, world = _rank_and_world(process_group)
-    _check_fits(model, config, world, training=_is_engine_optimizer(optimizer))
     device = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
+    plan = _check_fits(model, config, world, training=_is_engine_optimizer(optimizer), device=device)
+    if plan.mode == "total":
+        limit_heap_retention()  # [Note: One memory budget]: freed transients go back to the system
+    store_config = plan.store_config(config.store)
+    config = plan.engine_config(config)
     source = open_weights(state_dict)
     if source is not None:  # a library's on-disk layout, under the model's own names
         source = extensions.loading(model, source)
     collectives = Collectives(group) if group is not None else None  # its thread starts on first use
     try:
-        store = TieredStore.open(rank_store_config(config.store, rank, world))
+        store = TieredStore.open(rank_store_config(store_config, rank, world))
     except BaseException:
         if source is not None:
             source.close()
@@ -839,7 +867,8 @@ def wrap(
                 same_draws = rank0_random_state(collectives, device)  # meta tensors: drawn alike on every rank
             with bar, same_draws:
                 placement.run(on_placed=bar.advance)
-            engine = engine_class(model, config, store, placement, meter, shard_io, optimizer, extensions=extensions)
+            engine = engine_class(model, config, store, placement, meter, shard_io, optimizer, extensions=extensions,
+                                  memory_plan=plan)
             try:
                 engine._start_training(config.resume)
             except BaseException:
@@ -921,15 +950,19 @@ def _rank_and_world(process_group: Any) -> tuple[Any, int, int]:
     return group_rank_and_world(process_group)
 
 
-def _check_fits(model: nn.Module, config: EngineConfig, world: int, *, training: bool) -> None:
-    """Refuse, before anything is written, what the store would refuse later: a memory tier without
-    a budget for the parameters, or a shard larger than its tier's whole budget (for a gradient
-    shard that would surface in the middle of backward, with the gradient lost)."""
+def _check_fits(model: nn.Module, config: EngineConfig, world: int, *, training: bool,
+                device: torch.device) -> MemoryPlan:
+    """The memory plan, after refusing, before anything is written, a budget below the model's
+    minimum (MemoryBudgetError) and what the store would refuse later: a memory tier without a
+    budget for the parameters, or a shard larger than its tier's whole budget (for a gradient shard
+    that would surface in the middle of backward, with the gradient lost)."""
     from engine.paging.memory_estimate import estimate_memory
 
-    problems = estimate_memory(model, config, world_size=world, training=training).problems
-    if problems:
-        raise ValueError("; ".join(problems) + " (engine.estimate_memory shows what each tier needs)")
+    est = estimate_memory(model, config.replace(compute_device=str(device)), world_size=world, training=training)
+    est.plan.check()
+    if est.problems:
+        raise ValueError("; ".join(est.problems) + " (engine.estimate_memory shows what each tier needs)")
+    return est.plan
 
 
 def _restore(placement: Placement, shard_io: ShardIO, meter: MemoryMeter) -> None:

@@ -38,6 +38,11 @@ class OptimizerStateError(EngineError, RuntimeError):
     example a shard that has taken steps but whose fp32 master copy is gone)."""
 
 
+class MemoryBudgetError(EngineError, ValueError):
+    """``StoreConfig.host_bytes`` is below the least host memory the model needs under the config;
+    the message names that minimum and what takes it (engine/paging/memory_plan.py)."""
+
+
 class StepRecordError(EngineError, RuntimeError):
     """The store's step record is unreadable or does not match the model being resumed."""
 
@@ -46,6 +51,7 @@ __all__ = [
     "CheckpointError",
     "EngineClosedError",
     "EngineError",
+    "MemoryBudgetError",
     "OptimizerStateError",
     "ReleasedParameterError",
     "SafetensorsFormatError",

@@ -121,7 +121,7 @@ def engine_config(store_path: str, variant: Variant, resume: bool) -> engine.Eng
         result_pool_bytes=0, cpu_threads=1,
     )
     return engine.EngineConfig(
-        store=store, param_tier="nvme", optimizer_tier="nvme", grad_tier=variant.grad_tier,
+        store=store, host_budget="host_tier", param_tier="nvme", optimizer_tier="nvme", grad_tier=variant.grad_tier,
         compress_optimizer=variant.compress, max_grad_norm=variant.max_grad_norm, optimizer_group_bytes=8 * KiB,
         prefetch_bytes=16 * KiB, resume=resume,
     )

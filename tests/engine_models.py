@@ -107,7 +107,8 @@ def store_config(tmp_path, *, host_bytes: int = 64 * KiB, device_bytes: int = 0,
 
 def engine_config(tmp_path, *, tier: str = "nvme", prefetch_bytes: int = 16 * KiB, **store_kw) -> engine.EngineConfig:
     """An EngineConfig over :func:`store_config`."""
-    return engine.EngineConfig(store=store_config(tmp_path, **store_kw), param_tier=tier, prefetch_bytes=prefetch_bytes)
+    return engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path, **store_kw), param_tier=tier,
+                               prefetch_bytes=prefetch_bytes)
 
 
 def param_bytes(model: nn.Module) -> int:

@@ -32,7 +32,7 @@ def model_and_ref() -> tuple[nn.Module, nn.Module]:
 
 def config(path: str) -> engine.EngineConfig:
     store = tiered.StoreConfig(path=path, host_bytes=1 << 20)
-    return engine.EngineConfig(store=store, param_tier="nvme", prefetch_bytes=0)
+    return engine.EngineConfig(store=store, host_budget="host_tier", param_tier="nvme", prefetch_bytes=0)
 
 
 def probe(case: str, fn: Callable[[], Any]) -> None:

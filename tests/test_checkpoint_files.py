@@ -115,7 +115,8 @@ def test_a_save_records_chunk_crcs_of_its_large_tensors(tmp_path):
     from engine_models import store_config
 
     model = torch.nn.Linear(1024, CRC_CHUNK_BYTES // 4096 + 1)  # a weight just over one chunk
-    config = engine.EngineConfig(store=store_config(tmp_path, host_bytes=64 << 20), param_tier="nvme")
+    config = engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path, host_bytes=64 << 20),
+                                 param_tier="nvme")
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=1e-2), config=config)
     model(torch.randn(2, 1024)).sum().backward()
     eng.step()

@@ -65,7 +65,7 @@ def train(path: Path, *, wrapped: bool, prepare_model: bool = True, clip_in_loop
         eng, optimizer, _, _ = engine.initialize(model=model, optimizer=engine.AdamW(lr=LR), config=ds_config)
     elif wrapped:
         eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
-            store=store_config(path), param_tier="nvme", optimizer_tier="nvme",
+            host_budget="host_tier", store=store_config(path), param_tier="nvme", optimizer_tier="nvme",
             max_grad_norm=None if clip_in_loop else CLIP, compute_device=compute_device))
         optimizer = eng.optimizer
     else:
@@ -246,7 +246,7 @@ def test_accelerates_stand_ins_fill_the_optimizer_and_scheduler_sections(tmp_pat
         assert ds_config["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 2e-3,
                                                     "warmup_num_steps": 2, "total_num_steps": 8}
         eng, built, _, schedule = engine.initialize(model=model, model_parameters=optimizer.params,
-                                                    config=ds_config, store=store_config(tmp_path))
+                                                    config=ds_config, store=store_config(tmp_path, host_bytes=1 << 20))
         with eng:
             group = built.param_groups[0]
             assert (group["weight_decay"], group["betas"], type(schedule).__name__) == (0.01, (0.9, 0.95),
@@ -300,7 +300,8 @@ def _two_ranks(rank: int, root: str) -> None:
         AcceleratorState._reset_state()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
-    with engine.wrap(model, config=engine.EngineConfig(store=store_config(root_path / f"ddp{rank}"))):
+    with engine.wrap(model, config=engine.EngineConfig(host_budget="host_tier",
+                                                       store=store_config(root_path / f"ddp{rank}"))):
         try:
             DistributedDataParallel(model)
             losses["refused"] = ""
@@ -340,7 +341,7 @@ def fp16_engine(path: Path, accumulation: int) -> tuple[GPT2LMHeadModel, engine.
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(**{**CONFIG.to_dict(), **NO_DROPOUT}))
     scaling = engine.LossScaling(initial_scale=2.0**18, hysteresis=1, growth_interval=2)
-    return model, engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
+    return model, engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(host_budget="host_tier",
         store=store_config(path), param_tier="nvme", optimizer_tier="nvme", max_grad_norm=CLIP, train_dtype="float16",
         loss_scaling=scaling, gradient_accumulation_steps=accumulation))
 
@@ -402,7 +403,7 @@ def checkpointed_run(path: Path, *, seed: int, save_after: int = 0, resume_from:
     torch.manual_seed(seed)
     # Without dropout and shuffling: their random streams are accelerate's to restore, not the engine's.
     model = GPT2LMHeadModel(GPT2Config(**{**CONFIG.to_dict(), **NO_DROPOUT}))
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(host_budget="host_tier",
         store=store_config(path / f"store{seed}"), param_tier="nvme", optimizer_tier="nvme", max_grad_norm=CLIP))
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
     register_engine_state(accelerator, eng)
@@ -441,7 +442,7 @@ def test_save_state_and_load_state_carry_the_engine_checkpoint(tmp_path):
     # Without the hooks accelerate restores the optimizer's step counts alone, which is refused.
     torch.manual_seed(1)
     model = GPT2LMHeadModel(CONFIG)
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(host_budget="host_tier",
         store=store_config(tmp_path / "bare"), param_tier="nvme", optimizer_tier="nvme", max_grad_norm=CLIP))
     try:
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
@@ -466,7 +467,8 @@ def test_clipping_through_accelerate_or_torch_is_refused_where_it_would_clip_not
     AcceleratorState._reset_state()
     accelerator = Accelerator(cpu=True)
     model = GPT2LMHeadModel(CONFIG)
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(store=store_config(tmp_path)))
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(host_budget="host_tier",
+                                                                                       store=store_config(tmp_path)))
     try:
         accelerator.backward(model(**batch_of_one()).loss)
         with pytest.raises(ReleasedParameterError, match=r"clip nothing and return 0\. Call eng\.clip_grad_norm_"):
@@ -482,7 +484,7 @@ def test_clipping_through_accelerate_or_torch_is_refused_where_it_would_clip_not
 
     model = GPT2LMHeadModel(CONFIG)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(
-        store=store_config(tmp_path / "clipped"), max_grad_norm=CLIP))
+        host_budget="host_tier", store=store_config(tmp_path / "clipped"), max_grad_norm=CLIP))
     try:
         accelerator.backward(model(**batch_of_one()).loss)
         assert accelerator.clip_grad_norm_(model.parameters(), CLIP) == 0  # the step clips at CLIP anyway
@@ -497,7 +499,7 @@ def test_clipping_through_accelerate_or_torch_is_refused_where_it_would_clip_not
 
     model = GPT2LMHeadModel(CONFIG)
     eng = engine.wrap(model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
-                      config=engine.EngineConfig(store=store_config(tmp_path / "torch")))
+                      config=engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path / "torch")))
     try:
         model(**batch_of_one()).loss.backward()
         assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > 0

@@ -27,7 +27,7 @@ LR = 1e-2
 
 def train_config(path, *, optimizer_tier: str = "nvme", compress: bool = False, train_dtype: Optional[str] = None,
                  max_grad_norm: Optional[float] = None) -> engine.EngineConfig:
-    return engine.EngineConfig(
+    return engine.EngineConfig(host_budget="host_tier",
         store=store_config(path), param_tier="nvme", optimizer_tier=optimizer_tier, compress_optimizer=compress,
         train_dtype=train_dtype, max_grad_norm=max_grad_norm, optimizer_group_bytes=8 * KiB, prefetch_bytes=16 * KiB,
     )

@@ -26,7 +26,8 @@ GPT2 = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32
 
 
 def config(path, train_dtype=None) -> engine.EngineConfig:
-    return engine.EngineConfig(store=store_config(path), param_tier="nvme", optimizer_tier="nvme",
+    return engine.EngineConfig(host_budget="host_tier", store=store_config(path), param_tier="nvme",
+                               optimizer_tier="nvme",
                                train_dtype=train_dtype, optimizer_group_bytes=8 * KiB, prefetch_bytes=16 * KiB)
 
 
@@ -186,12 +187,12 @@ def test_wrap_loads_a_checkpoint_directory_as_its_weights(tmp_path):
     masters = engine.checkpoint_state_dict(tmp_path / "ckpts")
     with torch.device("meta"):
         fresh = TinyGPT()
-    with engine.wrap(fresh, config=engine.EngineConfig(store=store_config(tmp_path / "serve")),
+    with engine.wrap(fresh, config=engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path / "serve")),
                      state_dict=tmp_path / "ckpts") as served:
         got = served.state_dict()
     assert equal(got, masters)  # fp32 masters into the fp32 model, bit for bit
     with torch.device("meta"):
         other = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="match no parameter or buffer of the model"):  # another model's
-        engine.wrap(other, config=engine.EngineConfig(store=store_config(tmp_path / "x")),
+        engine.wrap(other, config=engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path / "x")),
                     state_dict=tmp_path / "ckpts" / "step1")

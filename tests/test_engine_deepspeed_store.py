@@ -129,28 +129,34 @@ def test_cpu_offload_gets_a_host_tier_for_what_deepspeed_keeps_in_memory(tmp_pat
         model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)])
     params = sum(p.numel() for p in model.parameters())
 
-    def host_budget(ds: dict, memory: tuple[int, int], world: int = 1) -> int:
+    def host_budget(ds: dict, memory: tuple[int, int], world: int = 1, *, tier: bool = False) -> int:
+        """host_bytes of the default store (``tier``: what its host tier gets of it)."""
         monkeypatch.setattr(deepspeed_store, "memory_sizes", lambda: memory)
         default = deepspeed_store.default_store(ds)
         try:
-            config = engine.EngineConfig.from_deepspeed(ds, store=default.config)
-            return default.apply(config, model, world).store.host_bytes
+            config = default.apply(engine.EngineConfig.from_deepspeed(ds, store=default.config), model, world)
+            if tier:
+                return engine.estimate_memory(model, config, world_size=world).plan.host_tier_bytes
+            return config.store.host_bytes
         finally:
             default.remove()
 
     cpu = ds_config({"device": "cpu"}, {"device": "cpu"})
     plenty = (64 << 30, 32 << 30)
-    assert host_budget(cpu, plenty) == 20 * params  # every tensor a multiple of 4 KiB here
-    assert host_budget(cpu, plenty, world=2) == 10 * params
-    assert host_budget(ds_config({"device": "nvme", "nvme_path": str(tmp_path)}, {"device": "cpu"}), plenty) == (
-        16 * params)  # the parameters on nvme
+    # host_bytes covers the working set as well; the host tier gets the rest: room for all that state
+    # (every tensor a multiple of 4 KiB here), and no more than staging's share of the budget beyond.
+    for ds, world, state in ((cpu, 1, 20 * params), (cpu, 2, 10 * params),
+                             (ds_config({"device": "nvme", "nvme_path": str(tmp_path)}, {"device": "cpu"}), 1,
+                              16 * params)):  # the parameters on nvme
+        assert state <= host_budget(ds, plenty, world, tier=True) <= state + (128 << 20)
+        assert state < host_budget(ds, plenty, world) < state + (1 << 30)
     nvme = ds_config({"device": "nvme", "nvme_path": str(tmp_path)}, {"device": "nvme", "nvme_path": str(tmp_path)})
     assert host_budget(nvme, plenty) == 1 << 30
     with pytest.warns(UserWarning, match=r"keeps 2\.5 GiB of this rank's state in host memory .* the store's host "
-                                         r"tier gets 1\.6 GiB and the rest goes to its nvme tier"):
+                                         r"budget is 1\.6 GiB .* the rest goes to its nvme tier"):
         assert host_budget(cpu, (4 << 30, 2 << 30)) == int(0.8 * (2 << 30)) // (1 << 20) * (1 << 20)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four ranks on this machine share it
-    with pytest.warns(UserWarning, match="host tier gets 1.0 GiB"):  # never below the default
+    with pytest.warns(UserWarning, match="host budget is 1.0 GiB"):  # never below the default
         assert host_budget(cpu, (4 << 30, 2 << 30)) == 1 << 30
 
 

@@ -48,7 +48,8 @@ def test_a_lora_model_over_a_meta_base_trains_as_peft_over_the_loaded_base(tmp_p
         want_logits = base(tokens(0)).logits
     with torch.device("meta"):
         model = get_peft_model(GPT2LMHeadModel(CONFIG), lora())
-    config = engine.EngineConfig(store=store_config(tmp_path), param_tier="nvme", optimizer_tier="nvme")
+    config = engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path), param_tier="nvme",
+                                 optimizer_tier="nvme")
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.0), config=config,
                       state_dict=peft_base_weights(model, tmp_path / "base"), init_fn=lora_init(model))
     try:
@@ -97,7 +98,7 @@ def test_tensors_the_peft_model_lacks_are_reported(tmp_path):
     weights["transformer.h.9.mlp.c_fc.weight"] = torch.zeros(2)  # a layer this model does not have
     with torch.device("meta"):
         model = get_peft_model(GPT2LMHeadModel(CONFIG), lora())
-    config = engine.EngineConfig(store=store_config(tmp_path))
+    config = engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path))
     with pytest.raises(ValueError, match=r"match no parameter.*transformer\.h\.9\.mlp\.c_fc\.weight"):
         engine.wrap(model, config=config, state_dict=peft_base_weights(model, weights), init_fn=lora_init(model))
 
@@ -118,7 +119,7 @@ def test_lora_over_a_moe_base_whose_checkpoint_transformers_5_converts(tmp_path)
         want = base(ids).logits
     with torch.device("meta"):
         model = get_peft_model(transformers.MixtralForCausalLM(moe), LoraConfig(r=4, target_modules=["q_proj"]))
-    config = engine.EngineConfig(store=store_config(tmp_path))
+    config = engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path))
     with engine.wrap(model, config=config, state_dict=peft_base_weights(model, tmp_path / "base"),
                      init_fn=lora_init(model)), torch.no_grad():
         model.eval()

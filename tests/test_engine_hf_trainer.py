@@ -53,7 +53,8 @@ def losses_of(trainer: Trainer) -> list[float]:
 
 
 def wrapped(model: GPT2LMHeadModel, path, max_grad_norm: float | None = CLIP) -> engine.Engine:
-    config = engine.EngineConfig(store=store_config(path), param_tier="nvme", optimizer_tier="nvme",
+    config = engine.EngineConfig(host_budget="host_tier", store=store_config(path), param_tier="nvme",
+                                 optimizer_tier="nvme",
                                  max_grad_norm=max_grad_norm)
     return engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.0), config=config)
 
@@ -302,7 +303,8 @@ class LearningRates(TrainerCallback):
 def fp16_wrapped(model: GPT2LMHeadModel, path) -> engine.Engine:
     """fp16 parameters, fp32 masters and a dynamic loss scale that overflows the first steps
     (DeepSpeed's fp16 section with initial_scale_power 18, hysteresis 1)."""
-    config = engine.EngineConfig(store=store_config(path), param_tier="nvme", optimizer_tier="nvme",
+    config = engine.EngineConfig(host_budget="host_tier", store=store_config(path), param_tier="nvme",
+                                 optimizer_tier="nvme",
                                  train_dtype="float16", max_grad_norm=CLIP,
                                  loss_scaling=engine.LossScaling(2.0**18, hysteresis=1, growth_interval=2))
     return engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.0), config=config)
@@ -685,7 +687,7 @@ def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_
         model = GPT2LMHeadModel(CONFIG)
     trainer = EngineTrainer(model, arguments(tmp_path / "eng", **args), train_dataset=Tokens(),
                             deepspeed_config=hf_deepspeed_config(str(tmp_path / "nvme")),
-                            store=store_config(tmp_path), state_dict=tmp_path / "hf")
+                            store=store_config(tmp_path, host_bytes=8 << 20), state_dict=tmp_path / "hf")
     try:
         groups = trainer.engine.optimizer.param_groups
         no_decay = [p for n, p in ref.named_parameters() if n not in plain.get_decay_parameter_names(ref)]
@@ -699,7 +701,7 @@ def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_
         trainer.engine.close()
     bf16 = EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=arguments(tmp_path / "b", bf16=True),
                          deepspeed_config=hf_deepspeed_config(str(tmp_path / "b" / "nvme"), bf16={"enabled": "auto"}),
-                         store=store_config(tmp_path / "b"))
+                         store=store_config(tmp_path / "b", host_bytes=8 << 20))
     try:
         assert bf16.engine.config.train_dtype == "bfloat16" and not bf16.args.bf16
     finally:

@@ -33,7 +33,8 @@ def test_wrap_refuses_bad_arguments(tmp_path):
     with pytest.raises(TypeError, match="state_dict"):
         engine.wrap(model, config=config, state_dict=42)
     with pytest.raises(ValueError, match="host_bytes is 0"):
-        engine.wrap(model, config=engine.EngineConfig(store=store_config(tmp_path, host_bytes=0), param_tier="host"))
+        engine.wrap(model, config=engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path,
+                                                      host_bytes=0), param_tier="host"))
     assert not _store_threads()
     assert model.weight.untyped_storage().nbytes() == 16  # untouched
 
@@ -42,7 +43,7 @@ def test_wrapping_a_wrapped_model_is_refused(tmp_path):
     model = nn.Linear(2, 2)
     eng = engine.wrap(model, config=engine_config(tmp_path))
     with pytest.raises(ValueError, match="already wrapped"):
-        engine.wrap(model, config=engine.EngineConfig(store=store_config(tmp_path / "other")))
+        engine.wrap(model, config=engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path / "other")))
     eng.unwrap()
 
 

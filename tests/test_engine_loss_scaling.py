@@ -294,7 +294,7 @@ def test_bad_policy_is_refused(kwargs, match):
 
 def test_config_checks(tmp_path):
     with pytest.raises(TypeError, match="LossScaling"):
-        engine.EngineConfig(store=store_config(tmp_path), loss_scaling=2.0**16)  # type: ignore[arg-type]
+        engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path), loss_scaling=2.0**16)  # type: ignore[arg-type]
     config = scaled_config(tmp_path)
     with pytest.raises(ValueError, match=r"engine\.AdamW"):
         engine.wrap(TinyGPT(), config=config)

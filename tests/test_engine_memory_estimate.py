@@ -4,6 +4,7 @@ its tier's whole budget before anything is written."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -14,7 +15,7 @@ from torch import nn
 
 import engine
 from engine.cli.estimate import main as estimate_main
-from engine.paging.memory_estimate import COMPRESSED_STATE_RATIO, RUNTIME_BYTES
+from engine.paging.memory_estimate import COMPRESSED_STATE_RATIO
 from engine_models import store_config
 
 KiB, MiB = 1024, 1024 * 1024
@@ -34,7 +35,8 @@ def two_linears() -> nn.Module:
 def config(tmp_path, **kw) -> engine.EngineConfig:
     store_kw = {k: kw.pop(k) for k in ("host_bytes", "device_bytes", "nvme_bytes") if k in kw}
     store_kw.setdefault("host_bytes", 64 * MiB)
-    return engine.EngineConfig(store=store_config(tmp_path, **store_kw), prefetch_bytes=1 * MiB, **kw)
+    return engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path, **store_kw),
+                               prefetch_bytes=1 * MiB, **kw)
 
 
 def test_each_kind_of_entry_is_counted_in_its_tier(tmp_path):
@@ -61,10 +63,11 @@ def test_budgets_write_what_a_tier_cannot_hold_down_to_the_next(tmp_path):
     two_slots = engine.estimate_memory(two_linears(), config(tmp_path, optimizer_tier="host", optimizer_in_place=False))
     assert two_slots.during_step.host == roomy.at_rest.host + state  # the new slot beside the old one
     assert two_slots.host_rss_bound > roomy.host_rss_bound  # and the step's copies of both
-    tight = engine.estimate_memory(two_linears(), config(tmp_path, optimizer_tier="host", host_bytes=4 * MiB))
+    tight = engine.estimate_memory(two_linears(), config(tmp_path, optimizer_tier="host", host_bytes=4 * MiB,
+                                                         optimizer_prefetch_groups=0))
     assert tight.at_rest.host == tight.during_step.host == 4 * MiB  # full, the rest below
-    tight_two_slots = engine.estimate_memory(
-        two_linears(), config(tmp_path, optimizer_tier="host", host_bytes=4 * MiB, optimizer_in_place=False))
+    tight_two_slots = engine.estimate_memory(two_linears(), config(
+        tmp_path, optimizer_tier="host", host_bytes=4 * MiB, optimizer_in_place=False, optimizer_prefetch_groups=0))
     assert tight.host_rss_bound == tight_two_slots.host_rss_bound  # state on nvme is read into copies either way
     assert tight.at_rest.total == roomy.at_rest.total and tight.during_step.total == roomy.during_step.total
     assert tight.at_rest.nvme == roomy.at_rest.host - 4 * MiB + roomy.at_rest.nvme
@@ -98,21 +101,87 @@ def test_meta_models_tied_weights_and_a_large_one_cost_nothing_to_estimate(tmp_p
     est = engine.estimate_memory(big, config(tmp_path, host_bytes=1 << 40))
     assert est.parameters == 50_000 * 4096
     assert est.parts[2].nbytes == 3 * page(4 * 50_000 * 4096)
-    assert est.materialized_bytes == 4 * 50_000 * 4096 + 1 * MiB + 4 * 50_000 * 4096  # module + window + one
+    assert est.materialized_bytes == 4 * 50_000 * 4096 + 1 * MiB  # the largest module + the window
 
 
-def test_the_rss_bound_is_the_documented_sum(tmp_path):
-    cfg = config(tmp_path, grad_tier="nvme", optimizer_group_bytes=256 * KiB)
+def test_the_plan_divides_host_bytes_as_documented(tmp_path):
+    """docs/training.md's memory model, counted by hand for two_linears (fp32, computed on the CPU)."""
+    cfg = config(tmp_path, grad_tier="nvme", optimizer_group_bytes=256 * KiB).replace(host_budget="total")
     est = engine.estimate_memory(two_linears(), cfg)
-    store = cfg.store
-    largest_fp32, fp32_total = 4 * 300_000, est.parts[1].nbytes
-    expected = (store.host_bytes + store.block_size * store.staging_buffers
-                + min(3 * max(256 * KiB, largest_fp32), fp32_total) * 4  # the step's three groups
-                + 256 * KiB + 2 * largest_fp32  # gradient puts in flight
-                + est.materialized_bytes + RUNTIME_BYTES)
-    assert est.host_rss_bound == expected
+    plan = est.plan
+    shard = 4 * 300_000  # the largest fp32 shard, a group of its own; the other three make the second group
+    staging = 4 * 64 * KiB  # staging_buffers=4 of 64 KiB blocks (a 64 MiB budget allows 32)
+    params = 4 * 300_300 + 1 * MiB  # the largest module + the prefetch window
+    ahead = 3 * shard  # master and moments of the first group, read during backward
+    step = 4 * (shard + 4 * (300 + 2100 + 7))  # three groups (both) of gradient, master and two moments
+    grads = shard + shard  # a shard being put + the whole gradient autograd makes (a view at world size 1)
+    temps = 2 * shard  # AdamW's two temporaries of the largest shard
+    assert [(p.what, p.nbytes) for p in plan.pieces] == [
+        ("staging", staging), ("buffer pool", max(params + ahead, step)), ("transients", max(grads, temps))]
+    assert plan.pool_bytes == plan.step_pool_bytes == params + ahead  # shared: one bound for both phases
+    assert plan.host_tier_bytes == 64 * MiB - staging - params - ahead - grads  # the cache gets what is left
+    assert est.host_rss_bound == plan.total_bytes == 64 * MiB
+    assert plan.settings.prefetch_bytes == 1 * MiB and plan.settings.optimizer_prefetch_groups == 1  # as configured
+    # At the floor: no state read ahead, 2 staging blocks, no prefetch window, by phase.
+    assert est.minimum_host_bytes == 2 * 64 * KiB + max(4 * 300_300 + grads, step + temps)
+    store = plan.store_config(cfg.store)
+    assert (store.host_bytes, store.staging_buffers, store.result_pool_bytes) == (plan.host_tier_bytes, 4,
+                                                                                  params + ahead)
     on_gpu = engine.estimate_memory(two_linears(), cfg.replace(compute_device="cuda"))
-    assert on_gpu.host_rss_bound == expected - est.materialized_bytes  # materialized on the GPU instead
+    assert on_gpu.plan.pool_bytes == max(ahead, step)  # parameters and gradients are GPU memory there
+    tier = engine.estimate_memory(two_linears(), cfg.replace(host_budget="host_tier"))
+    assert tier.plan.host_tier_bytes == 64 * MiB and tier.host_rss_bound == 64 * MiB + staging + max(
+        params + ahead, step) + max(grads, temps)  # the pieces come on top; result_pool_bytes=0 waits nothing
+
+
+def test_a_smaller_budget_shrinks_the_pieces_in_order_down_to_the_minimum(tmp_path):
+    model = two_linears()
+    base = config(tmp_path, grad_tier="nvme", optimizer_group_bytes=256 * KiB).replace(host_budget="total")
+    minimum = engine.estimate_memory(model, base).minimum_host_bytes
+    chosen = []
+    for budget in (64 * MiB, 9 * MiB, 8 * MiB, minimum):
+        plan = engine.estimate_memory(model, base.replace(store=base.store.replace(host_bytes=budget))).plan
+        assert plan.fits and plan.total_bytes == budget and plan.minimum_bytes == minimum
+        chosen.append(dataclasses.astuple(plan.settings)[:4])  # staging, window, group, groups read ahead
+    assert chosen[0] == (4, MiB, 256 * KiB, 1)  # the config's own sizes
+    assert all(all(a >= b for a, b in zip(bigger, smaller)) for bigger, smaller in zip(chosen, chosen[1:]))
+    assert chosen[2][3] == 0 and chosen[2][1] == MiB  # the state read ahead goes before the prefetch window
+    assert chosen[3][0] == 2  # staging is down to two blocks at the minimum
+    below = engine.estimate_memory(model, base.replace(store=base.store.replace(host_bytes=minimum - 1)))
+    assert not below.fits and not below.plan.fits
+    assert f"minimum this model needs under this config, {minimum}" in below.problems[0]
+    assert "the optimizer step" in below.problems[0] and "'0.weight'" in below.problems[0]
+
+
+def test_wrap_refuses_a_budget_below_the_minimum_before_anything_is_written_and_trains_at_it(tmp_path):
+    """In bf16 the step's buffers outweigh forward's and backward's gradients outweigh the step's
+    temporaries, so at the minimum the working set is bounded phase by phase."""
+    model = two_linears()
+    cfg = config(tmp_path, grad_tier="nvme", optimizer_group_bytes=256 * KiB, train_dtype="bfloat16").replace(
+        host_budget="total")
+    minimum = engine.estimate_memory(model, cfg).minimum_host_bytes
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(engine.MemoryBudgetError, match=f"at least {minimum}") as refused:
+        engine.wrap(model, config=cfg.replace(store=cfg.store.replace(host_bytes=minimum - 4096)),
+                    optimizer=engine.AdamW(lr=1e-3))
+    assert isinstance(refused.value, ValueError)
+    assert not os.path.exists(cfg.store.path)  # refused before the store was opened
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    # At the minimum it trains, the working set bounded phase by phase.
+    eng = engine.wrap(model, config=cfg.replace(store=cfg.store.replace(host_bytes=minimum)),
+                      optimizer=engine.AdamW(lr=1e-3))
+    assert eng.memory_plan.settings.by_phase and eng.store.config.host_bytes == eng.memory_plan.host_tier_bytes
+    x = torch.randn(4, 1000, dtype=torch.bfloat16)
+    losses = []
+    for _ in range(3):
+        loss = model(x)[:, 0].float().mean()  # LayerNorm's output: its first feature can fall
+        loss.backward()
+        eng.step()
+        eng.zero_grad()
+        losses.append(loss.item())
+        assert eng.store.stats().pool_lent_bytes + eng.store.stats().pool_waiting_bytes <= eng.memory_plan.pool_bytes
+    assert losses[-1] < losses[0]
+    eng.close()
 
 
 def test_a_shard_larger_than_its_tier_is_refused_by_wrap_before_anything_is_written(tmp_path):
@@ -148,7 +217,8 @@ def test_the_estimate_matches_what_a_training_run_keeps_on_nvme(tmp_path):
         path = tmp_path / str(len(kw))
         with torch.device("meta"):
             model = GPT(gpt)
-        cfg = engine.EngineConfig(store=store_config(path, host_bytes=1 * MiB), grad_tier="nvme", **kw)
+        cfg = engine.EngineConfig(host_budget="host_tier", store=store_config(path, host_bytes=1 * MiB),
+                                  grad_tier="nvme", **kw)
         est = engine.estimate_memory(model, cfg)
         eng = engine.wrap(model, optimizer=engine.AdamW(lr=1e-3), config=cfg)
         x = torch.randint(0, 128, (2, 16))
@@ -186,6 +256,29 @@ def test_cli_prints_the_table_and_says_whether_it_fits(tmp_path):
     assert got["at_rest"]["nvme"] == got["parts"][0]["nbytes"] and got["disk"]["free"] > 0
 
 
+def test_cli_prints_the_minimum_host_bytes_wrap_would_ask_for(tmp_path):
+    code, text = run_cli(*DEMO, "--dir", str(tmp_path), "--host-mib", "1", "--json")
+    got = json.loads(text)
+    assert code == 1 and not got["fits"] and got["minimum_host_bytes"] > 1 << 20
+    from engine.demo import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_embd=64, n_head=2))
+    cfg = engine.EngineConfig(store=cli_store(tmp_path, 1 << 20), compute_device="cpu")
+    with pytest.raises(engine.MemoryBudgetError, match=f"at least {got['minimum_host_bytes']}"):
+        engine.wrap(model, config=cfg, optimizer=engine.AdamW(lr=1e-3))
+    code, text = run_cli(*DEMO, "--dir", str(tmp_path), "--host-mib", "1")
+    assert f"minimum {got['minimum_host_bytes'] / (1 << 20):.1f} MiB ({got['minimum_host_bytes']} bytes)" in text
+    assert "PROBLEM: StoreConfig.host_bytes=1048576" in text and "fits: no" in text
+
+
+def cli_store(tmp_path, host_bytes: int):
+    """The store ``tiered estimate --dir`` describes: StoreConfig's defaults but the path and budget."""
+    import tiered
+
+    return tiered.StoreConfig(path=os.path.abspath(tmp_path), host_bytes=host_bytes)
+
+
 def test_cli_reads_a_hugging_face_config_and_a_deepspeed_config(tmp_path):
     transformers = pytest.importorskip("transformers")
     hf = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32)
@@ -220,7 +313,9 @@ def test_cli_gives_a_deepspeed_config_the_budgets_engine_initialize_gives_it(tmp
     assert got["during_step"] == {"device": params["nbytes"], "host": grads["nbytes"] + states["nbytes"],
                                   "nvme": 0}  # nothing spilled (state in host memory is updated in place)
     code, text = run_cli(*big, "--ds-config", str(ds), "--dir", str(tmp_path), "--json", "--host-mib", "64")
-    assert json.loads(text)["during_step"]["host"] == 64 << 20  # a flag's budget stands
+    got = json.loads(text)
+    assert got["plan"]["budget"] == 64 << 20  # a flag's budget stands: the whole of it, pieces and host tier
+    assert got["during_step"]["host"] == got["plan"]["host_tier_bytes"] < 64 << 20
 
 
 @pytest.mark.parametrize("args, message", [

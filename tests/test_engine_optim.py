@@ -133,6 +133,20 @@ def test_fused_and_foreach_math_equal_torch_with_the_same_choice(store, path):
     run.assert_equal()
 
 
+@pytest.mark.parametrize("path", [{}, {"fused": True}, {"foreach": True}])
+def test_math_in_chunks_equals_torch_on_whole_tensors(store, path):
+    """[Note: Chunked AdamW math]: shards cut into 4096-element pieces, several pieces per call and
+    several shards per piece run, give torch's bits and step counts on every math path."""
+    run = Run(store, sizes=(9000, 5, 4096, 12345), weight_decay=0.1, **path)
+    for _ in range(3):
+        run.new_grads()
+        run.oracle.step()
+        run.step(state_tier="host", param_tier="host", math_chunk_bytes=4 * 4096)
+    run.assert_equal()
+    with pytest.raises(ValueError, match="math_chunk_bytes"):
+        run.step(math_chunk_bytes=1000)
+
+
 def test_bf16_params_with_fp32_master_equal_torch_on_fp32_master(store):
     run = Run(store, dtype=torch.bfloat16, weight_decay=0.1)
     for _ in range(5):

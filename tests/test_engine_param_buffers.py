@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import engine
+import tiered
 from engine.paging.param_buffers import ParamBuffers, swap_supported
 from engine_models import KiB, TinyGPT, assert_same_params, engine_config, gpt_tokens, train_parity
 
@@ -29,54 +30,60 @@ def _pooled_params(model: TinyGPT) -> list[nn.Parameter]:
     return [p for b in model.blocks for p in (b.fc.weight, b.out.weight)]
 
 
+@pytest.fixture
+def store(tmp_path):
+    config = tiered.StoreConfig(path=str(tmp_path / "pool"), host_bytes=0, result_pool_bytes=8 * MiB,
+                                staging_buffers=1, block_size=MiB, io_threads=2)
+    with tiered.TieredStore.open(config) as s:
+        yield s
+
+
 @needs_swap
-def test_lend_and_give_back_keep_the_parameter_and_its_views():
+def test_lend_and_give_back_keep_the_parameter_and_its_views(store):
     param = nn.Parameter(torch.zeros(512, 1024))  # 2 MiB
     view = param.t()
     storage = param.untyped_storage()
     ident = storage._cdata
     storage.resize_(0)
-    pool = ParamBuffers()
+    pool = ParamBuffers(store.host_buffer)
     storage.resize_(param.numel() * 4)
     pool.lend(storage, param.numel() * 4)
-    assert pool.holds(storage) and param.data_ptr() % mmap.PAGESIZE == 0
+    assert pool.holds(storage) and param.data_ptr() % mmap.PAGESIZE == 0 and pool.lent_bytes == 2 * MiB
     with torch.no_grad():
         param.copy_(torch.arange(param.numel(), dtype=torch.float32).view(512, 1024))
     assert torch.equal(view, param.t()) and view[3, 2].item() == 2 * 1024 + 3
     first = param.data_ptr()
     pool.give_back(storage)
     assert storage.nbytes() == 0 and storage.resizable() and param.untyped_storage()._cdata == ident
-    assert pool.idle_bytes == param.numel() * 4 and pool.lent_bytes == 0
+    stats = store.stats()
+    assert pool.lent_bytes == 0 and stats.pool_waiting_bytes == 2 * MiB and stats.pool_lent_bytes == 0
     storage.resize_(param.numel() * 4)
-    pool.lend(storage, param.numel() * 4)  # the same buffer again: mapped, values kept
-    assert param.data_ptr() == first and pool.reused == 1 and pool.created == 1
+    pool.lend(storage, param.numel() * 4)  # the same buffer again, from the store's pool: mapped, values kept
+    assert param.data_ptr() == first and store.stats().pool_hits == 1 and pool.lent == 2
     assert view[3, 2].item() == 2 * 1024 + 3
     pool.give_back(storage)
-    pool.clear()
-    assert pool.idle_bytes == 0
 
 
 @needs_swap
-def test_idle_buffers_stay_within_the_peak_in_use_plus_the_largest():
-    pool = ParamBuffers()
-    storages = {}
-
-    def lend(name: str, nbytes: int) -> None:
-        storages[name] = torch.UntypedStorage(nbytes)
-        pool.lend(storages[name], nbytes)
-
-    lend("a", 2 * MiB)
-    lend("b", 2 * MiB)
-    pool.give_back(storages["a"])
-    pool.give_back(storages["b"])
-    lend("c", 3 * MiB)  # peak 4 MiB, largest 3 MiB: 3 lent + 4 idle fit
-    pool.give_back(storages["c"])
-    assert pool.idle_bytes == 7 * MiB and pool.created == 3
-    lend("d", 5 * MiB)  # peak 5, largest 5: 5 + 7 > 10, so "a" (returned first) is unmapped
-    assert pool.lent_bytes + pool.idle_bytes == 10 * MiB and pool.idle_bytes == 5 * MiB
-    lend("e", 2 * MiB)  # "b"'s buffer
-    lend("f", 2 * MiB)  # none left of that size
-    assert pool.reused == 1 and pool.created == 5
+def test_a_given_back_buffer_serves_a_get_of_its_size_and_the_pool_stays_bounded(store):
+    """Parameters and get results share the store's pool: the step's state reads reuse the buffers
+    forward freed, and the pool never holds more than result_pool_bytes besides what is lent out."""
+    pool = ParamBuffers(store.host_buffer)
+    storages = [torch.UntypedStorage(4 * MiB) for _ in range(3)]
+    for s in storages:
+        pool.lend(s, 4 * MiB)
+    addresses = {s.data_ptr() for s in storages}
+    assert store.stats().pool_lent_bytes == 12 * MiB  # more than the bound: what is lent is the caller's
+    for s in storages:
+        pool.give_back(s)
+    stats = store.stats()
+    assert stats.pool_lent_bytes == 0 and stats.pool_waiting_bytes == 8 * MiB  # one was unmapped
+    store.sync.put("state", torch.arange(MiB, dtype=torch.float32), "nvme")
+    got = store.sync.get("state")  # 4 MiB: a waiting buffer
+    assert got.data_ptr() in addresses and torch.equal(got, torch.arange(MiB, dtype=torch.float32))
+    assert store.stats().pool_waiting_bytes == 4 * MiB
+    store.resize_result_pool(0)  # a smaller bound unmaps what waits beyond it at once
+    assert store.stats().pool_waiting_bytes == 0 and store.stats().pool_lent_bytes == 4 * MiB
 
 
 def test_forward_only_loop_reuses_aligned_buffers(tmp_path):
@@ -92,25 +99,25 @@ def test_forward_only_loop_reuses_aligned_buffers(tmp_path):
     for block in model.blocks:
         block.fc.register_forward_pre_hook(record)
     buffers = eng._pager.buffers
-    created = []
+    mapped = []
     with torch.inference_mode():
         for seed in range(4):
             x = gpt_tokens(t=12, vocab=512, seed=seed)
             assert torch.equal(model(x), ref(x))
-            created.append(buffers.created)
+            mapped.append(eng.store.stats().pool_misses)
     stats = eng.stats()
     assert stats.bytes_fetched["nvme"] > 0
     if not swap_supported():  # the engine allocates each time instead, with the same results
-        assert buffers.created == 0
+        assert buffers.lent == 0
         eng.unwrap()
         assert_same_params(model, ref)
         return
     assert seen and all(ptr % mmap.PAGESIZE == 0 for ptr in seen)
-    assert created[-1] == created[1] and buffers.reused > 0  # later forwards only reuse
-    largest = max(p.numel() * p.element_size() for p in pooled)
-    assert buffers.lent_bytes + buffers.idle_bytes <= stats.peak_materialized_bytes + largest
+    assert mapped[-1] == mapped[1] and stats.store.pool_hits > 0  # later forwards only reuse
+    # The pool holds parameters' buffers, lent and waiting, within the plan's bound for them.
+    assert stats.store.pool_lent_bytes + stats.store.pool_waiting_bytes <= eng.memory_plan.pool_bytes
     eng.unwrap()
-    assert buffers.idle_bytes == 0 and buffers.lent_bytes == 0
+    assert buffers.lent_bytes == 0
     assert all(p.untyped_storage().resizable() for p in pooled)  # unwrap hands back torch's own memory
     assert_same_params(model, ref)
 
@@ -119,7 +126,7 @@ def test_training_parity_and_optimizer_steps_with_pooled_buffers(tmp_path):
     model = _model()
     config = engine_config(tmp_path, prefetch_bytes=2 * MiB, host_bytes=256 * KiB)
     eng = train_parity(model, config, [gpt_tokens(t=12, vocab=512, seed=s) for s in range(2)])
-    assert eng._pager.buffers.reused > 0 or not swap_supported()  # backward refetched pooled weights
+    assert eng.store.stats().pool_hits > 0 or not swap_supported()  # backward refetched pooled weights
     eng.unwrap()
 
     model, ref = _model(), _model()
@@ -167,5 +174,5 @@ def test_a_torch_without_storage_swap_fetches_into_its_own_allocation(tmp_path, 
     model = _model()
     config = engine_config(tmp_path, prefetch_bytes=2 * MiB, host_bytes=256 * KiB)
     eng = train_parity(model, config, [gpt_tokens(t=12, vocab=512, seed=s) for s in range(2)])
-    assert eng._pager.buffers.created == 0 and eng._pager.buffers.lent_bytes == 0
+    assert eng._pager.buffers.lent == 0 and eng._pager.buffers.lent_bytes == 0
     eng.unwrap()

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
         with torch.device("meta"):
             model = torch.nn.Linear(features, features, bias=False)
         store = tiered.StoreConfig(path=f"{root}/{name}/store", host_bytes=0, prefault_host=False, durable=False)
-        eng = engine.wrap(model, config=engine.EngineConfig(store=store),
+        eng = engine.wrap(model, config=engine.EngineConfig(store=store, host_budget="host_tier"),
                           init_fn=lambda m: torch.nn.init.constant_(m.weight, 0.5))
         eng.save_checkpoint(f"{root}/{name}/ckpt")
         eng.load_checkpoint(f"{root}/{name}/ckpt")
@@ -65,4 +65,4 @@ def test_long_operations_draw_a_bar_on_a_terminal_and_short_ones_none(tmp_path):
 
 def test_progress_must_be_a_bool(tmp_path):
     with pytest.raises(ValueError, match="progress must be True or False, got 'no'"):
-        engine.EngineConfig(store=store_config(tmp_path), progress="no")
+        engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path), progress="no")

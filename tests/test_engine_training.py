@@ -27,7 +27,7 @@ def training_config(tmp_path, *, param_tier: str = "nvme", optimizer_tier: str =
                     compress: bool = False, max_grad_norm: Optional[float] = None, train_dtype: Optional[str] = None,
                     group_bytes: int = 8 * KiB, **store_kw) -> engine.EngineConfig:
     """Small groups (several per step) and budgets tight enough to evict."""
-    return engine.EngineConfig(
+    return engine.EngineConfig(host_budget="host_tier",
         store=store_config(tmp_path, **store_kw), param_tier=param_tier, optimizer_tier=optimizer_tier,
         grad_tier=grad_tier, compress_optimizer=compress, max_grad_norm=max_grad_norm, train_dtype=train_dtype,
         optimizer_group_bytes=group_bytes, prefetch_bytes=16 * KiB,

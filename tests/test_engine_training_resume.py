@@ -61,7 +61,8 @@ def config_at(path: str, optimizer_tier: str = "nvme") -> engine.EngineConfig:
     several groups per step; a host budget that holds the whole optimizer state when it is put there."""
     from pathlib import Path
 
-    return engine.EngineConfig(store=store_config(Path(path), host_bytes=4096 * KiB), param_tier="nvme",
+    return engine.EngineConfig(host_budget="host_tier", store=store_config(Path(path), host_bytes=4096 * KiB),
+                               param_tier="nvme",
                                optimizer_tier=optimizer_tier, grad_tier="nvme", optimizer_group_bytes=8 * KiB,
                                prefetch_bytes=16 * KiB)
 

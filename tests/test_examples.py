@@ -26,10 +26,11 @@ def run_example(name: str, *args: str, cwd: str) -> str:
 
 
 def _train_small_demo(tmp_path, *args: str) -> str:
-    """``tiered train --demo`` on a 2-layer, 64-wide GPT with 1 MiB budgets; its output (exit 0 asserted)."""
+    """``tiered train --demo`` on a 2-layer, 64-wide GPT with a 32 MiB host budget (staging, the working set and
+    a host tier of a few MiB) and a 1 MiB window; its output (exit 0 asserted)."""
     out = io.StringIO()
     code = train_main(["--demo", "--dir", str(tmp_path / "demo"), "--layers", "2", "--embd", "64", "--heads", "2",
-                       "--host-mib", "1", "--prefetch-mib", "1", *args], out=out)
+                       "--host-mib", "32", "--prefetch-mib", "1", *args], out=out)
     text = out.getvalue()
     assert code == 0, text
     return text

@@ -49,6 +49,36 @@ def test_result_pool_reuses_a_freed_mapping_and_respects_its_capacity():
     assert pool.waiting_bytes == 0
 
 
+def test_result_pool_bounds_buffers_lent_and_waiting_together():
+    """[Note: Result pool bound]: freed buffers wait only while lent + waiting fit the capacity, a new
+    mapping first unmaps waiting ones, and a smaller bound unmaps what waits beyond it at once."""
+    pool = ResultPool(capacity=4 * MiB)
+    a, va = pool.take(2 * MiB)
+    b, vb = pool.take(2 * MiB)
+    c, vc = pool.take(MiB)  # beyond the capacity: what callers hold is theirs
+    for v in (va, vb, vc):
+        v.release()
+    assert pool.lent_bytes == 5 * MiB and pool.waiting_bytes == 0
+    del a
+    gc.collect()
+    assert pool.waiting_bytes == 0  # 3 MiB lent + 2 waiting would exceed 4 MiB: unmapped
+    del b
+    gc.collect()
+    assert (pool.lent_bytes, pool.waiting_bytes) == (MiB, 2 * MiB)
+    d, vd = pool.take(3 * MiB)  # 1 lent + 2 waiting + 3 new > 4: the waiting buffer goes first
+    vd.release()
+    assert (pool.lent_bytes, pool.waiting_bytes, pool.misses) == (4 * MiB, 0, 4)
+    del c
+    gc.collect()
+    assert pool.waiting_bytes == MiB
+    pool.resize(3 * MiB)  # 3 lent + 1 waiting > 3
+    assert pool.waiting_bytes == 0 and pool.capacity == 3 * MiB
+    del d
+    gc.collect()
+    assert (pool.lent_bytes, pool.waiting_bytes) == (0, 3 * MiB)
+    pool.close()
+
+
 def test_a_view_of_a_pooled_result_keeps_its_memory():
     pool = ResultPool(capacity=8 * MiB)
     t, view = pool.take(2 * MiB)

@@ -33,7 +33,8 @@ LR = 1e-2
 
 
 def config_at(tmp_path, **store_kw) -> engine.EngineConfig:
-    return engine.EngineConfig(store=store_config(tmp_path, host_bytes=64 * KiB).replace(**store_kw), param_tier="nvme",
+    return engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path,
+                               host_bytes=64 * KiB).replace(**store_kw), param_tier="nvme",
                                optimizer_tier="nvme", grad_tier="nvme", optimizer_group_bytes=8 * KiB,
                                prefetch_bytes=16 * KiB)
 

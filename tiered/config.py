@@ -79,6 +79,8 @@ class StoreConfig:
     #: caller frees one, up to this many bytes of them wait to be reused by later gets of the same
     #: size, which then skip first-touch page faults (tiered/io/results.py). 0 unmaps them at once.
     result_pool_bytes: int = 1 * GiB
+    #: Idle page-aligned buffers the codec keeps for reuse (compressed payloads being written or read).
+    codec_cache_bytes: int = 128 * MiB
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
@@ -106,6 +108,7 @@ class StoreConfig:
         _check_int("cpu_threads", self.cpu_threads, minimum=1)
         _check_int("swap_files_per_dir", self.swap_files_per_dir, minimum=1)
         _check_int("result_pool_bytes", self.result_pool_bytes, minimum=0)
+        _check_int("codec_cache_bytes", self.codec_cache_bytes, minimum=0)
         _check_int("swap_grow_bytes", self.swap_grow_bytes, minimum=ALIGNMENT)
         if self.swap_grow_bytes % ALIGNMENT:
             raise ValueError(

@@ -80,6 +80,13 @@ class StoreStats:
     nvme_read_bps: Optional[float] = None
     io_wait_seconds: float = 0.0
     io_busy_seconds: float = 0.0
+    #: The buffer pool of large get results and ``host_buffer``s (``StoreConfig.result_pool_bytes``):
+    #: bytes lent out in tensors alive now, bytes freed and waiting for reuse, and how many takes
+    #: reused a waiting buffer (hits) or mapped a new one (misses).
+    pool_lent_bytes: int = 0
+    pool_waiting_bytes: int = 0
+    pool_hits: int = 0
+    pool_misses: int = 0
 
     def as_dict(self) -> dict:
         """Plain JSON-ready dict (tiers keyed by name)."""

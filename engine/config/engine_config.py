@@ -15,6 +15,8 @@ MiB = 1024 * 1024
 PARAM_TIERS = ("device", "host", "nvme")
 #: Tiers gradient shards, fp32 master weights and Adam moments may live in.
 STATE_TIERS = ("host", "nvme")
+#: Values of EngineConfig.host_budget: what StoreConfig.host_bytes bounds.
+HOST_BUDGETS = ("total", "host_tier")
 #: Values of EngineConfig.train_dtype (torch dtype names).
 TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -33,6 +35,13 @@ class EngineConfig:
     """
 
     store: StoreConfig
+    #: What ``store.host_bytes`` bounds. "total": every byte of host memory the engine and its store
+    #: hold (the host tier gets what staging, the buffer pool of parameters and the step's groups,
+    #: gradients in flight and the codec leave; wrap refuses a budget below the model's minimum, and
+    #: shrinks ``prefetch_bytes``, ``optimizer_group_bytes``, ``optimizer_prefetch_groups`` and
+    #: staging to fit where needed: docs/training.md, "Memory model"). "host_tier": the host tier
+    #: alone, the rest on top at the sizes their own fields set.
+    host_budget: str = "total"
     #: Where parameter shards (in the training dtype) live between uses.
     param_tier: str = "nvme"
     #: Most bytes of parameters fetched ahead of use along the recorded order; 0 fetches on demand.
@@ -97,6 +106,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
             raise TypeError(f"EngineConfig.store must be a tiered.StoreConfig, got {type(self.store).__name__}")
+        _check_choice("host_budget", self.host_budget, HOST_BUDGETS)
         _check_choice("param_tier", self.param_tier, PARAM_TIERS)
         _check_choice("optimizer_tier", self.optimizer_tier, STATE_TIERS)
         _check_choice("grad_tier", self.grad_tier, STATE_TIERS)

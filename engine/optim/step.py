@@ -50,9 +50,12 @@ from engine.optim.step_io import (
     plan_groups,
 )
 from engine.optim.types import AdamHyper, OptimShard, OptimStepStats
+from engine.paging.memory_plan import MATH_CHUNK_BYTES
 from tiered import Tier
 
 MiB = 1024 * 1024
+#: Chunks of the AdamW math start at multiples of this many elements ([Note: Chunked AdamW math]).
+MATH_CHUNK_ALIGN = 4096
 STATE_TIERS = ("host", "nvme")
 PARAM_TIERS = ("device", "host", "nvme")
 
@@ -94,6 +97,7 @@ async def step_async(
     grad_scale: float = 1.0,
     grad_norm: Optional[torch.Tensor] = None,
     in_place: bool = False,
+    math_chunk_bytes: int = MATH_CHUNK_BYTES,
 ) -> OptimStepStats:
     """One AdamW step over ``shards`` in the store; returns what it did and cost.
 
@@ -112,6 +116,9 @@ async def step_async(
 
     ``in_place`` updates master and moments where they lie (see the module docstring): needs
     ``state_tier="host"`` and shards without ``state_out_keys``.
+
+    ``math_chunk_bytes``: torch's AdamW runs over at most this many fp32 bytes of each tensor per
+    call, so its temporaries stay that small ([Note: Chunked AdamW math]).
     """
     started = time.perf_counter()
     hyper_list = [hypers] if isinstance(hypers, AdamHyper) else list(hypers)
@@ -120,6 +127,10 @@ async def step_async(
     _check_tier("state_tier", state_tier, STATE_TIERS)
     _check_tier("param_tier", param_tier, PARAM_TIERS)
     check_shards(shards, len(hyper_list))
+    if (isinstance(math_chunk_bytes, bool) or not isinstance(math_chunk_bytes, int) or math_chunk_bytes < 1
+            or math_chunk_bytes % (4 * MATH_CHUNK_ALIGN)):
+        raise ValueError(f"math_chunk_bytes must be a positive multiple of {4 * MATH_CHUNK_ALIGN}, got "
+                         f"{math_chunk_bytes!r}")
     if in_place:
         _check_in_place(shards, state_tier)
     counts = {s.name: _step_count(steps, s.name) for s in shards}
@@ -165,7 +176,8 @@ async def step_async(
             reading = start_read(i + 1) if i + 1 < len(groups) else None
             loaded = await io.wait(current)
             t0 = time.perf_counter()
-            await loop.run_in_executor(None, _update, loaded, hyper_list, grad_scale, coef, on_event, i)
+            await loop.run_in_executor(None, _update, loaded, hyper_list, grad_scale, coef, on_event, i,
+                                       math_chunk_bytes // 4)
             update_seconds += time.perf_counter() - t0
             if writing is not None:
                 await io.wait(writing)
@@ -303,7 +315,7 @@ async def _load_in_place(store: AsyncTensorStore, shard: OptimShard, step_t: tor
 
 
 def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, coef: Optional[torch.Tensor],
-            on_event: Optional[EventHook], index: int) -> None:
+            on_event: Optional[EventHook], index: int, chunk_elems: int) -> None:
     """The AdamW math of one group, in place (runs on a worker thread)."""
     if on_event is not None:
         on_event("update", index)
@@ -319,23 +331,7 @@ def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, c
             members = [item for item in loaded if item.shard.group == g]
             if not members:
                 continue
-            _torch_adamw(
-                [m.master for m in members],  # type: ignore[misc]
-                [m.grad for m in members],
-                [m.exp_avg for m in members],  # type: ignore[misc]
-                [m.exp_avg_sq for m in members],  # type: ignore[misc]
-                [],
-                [m.step for m in members],
-                foreach=hyper.foreach,
-                fused=hyper.fused,
-                amsgrad=False,
-                beta1=hyper.beta1,
-                beta2=hyper.beta2,
-                lr=hyper.lr,
-                weight_decay=hyper.weight_decay,
-                eps=hyper.eps,
-                maximize=False,
-            )
+            _adamw_in_chunks(members, hyper, chunk_elems)
         for item in loaded:
             assert item.master is not None
             dtype = item.shard.train_dtype
@@ -343,6 +339,52 @@ def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, c
                 item.param_entry.copy_(item.master)  # the same rounding as .to(dtype)
             else:
                 item.param = item.master if dtype == torch.float32 else item.master.to(dtype)
+
+
+# [Note: Chunked AdamW math]
+# torch's AdamW makes temporaries the size of what it is given: the single-tensor path two tensors of
+# a parameter at once (``exp_avg_sq.sqrt() / bias_correction``), the foreach path one per tensor of
+# the call. A shard of a 32000 x 2560 embedding would take 625 MiB of them on top of the group. So
+# each tensor is cut into consecutive pieces of at most ``chunk_elems`` elements and torch's
+# function is called once per run of pieces totalling at most that many: the temporaries are then
+# at most two chunks. The math is elementwise, so every element gets the bits one call over the
+# whole tensors gives, provided every piece starts at a multiple of the vector width (the fused and
+# vectorized kernels treat a tensor's last few elements apart): pieces are multiples of
+# MATH_CHUNK_ALIGN elements. Each piece gets its own copy of the shard's step count (the function
+# adds one to the count of every tensor it is given), and the shard keeps the first one's.
+
+
+def _adamw_in_chunks(members: list[_Loaded], hyper: AdamHyper, chunk_elems: int) -> None:
+    """torch's AdamW over ``members`` (one hyperparameter group), ``chunk_elems`` elements at a time."""
+    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for m in members:
+        assert m.master is not None and m.exp_avg is not None and m.exp_avg_sq is not None
+        n = m.master.numel()
+        for lo in range(0, n, chunk_elems):
+            hi = min(n, lo + chunk_elems)
+            step = m.step if lo == 0 else m.step.clone()  # the shard keeps the first piece's count
+            pieces.append((m.master[lo:hi], m.grad[lo:hi], m.exp_avg[lo:hi], m.exp_avg_sq[lo:hi], step))
+    start = 0
+    while start < len(pieces):
+        end, size = start, 0
+        while end < len(pieces) and (end == start or size + pieces[end][0].numel() <= chunk_elems):
+            size += pieces[end][0].numel()
+            end += 1
+        run = pieces[start:end]
+        _torch_adamw(
+            [p[0] for p in run], [p[1] for p in run], [p[2] for p in run], [p[3] for p in run], [],
+            [p[4] for p in run],
+            foreach=hyper.foreach,
+            fused=hyper.fused,
+            amsgrad=False,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            lr=hyper.lr,
+            weight_decay=hyper.weight_decay,
+            eps=hyper.eps,
+            maximize=False,
+        )
+        start = end
 
 
 def _unscale_and_clip(loaded: list[_Loaded], grad_scale: float, coef: Optional[torch.Tensor]) -> None:

@@ -4,9 +4,9 @@ The counterpart of DeepSpeed's ``estimate_zero3_model_states_mem_needs_all_live`
 ``estimate-memory``, computed from the model's parameter shapes alone (a model on the meta device
 works) with docs/training.md's memory model: what the engine puts in each tier, where the store's
 budgets push the overflow, the optimizer state's second slot during a step (not when it is updated
-in place), and the host RSS bound that tests/test_engine_memory.py holds a real run to. It also
-finds what ``wrap`` or the first step would fail on (a shard larger than its tier's whole budget),
-which ``wrap`` refuses up front.
+in place), and the host memory plan (engine/paging/memory_plan.py) whose total tests/test_engine_memory.py
+holds a real run to. It also finds what ``wrap`` or the first step would fail on (a budget below
+the model's minimum, a shard larger than its tier's whole budget), which ``wrap`` refuses up front.
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.paging.memory_plan import MemoryPlan, plan_memory
 from engine.paging.placement import model_device
-from tiered.util import CODEC_CACHE_BYTES, POOLED_RESULT_BYTES, format_bytes, round_up
+from tiered.util import format_bytes, round_up
 
 MiB = 1024 * 1024
 #: Stored / original bytes of fp32 master weights and Adam moments under ``compress_optimizer``:
 #: 0.811-0.850 measured (docs/compression.md), so an estimate, rounded up.
 COMPRESSED_STATE_RATIO = 0.85
-#: Manifest cache, autograd graph and a small batch's activations, thread stacks (the test's allowance).
-RUNTIME_BYTES = 16 * MiB
 _TIERS = ("device", "host", "nvme")
 
 
@@ -82,10 +81,16 @@ class MemoryEstimate:
     #: The same while ``step()`` runs: the optimizer state is written to its second slot before the
     #: old one is deleted, so its tier holds it twice (not when it is updated in place).
     during_step: TierBytes
-    #: Peak host RSS above the process's size before wrap (docs/training.md, "Host RSS bound").
+    #: Host memory the engine and its store hold at most, above the process's size before wrap: the
+    #: plan's pieces and its host tier (docs/training.md, "Host RSS bound"). torch's and Python's own
+    #: growth (the autograd graph, the batch's activations) comes on top.
     host_rss_bound: int
-    #: Parameter bytes materialized on the compute device at once: the largest module, the prefetch
-    #: window and one parameter of slack; in host memory (inside the bound) when computing on the CPU.
+    #: The least ``StoreConfig.host_bytes`` the model needs under the config (``host_budget="total"``).
+    minimum_host_bytes: int
+    #: How the host budget is divided (engine/paging/memory_plan.py).
+    plan: MemoryPlan
+    #: Parameter bytes materialized on the compute device at once: the largest module and the
+    #: prefetch window (the plan's); in host memory (inside the bound) when computing on the CPU.
     materialized_bytes: int
     compute_device: str
     #: What ``wrap`` or training would fail on; ``wrap`` raises ValueError with these.
@@ -111,9 +116,17 @@ class MemoryEstimate:
         for tier in _TIERS:
             lines.append(f"  {'held in the ' + tier + ' tier':<{w}} {'':<6} {format_bytes(self.at_rest[tier]):>10}  "
                          f"{format_bytes(self.during_step[tier]):>13}")
+        plan = self.plan
+        budget = "host_bytes" if plan.mode == "total" else "host_bytes (the host tier alone)"
+        lines.append(f"host memory: {budget} {format_bytes(plan.budget)}; minimum "
+                     f"{format_bytes(self.minimum_host_bytes)} ({self.minimum_host_bytes} bytes)")
+        for piece in (*plan.pieces, dataclasses.replace(plan.host_tier_minimum, nbytes=plan.host_tier_bytes,
+                                                        why="what the rest leaves" if plan.mode == "total"
+                                                        else "host_bytes")):
+            lines.append(f"  {piece.what:<{w}} {'':<6} {format_bytes(piece.nbytes):>10}  {piece.why}")
         lines.append(f"host RSS bound: {format_bytes(self.host_rss_bound)} above the process before wrap "
                      f"(compute on {self.compute_device}; {format_bytes(self.materialized_bytes)} of parameters "
-                     "materialized at once; activations come on top)")
+                     "materialized at once; torch's own growth and the batch's activations come on top)")
         lines.extend(f"PROBLEM: {p}" for p in self.problems)
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
@@ -148,20 +161,19 @@ def estimate_memory(
     train_dtype = getattr(torch, config.train_dtype) if config.train_dtype is not None else None
     parts, sizes = _count_entries(model, config, train_dtype, world_size, training)
     store = config.store
-    budgets = {"device": store.device_bytes, "host": store.host_bytes, "nvme": store.nvme_bytes}
+    compute = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
+    plan = plan_memory(model, config, world_size=world_size, training=training, compute_device=compute)
+    budgets = {"device": store.device_bytes, "host": plan.host_tier_bytes, "nvme": store.nvme_bytes}
     placed = {t: sum(p.charged for p in parts if p.tier == t) for t in _TIERS}
     during = dict(placed)
     if training and not config.updates_in_place:
         during[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
     at_rest, during_step = _apply_budgets(placed, budgets), _apply_budgets(during, budgets)
-    compute = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
     largest_module = max((_module_bytes(m, train_dtype) for m in model.modules()), default=0)
-    materialized = largest_module + config.prefetch_bytes + sizes.largest_param
-    # State updated in place is the host tier's memory, unless the budget pushed some of it to nvme
-    # (then the step reads that into copies, as it reads any state on nvme).
-    lent = config.updates_in_place and during_step.nvme == during["nvme"]
-    rss = _host_rss_bound(config, parts, sizes, materialized if compute.type == "cpu" else 0, lent)
+    materialized = largest_module + plan.settings.prefetch_bytes
     problems = _problems(config, parts, budgets)
+    if not plan.fits:
+        problems.insert(0, plan.problem())
     warnings = []
     if store.nvme_bytes is not None and during_step.nvme > store.nvme_bytes:
         warnings.append(f"the nvme tier needs about {format_bytes(during_step.nvme)} during a step but "
@@ -170,7 +182,8 @@ def estimate_memory(
     return MemoryEstimate(
         world_size=world_size, parameters=sizes.params, trainable=sizes.trainable, training=training,
         parts=tuple(p.freeze() for p in parts if p.entries), at_rest=at_rest, during_step=during_step,
-        host_rss_bound=rss, materialized_bytes=materialized, compute_device=str(compute),
+        host_rss_bound=plan.total_bytes, minimum_host_bytes=plan.minimum_bytes, plan=plan,
+        materialized_bytes=materialized, compute_device=str(compute),
         problems=tuple(problems), warnings=tuple(warnings),
     )
 
@@ -196,13 +209,10 @@ class _Part:
 
 @dataclasses.dataclass
 class _Sizes:
-    """What the RSS bound needs to know besides the entries' totals."""
+    """Parameter elements counted besides the entries."""
 
     params: int = 0
     trainable: int = 0
-    largest_param: int = 0  # whole, in the training dtype
-    largest_fp32_shard: int = 0
-    extra_itemsize: int = 0  # bytes per element of a training dtype other than fp32 (the step's new shard)
 
 
 def _count_entries(
@@ -220,45 +230,13 @@ def _count_entries(
         dtype = train_dtype if train_dtype is not None and p.is_floating_point() else p.dtype
         shard_numel = -(-p.numel() // world_size)  # engine.paging.layout.ShardLayout: padded to a multiple of world
         sizes.params += p.numel()
-        sizes.largest_param = max(sizes.largest_param, p.numel() * dtype.itemsize)
         parts[0].add(name, shard_numel * dtype.itemsize, copies=1)
         if training and p.requires_grad:
             sizes.trainable += p.numel()
             fp32 = shard_numel * 4
-            sizes.largest_fp32_shard = max(sizes.largest_fp32_shard, fp32)
-            if dtype.itemsize != 4:
-                sizes.extra_itemsize = max(sizes.extra_itemsize, dtype.itemsize)
             parts[1].add(name, fp32, copies=1)
             parts[2].add(name, int(fp32 * COMPRESSED_STATE_RATIO) if compressed else fp32, copies=3)
     return parts, sizes
-
-
-def _host_rss_bound(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, materialized_in_host: int,
-                    lent: bool) -> int:
-    """docs/training.md's bound on peak host RSS above the process's size before wrap."""
-    store = config.store
-    rss = store.host_bytes + store.block_size * min(store.staging_buffers, store.queue_depth) + RUNTIME_BYTES
-    rss += materialized_in_host
-    if max(p.largest for p in parts) >= POOLED_RESULT_BYTES:
-        rss += store.result_pool_bytes  # freed get results this large wait there for reuse
-    store_device = store.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(store_device).type == "cpu":
-        rss += store.device_bytes  # the device tier is host memory here
-    if sizes.trainable:
-        fp32_total = parts[1].charged  # every fp32 shard once
-        largest = sizes.largest_fp32_shard
-        group = max(config.optimizer_group_bytes, largest)
-        # three groups (never more than all shards) of fp32 gradient + master + two moments (``lent``:
-        # the gradient alone, a new tensor when unscaled or clipped, the rest is the host tier's
-        # memory), plus the new shard in the training dtype when that is not fp32 (lent with host
-        # parameters: cast into their entries)
-        state = 4 if lent else 4 * 4
-        extra = 0 if lent and config.param_tier == "host" else sizes.extra_itemsize
-        rss += min(3 * group, fp32_total) * (state + extra) // 4
-        rss += min(config.optimizer_group_bytes, fp32_total) + 2 * largest  # gradient puts in flight
-        if config.compress_optimizer:
-            rss += CODEC_CACHE_BYTES + largest  # the codec's idle buffers + one being coded
-    return rss
 
 
 def _module_bytes(module: nn.Module, train_dtype: Optional[torch.dtype]) -> int:

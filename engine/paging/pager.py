@@ -47,8 +47,8 @@ from tiered.util import wait_all
 # direct parameters, in forward and in backward; a parent that owns parameters adds its own while
 # its children run, and a checkpointed region holds its parameters during its backward.
 # ``EngineStats.peak_materialized_bytes`` measures it; tests/test_engine_schedule.py asserts it.
-# Buffers, gradients, activations and the store's pools are not part of it; idle parameter buffers
-# (engine.paging.param_buffers) add at most the largest parameter.
+# Buffers, gradients, activations and the store's pools are not part of it; parameter buffers waiting
+# for reuse are the store's buffer pool's (engine.paging.param_buffers), bounded with it.
 
 
 class Pager:
@@ -75,7 +75,7 @@ class Pager:
         self._scan = 0  # next position of the followed order the prefetcher looks at
         self._wrap = False  # the window may run into the next step (forward-only steps)
         self._carried = False  # something was prefetched for the next step and is still valid
-        self.buffers = ParamBuffers()  # reused, page-aligned storage for large CPU parameters
+        self.buffers = ParamBuffers(shard_io.store.host_buffer)  # page-aligned storage for large CPU parameters
         self._kept_for: dict[ParamHandle, int] = {}  # kept at release for a later need in the step -> its position
         self._ahead: dict[ParamHandle, None] = {}  # prefetched for the next step (insertion-ordered set)
 
@@ -113,11 +113,6 @@ class Pager:
             self._carried = False
             self._wrap = wrap_around
             self._top_up()
-
-    def close(self) -> None:
-        """Unmap the parameter buffers waiting for reuse (the engine stops paging)."""
-        with self.lock:
-            self.buffers.clear()
 
     def drop_prefetched(self) -> None:
         """Free every prefetched parameter (waiting for transfers in flight): the step departed from

@@ -247,7 +247,7 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
             coalesce_bytes=cfg.coalesce_bytes,
         )
         self._backends[Tier.NVME] = self._nvme
-        self._codec = Codecs(self._cpu_pool)
+        self._codec = Codecs(self._cpu_pool, cache_bytes=cfg.codec_cache_bytes)
         self._compression = CompressionPolicy(cfg.compress, cfg.compress_policy)
         records = self._files.loaded.records
         committed: dict[str, int] = {}
@@ -413,6 +413,41 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         """Write every entry without an nvme copy down to nvme and commit it."""
         return await self._call(self._flush)
 
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 CPU tensor of exactly ``nbytes`` (uninitialized), page-aligned and with every
+        page present, from the pool large get results come from (``StoreConfig.result_pool_bytes``).
+
+        Puts from it and ``get(key, out=...)`` into it move its bytes in place (no staging copy).
+        When the last tensor or storage on its memory dies, the memory goes back to the pool and
+        serves the next get or ``host_buffer`` of the same page-rounded size, already mapped; the
+        pool keeps at most ``result_pool_bytes`` of mappings, lent out and waiting together
+        ([Note: Result pool bound]). Thread-safe; no call to the store's loop.
+
+        Raises:
+            ValueError: ``nbytes`` is not an int >= 1.
+            StoreClosedError: the store is closed.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise ValueError(f"host_buffer: nbytes must be an int >= 1, got {nbytes!r}")
+        self._check_open()
+        tensor, view = self._results.take(nbytes, populate=True)
+        view.release()
+        return tensor
+
+    def resize_result_pool(self, nbytes: int) -> None:
+        """Bound the buffer pool (opened with ``StoreConfig.result_pool_bytes``) by ``nbytes`` from now
+        on: freed buffers beyond it are unmapped at once. A program whose phases need different
+        amounts of it (an engine's backward and optimizer step) moves the bound between them.
+
+        Raises:
+            ValueError: ``nbytes`` is not an int >= 0.
+            StoreClosedError: the store is closed.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"resize_result_pool: nbytes must be an int >= 0, got {nbytes!r}")
+        self._check_open()
+        self._results.resize(nbytes)
+
     def set_access_order(self, keys: Optional[Sequence[str]]) -> None:
         """Tell the eviction policy the future access order (one repeating iteration); None drops it."""
         self._check_open()
@@ -456,6 +491,10 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
             s.io_busy_seconds = c.io_seconds
         if hasattr(self, "_commits"):
             s.manifest_commits = self._commits.commits
+        if hasattr(self, "_results"):
+            pool = self._results
+            s.pool_lent_bytes, s.pool_waiting_bytes = pool.lent_bytes, pool.waiting_bytes
+            s.pool_hits, s.pool_misses = pool.hits, pool.misses
         if hasattr(self, "_compression"):
             e = self._compression.estimates
             s.codec_encode_bps, s.codec_decode_bps, s.codec_ratio = e.encode_bps, e.decode_bps, e.ratio

@@ -23,6 +23,7 @@ from engine.config.deepspeed import deepspeed_settings
 from engine.engine import Engine
 from engine.integrations.deepspeed.memory import memory_sizes
 from engine.paging.memory_estimate import estimate_memory
+from engine.paging.memory_plan import plan_memory
 from tiered import StoreConfig
 from tiered.util import format_bytes
 
@@ -88,22 +89,30 @@ def deepspeed_budgets(config: EngineConfig, model: nn.Module, world_size: int, *
     its ranks), with a warning when that is less; the rest goes to the nvme tier."""
     store = config.store
     # What each tier would hold with no budget in the way (one pass over the model's parameters).
-    unbounded = config.replace(store=store.replace(device_bytes=UNBOUNDED, host_bytes=UNBOUNDED))
+    unbounded = config.replace(host_budget="host_tier",
+                               store=store.replace(device_bytes=UNBOUNDED, host_bytes=UNBOUNDED))
     wanted = estimate_memory(model, unbounded, world_size=world_size, training=training).during_step
     if config.param_tier == "device" and store.device_bytes == 0:
         # A step writes a group's new shards before their old ones go: room for one group more.
         store = store.replace(device_bytes=wanted.device + min(wanted.device, config.optimizer_group_bytes))
     if "host" in (config.param_tier, config.optimizer_tier):
         host = wanted.host + max(0, wanted.device - store.device_bytes)  # what the device tier cannot hold
-        if host > store.host_bytes:
-            store = store.replace(host_bytes=_host_budget(host, store.host_bytes, store.path))
+        overhead = 0
+        if config.host_budget == "total":  # host_bytes covers the working set and the store's buffers too
+            roomy = config.replace(store=store.replace(host_bytes=UNBOUNDED))
+            overhead = sum(p.nbytes for p in plan_memory(model, roomy, world_size=world_size,
+                                                         training=training).pieces)
+        if host + overhead > store.host_bytes:
+            store = store.replace(host_bytes=_host_budget(host, overhead, store.host_bytes, store.path))
     return store
 
 
-def _host_budget(wanted: int, default: int, path: str) -> int:
-    """``wanted`` bytes for this rank's host tier, or, when the machine has less available, this
-    rank's share of :data:`HOST_SHARE` of it (never below ``default``), with a warning naming the
-    difference and where it goes."""
+def _host_budget(state: int, overhead: int, default: int, path: str) -> int:
+    """``state`` bytes for this rank's host tier and ``overhead`` for the rest of host_bytes (the
+    working set, staging), or, when the machine has less available, this rank's share of
+    :data:`HOST_SHARE` of it (never below ``default``), with a warning naming the difference and
+    where it goes."""
+    wanted = state + overhead
     sizes = memory_sizes()
     if sizes is None:
         return wanted
@@ -113,10 +122,11 @@ def _host_budget(wanted: int, default: int, path: str) -> int:
         return wanted
     budget = max(share, default)
     warnings.warn(
-        f"the DeepSpeed config keeps {format_bytes(wanted)} of this rank's state in host memory (\"cpu\" "
+        f"the DeepSpeed config keeps {format_bytes(state)} of this rank's state in host memory (\"cpu\" "
         f"offload), more than its share of the {format_bytes(sizes[1])} this machine has available; the "
-        f"store's host tier gets {format_bytes(budget)} and the rest goes to its nvme tier under {path}: "
-        "name an nvme_path on a fast disk, or pass engine.initialize(store=...) with your own budgets",
+        f"store's host budget is {format_bytes(budget)} (its host tier gets what the working set leaves) and "
+        f"the rest goes to its nvme tier under {path}: name an nvme_path on a fast disk, or pass "
+        "engine.initialize(store=...) with your own budgets",
         stacklevel=2)
     return budget
 
