@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from tiered.store.validation import batch_items, batch_keys, ready_event
+from tiered.store.validation import batch_compress, batch_items, batch_keys, check_atomic, key_list, ready_event
 from tiered.store.prefetch import Prefetch
+from tiered.store.renames import rename_pairs
 from tiered.tier import Tier
 
 if TYPE_CHECKING:
@@ -39,11 +40,22 @@ class SyncStore:
 
     def put_many(
         self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,
-        compress: Optional[bool] = None,
+        compress: "Optional[bool] | Mapping[str, Optional[bool]]" = None, *, atomic: bool = False,
     ) -> None:
         """Blocking :meth:`TieredStore.put_many`."""
+        self.put_many_future(items, tier, compress, atomic=atomic).result()
+
+    def put_many_future(
+        self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,
+        compress: "Optional[bool] | Mapping[str, Optional[bool]]" = None, *, atomic: bool = False,
+    ) -> "concurrent.futures.Future[None]":
+        """Start :meth:`TieredStore.put_many` and return at once (bad input raises here, before anything
+        is queued); the tensors must stay unchanged until the future is done."""
         pairs = batch_items(items)
-        self._store._call_sync(self._store._put_many, pairs, tier, compress, [ready_event(t) for _, t in pairs])
+        compresses = batch_compress(compress, pairs)
+        check_atomic(atomic, tier)
+        return self._store._submit_sync(self._store._put_many, pairs, tier, compresses,
+                                        [ready_event(t) for _, t in pairs], atomic)
 
     def get_many(
         self, keys: Sequence[str], device: "torch.device | str" = "cpu", *,
@@ -98,9 +110,18 @@ class SyncStore:
         """:meth:`TieredStore.modify` as a plain context manager: ``with store.sync.modify(key) as t: ...``."""
         return self._store.modify(key, tier)
 
-    def flush(self) -> None:
+    def flush(self, keys: Optional[Sequence[str]] = None) -> None:
         """Blocking :meth:`TieredStore.flush`."""
-        self._store._call_sync(self._store._flush)
+        checked = None if keys is None else key_list(keys, "flush")
+        self._store._call_sync(self._store._flush, checked)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Blocking :meth:`TieredStore.rename`."""
+        self.rename_many([(src, dst)])
+
+    def rename_many(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Blocking :meth:`TieredStore.rename_many`."""
+        self._store._call_sync(self._store._rename_many, rename_pairs(pairs))
 
     def close(self) -> None:
         """Blocking :meth:`TieredStore.close`."""

@@ -50,6 +50,7 @@ from tiered.store.validation import (
     check_out,
     check_tensor,
     dense_copy,
+    key_list,
     parse_device,
     plain,
     ready_event,
@@ -59,6 +60,7 @@ from tiered.store.payload import Payload
 from tiered.store.prefetch import Prefetch
 from tiered.store.opening import OpenedFiles, open_files
 from tiered.store.process import close_at_exit
+from tiered.store.renames import Renames
 from tiered.store.sync import SyncStore
 from tiered.store.tiers import TierBookkeeping
 from tiered.tier import TIERS_TOP_DOWN, Tier
@@ -68,7 +70,7 @@ __all__ = ["TieredStore"]
 T = TypeVar("T")
 
 
-class TieredStore(BatchCalls, Modifications, TierBookkeeping):
+class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
     """A key -> tensor store over three tiers. Create it with :meth:`open`."""
 
     def __init__(self, config: StoreConfig, policy: Optional[EvictionPolicy], loop: LoopThread) -> None:
@@ -330,9 +332,12 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         """Make ``key`` evictable again."""
         return await self._call(self._unpin, key)
 
-    async def flush(self) -> None:
-        """Write every entry without an nvme copy down to nvme and commit it."""
-        return await self._call(self._flush)
+    async def flush(self, keys: Optional[Sequence[str]] = None) -> None:
+        """Write every entry without an nvme copy down to nvme and commit it; with ``keys``, only
+        those keys' entries (KeyNotFoundError naming any that is missing). Copies in faster tiers
+        stay, now clean."""
+        checked = None if keys is None else key_list(keys, "flush")
+        return await self._call(self._flush, checked)
 
     def set_access_order(self, keys: Optional[Sequence[str]]) -> None:
         """Tell the eviction policy the future access order (one repeating iteration); None drops it."""
@@ -661,15 +666,16 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         for tier in TIERS_TOP_DOWN:
             self._wake(tier)
 
-    async def _flush(self) -> None:
-        failures = await self._write_down()
+    async def _flush(self, keys: Optional[list[str]] = None) -> None:
+        failures = await self._write_down(keys)
         if failures:
             raise next(iter(failures.values()))[1]
 
-    async def _write_down(self) -> dict[str, tuple[int, BaseException]]:
-        """Write every dirty entry down to nvme, as many as fit; return those that failed (key ->
-        bytes, error), in no particular order."""
-        dirty = [e for e in list(self._entries.values()) if e.dirty]
+    async def _write_down(self, keys: Optional[list[str]] = None) -> dict[str, tuple[int, BaseException]]:
+        """Write every dirty entry (of ``keys``, when given) down to nvme, as many as fit; return
+        those that failed (key -> bytes, error), in no particular order."""
+        entries = list(self._entries.values()) if keys is None else self._entries_of(keys)
+        dirty = [e for e in entries if e.dirty]
         tasks = [(e, self._materialize(e, Tier.NVME)) for e in dirty]
         pending = [(e, t) for e, t in tasks if t is not None]
         if not pending:
