@@ -118,6 +118,7 @@ class Engine:
                 )
                 if shard_io.collectives is not None:  # global-norm clipping sums squares over ranks
                     self._training.all_reduce = shard_io.all_reduce_sum
+                scope.on_root_forward = self._training.on_forward
             elif optimizer is not None:
                 self._optimizer_hooks = TorchOptimizerHooks(optimizer, self._by_id, self._pager)
         except BaseException:
@@ -369,7 +370,7 @@ class Engine:
         written = {h.name for h in handles}
         store = self._store
         for shard in self._training.live_shards():
-            if shard.name in written and shard.master_key in store:
+            if shard.name in written and not shard.master_is_param and shard.master_key in store:
                 master = store.sync.get(shard.param_key).reshape(-1).to(torch.float32)
                 store.sync.put(
                     shard.master_key, master, self._config.optimizer_tier,
@@ -462,8 +463,11 @@ class Engine:
         the training dtype. ``exclude_frozen_parameters`` (DeepSpeed's name): without the
         parameters that take no gradient (a LoRA fine-tune's base weights; what PEFT's
         ``save_pretrained(state_dict=...)`` keeps is among the rest). With several ranks every rank
-        must call it and each gets the whole dict."""
+        must call it and each gets the whole dict. An optimizer step that stopped part way is
+        finished first (docs/training.md, "The optimizer step")."""
         self._check_open()
+        if self._training is not None:
+            self._training.complete_pending()
         return checkpoint.consolidated_state_dict(self._model, self._handles, self._io,
                                                   exclude_frozen_parameters=exclude_frozen_parameters)
 

@@ -103,7 +103,9 @@ def test_peak_rss_stays_within_the_host_budget_plus_the_fixed_overhead(tmp_path)
     host = 32 * MiB
     states = got["params"] * (4 + 4 + 12)  # fp32 parameter, fp32 gradient, master + two moments
     assert states >= 4 * host  # the premise: the training state does not fit 4 times over
-    assert got["steps"] == 3 and got["written"] == 3 * 16 * got["params"]  # the whole state went through
+    # The whole state went through: the parameter (its own master) and two moments, written once
+    # per step (and a small progress entry per group).
+    assert got["steps"] == 3 and 0 <= got["written"] - 3 * 12 * got["params"] < 3 * 64 * 4096
     assert got["losses"][-1] < got["losses"][0]
     overhead = fixed_overhead(block_size=MiB, staging_buffers=4, group_bytes=2 * MiB,
                               largest_shard=got["largest_shard"], largest_module=got["largest_module"],

@@ -76,7 +76,7 @@ def set_full_fp32_param(parts: EngineParts, handle: ParamHandle, value: torch.Te
     uses it), which it holds meanwhile, and calls this from that write-back. Before the parameter's
     first step there is no master yet: that step makes it from the parameter."""
     master = _master_key(parts, handle)
-    if master is not None:
+    if master is not None and master != handle.key:  # a parameter that is its own master was just written
         shard = parts.io.shard_of(handle, value.detach().to(torch.float32))
         parts.io.store.sync.put(master, shard, parts.config.optimizer_tier, compress=_compress(parts))
 
@@ -132,7 +132,7 @@ def check_value(handle: ParamHandle, value: object) -> torch.Tensor:
 def _master_key(parts: EngineParts, handle: ParamHandle) -> Optional[str]:
     """The store key of the parameter's fp32 master, None when it has none (no engine.AdamW, frozen,
     or no step taken yet). The same answer on every rank: each holds a shard of every state."""
-    if parts.training is None or not handle.trainable:
+    if parts.training is None or not handle.trainable or not parts.training.has_state(handle.name):
         return None
     key = _state_keys(parts, handle)["master"]
     return key if key in parts.io.store else None

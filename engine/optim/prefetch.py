@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -91,6 +91,12 @@ class PrefetchedStore:
     async def put(self, key: str, tensor: torch.Tensor, tier: Any = "nvme", compress: Optional[bool] = None) -> None:
         """``store.put``."""
         await self._store.put(key, tensor, tier, compress)
+
+    async def put_many(self, items: Mapping[str, torch.Tensor], tier: Any = "nvme",
+                       compress: "Optional[bool] | Mapping[str, Optional[bool]]" = None, *, atomic: bool = False
+                       ) -> None:
+        """``store.put_many``."""
+        await self._store.put_many(items, tier, compress, atomic=atomic)
 
     def modify(self, key: str, tier: Any = None) -> Any:
         """``store.modify`` (a prefetched read of ``key``, which it makes stale, is dropped)."""

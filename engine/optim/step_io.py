@@ -8,7 +8,9 @@ import concurrent.futures
 import dataclasses
 import functools
 import time
-from typing import Any, Awaitable, Callable, Coroutine, Iterable, Optional, ParamSpec, Protocol, Sequence, TypeVar
+from typing import (
+    Any, Awaitable, Callable, Coroutine, Iterable, Mapping, Optional, ParamSpec, Protocol, Sequence, TypeVar,
+)
 
 import torch
 
@@ -28,6 +30,12 @@ class AsyncTensorStore(Protocol):
 
     async def put(self, key: str, tensor: torch.Tensor, tier: Any = ..., compress: Optional[bool] = None) -> None:
         """:meth:`tiered.TieredStore.put`."""
+        ...
+
+    async def put_many(self, items: Mapping[str, torch.Tensor], tier: Any = ...,
+                       compress: "Optional[bool] | Mapping[str, Optional[bool]]" = None, *, atomic: bool = False
+                       ) -> None:
+        """:meth:`tiered.TieredStore.put_many`."""
         ...
 
     def modify(self, key: str, tier: Any = None) -> Any:
@@ -109,6 +117,12 @@ class IOCounter:
         """``store.put(key, tensor, tier, compress)``, counting its bytes."""
         await store.put(key, tensor, tier, compress)
         self.bytes_written += tensor.numel() * tensor.element_size()
+
+    async def put_many(self, store: AsyncTensorStore, items: Mapping[str, torch.Tensor], tier: str,
+                       compress: Mapping[str, Optional[bool]], atomic: bool) -> None:
+        """``store.put_many(items, tier, compress, atomic=atomic)``, counting its bytes."""
+        await store.put_many(items, tier, compress, atomic=atomic)
+        self.bytes_written += sum(t.numel() * t.element_size() for t in items.values())
 
     async def modify(self, blocks: "ModifyBlocks", store: AsyncTensorStore, key: str, tier: str) -> torch.Tensor:
         """Open ``store.modify(key, tier)`` in ``blocks``; counts bytes only when the store had to copy

@@ -3,8 +3,9 @@
 The counterpart of DeepSpeed's ``estimate_zero3_model_states_mem_needs_all_live`` and accelerate's
 ``estimate-memory``, computed from the model's parameter shapes alone (a model on the meta device
 works) with docs/training.md's memory model: what the engine puts in each tier, where the store's
-budgets push the overflow, the optimizer state's second slot during a step (not when it is updated
-in place), and the host RSS bound that tests/test_engine_memory.py holds a real run to. It also
+budgets push the overflow, what a step adds (on nvme the gradients made durable and one group's new
+state before the old is freed; in host memory not updated in place, a second slot), and the host
+RSS bound that tests/test_engine_memory.py holds a real run to. It also
 finds what ``wrap`` or the first step would fail on (a shard larger than its tier's whole budget),
 which ``wrap`` refuses up front.
 """
@@ -79,8 +80,9 @@ class MemoryEstimate:
     #: Each tier's bytes between steps once the budgets are applied: what a tier cannot hold is
     #: written down to the next (device -> host -> nvme).
     at_rest: TierBytes
-    #: The same while ``step()`` runs: the optimizer state is written to its second slot before the
-    #: old one is deleted, so its tier holds it twice (not when it is updated in place).
+    #: The same while ``step()`` runs: with the state on nvme, the gradients are made durable there
+    #: and one group's new state is written before its old state is freed; with the state in host
+    #: memory and not updated in place, the new state goes to a second slot, so that tier holds it twice.
     during_step: TierBytes
     #: Peak host RSS above the process's size before wrap (docs/training.md, "Host RSS bound").
     host_rss_bound: int
@@ -151,8 +153,15 @@ def estimate_memory(
     budgets = {"device": store.device_bytes, "host": store.host_bytes, "nvme": store.nvme_bytes}
     placed = {t: sum(p.charged for p in parts if p.tier == t) for t in _TIERS}
     during = dict(placed)
-    if training and not config.updates_in_place:
-        during[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
+    if training and sizes.trainable and not config.updates_in_place:
+        if config.optimizer_tier == "nvme":
+            if config.grad_tier != "nvme":
+                during["nvme"] += parts[1].charged  # the gradients, made durable at the step's start
+            # one group's new state (and parameters) in flight beside the old
+            group = min(max(config.optimizer_group_bytes, sizes.largest_fp32_shard), parts[1].charged)
+            during["nvme"] += 3 * group + group * sizes.extra_itemsize // 4
+        else:
+            during[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
     at_rest, during_step = _apply_budgets(placed, budgets), _apply_budgets(during, budgets)
     compute = torch.device(config.compute_device) if config.compute_device is not None else model_device(model)
     largest_module = max((_module_bytes(m, train_dtype) for m in model.modules()), default=0)
@@ -203,6 +212,7 @@ class _Sizes:
     largest_param: int = 0  # whole, in the training dtype
     largest_fp32_shard: int = 0
     extra_itemsize: int = 0  # bytes per element of a training dtype other than fp32 (the step's new shard)
+    own_masters: int = 0  # trainable fp32 parameters that are their own masters
 
 
 def _count_entries(
@@ -210,11 +220,13 @@ def _count_entries(
 ) -> tuple[list["_Part"], _Sizes]:
     """Every entry the engine puts in the store for ``model``, summed by kind."""
     compressed = config.compress_optimizer and config.optimizer_tier == "nvme"
+    # fp32 parameters in the optimizer's tier are their own masters (engine/optim/training.py)
+    one_copy = config.param_tier == config.optimizer_tier and (
+        config.optimizer_tier == "nvme" or config.updates_in_place)
     parts = [_Part("parameter shards", config.param_tier, "param_tier")]
     if training:
         parts += [_Part("fp32 gradient shards", config.grad_tier, "grad_tier"),
-                  _Part("fp32 master weights + 2 Adam moments" + (", ~compressed" if compressed else ""),
-                        config.optimizer_tier, "optimizer_tier")]
+                  _Part("fp32 master weights + 2 Adam moments", config.optimizer_tier, "optimizer_tier")]
     sizes = _Sizes()
     for name, p in model.named_parameters():  # tied parameters once, under their first name
         dtype = train_dtype if train_dtype is not None and p.is_floating_point() else p.dtype
@@ -229,7 +241,13 @@ def _count_entries(
             if dtype.itemsize != 4:
                 sizes.extra_itemsize = max(sizes.extra_itemsize, dtype.itemsize)
             parts[1].add(name, fp32, copies=1)
-            parts[2].add(name, int(fp32 * COMPRESSED_STATE_RATIO) if compressed else fp32, copies=3)
+            own_master = one_copy and dtype == torch.float32
+            sizes.own_masters += own_master
+            stored = int(fp32 * COMPRESSED_STATE_RATIO) if compressed else fp32
+            parts[2].add(name, stored, copies=2 if own_master else 3)
+    if training:
+        parts[2].what += (" (fp32 parameters are their own masters)" if sizes.own_masters else "") + (
+            ", ~compressed" if compressed else "")
     return parts, sizes
 
 

@@ -73,6 +73,9 @@ class ForwardScope:
         self._counters = counters
         self._frames: list[_Frame] = []
         self._contexts: Optional[contextlib.ExitStack] = None
+        #: Called with the root module's ``(args, kwargs)`` as a step's forward starts, before any
+        #: parameter is fetched (the optimizer finishes a step left part way there).
+        self.on_root_forward: Optional[Callable[[tuple], None]] = None
 
     @property
     def depth(self) -> int:
@@ -87,6 +90,8 @@ class ForwardScope:
         backward = in_backward()
         if outermost:
             if hooks.module is self._root and not backward:
+                if self.on_root_forward is not None:
+                    self.on_root_forward(inputs)
                 self._tracker.reset()
                 self._saved.begin_forward(self._root)
                 grad = torch.is_grad_enabled()
