@@ -678,7 +678,10 @@ class Engine:
         if self._optimizer is not None:
             self._accumulation.check_final_grad()
         if self._training is not None:
-            self._training.grads.offload(handle)  # to the store as an fp32 shard; param.grad = None
+            if self._training.step_in_backward and self._accumulation.is_boundary():
+                self._training.update_in_backward(handle)  # the window's last backward: its update, now
+            else:
+                self._training.grads.offload(handle)  # to the store as an fp32 shard; param.grad = None
         elif handle.param.grad is not None:  # no engine optimizer: param.grad is the mean over ranks, as with DDP
             self._io.average_grad(handle.param.grad)
         self._pager.end_backward_hold(handle)
@@ -821,10 +824,11 @@ def wrap(
             sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
                 if p.device.type != "meta")
         )
-        from engine.optim.training import check_resumable, discard_training_state
+        from engine.optim.training import check_resumable, discard_training_state, return_kept_parameters
 
         if config.resume:
             check_resumable(store)
+            return_kept_parameters(store)  # what an update inside backward had set aside when a crash came
         else:
             discard_training_state(store)  # this wrap's parameters replace the earlier run's
         discard_activations(store)
@@ -877,6 +881,11 @@ def _is_engine_optimizer(optimizer: object) -> bool:
 
 
 def _check_loss_scaling(config: EngineConfig, optimizer: object) -> None:
+    if config.step_in_backward and not _is_engine_optimizer(optimizer):
+        raise ValueError(
+            "EngineConfig.step_in_backward applies engine.AdamW's updates inside backward: pass "
+            f"optimizer=engine.AdamW(...) (got {type(optimizer).__name__ if optimizer is not None else 'no optimizer'})"
+        )
     if config.loss_scaling is not None and not _is_engine_optimizer(optimizer):
         raise ValueError(
             "EngineConfig.loss_scaling is applied by engine.AdamW's step: pass optimizer=engine.AdamW(...) "

@@ -271,6 +271,32 @@ async def init_state_async(
 init_state = blocking(init_state_async)
 
 
+def update_in_memory(
+    shards: Sequence[OptimShard], grads: Sequence[torch.Tensor], masters: Sequence[torch.Tensor],
+    moments: Sequence[Optional[tuple[torch.Tensor, torch.Tensor]]], steps: Sequence[int],
+    hypers: Sequence[AdamHyper],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """torch's AdamW math on shards held in memory (the updates inside backward,
+    ``engine/optim/backward_step.py``), as the pipelined step computes it: ``masters`` (flat fp32)
+    are updated in place; returns each shard's new (exp_avg, exp_avg_sq), its ``moments`` pair
+    updated in place, or new ones made from zeros at a shard's first step (None), as torch makes
+    them. ``steps[i]`` is the updates shard i has taken so far; ``hypers`` holds the
+    hyperparameters of every parameter group. ValueError for mismatched lengths or sizes."""
+    if not len(shards) == len(grads) == len(masters) == len(moments) == len(steps):
+        raise ValueError("update_in_memory takes one gradient, master, moments pair and step count per shard")
+    loaded = []
+    for shard, grad, master, pair, count in zip(shards, grads, masters, moments, steps):
+        exp_avg, exp_avg_sq = pair if pair is not None else (torch.zeros_like(master), torch.zeros_like(master))
+        for what, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if t.dtype != torch.float32 or t.numel() != shard.numel:
+                raise ValueError(f"shard {shard.name!r}: {what} is {t.dtype} with {t.numel()} elements, expected "
+                                 f"torch.float32 with {shard.numel}")
+        loaded.append(_Loaded(shard, _flat_grad(shard, grad), torch.tensor(float(count), dtype=torch.float32),
+                              master.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)))
+    _update(loaded, list(hypers), 1.0, None, None, -1)
+    return [(item.exp_avg, item.exp_avg_sq) for item in loaded]  # type: ignore[misc]
+
+
 # ---------------------------------------------------------------------------------------- pipeline
 
 

@@ -3,7 +3,9 @@
 The record is a small JSON entry put to the nvme tier (durable and atomic when the put returns).
 It names the completed step, each trainable shard's step count and the key set (slot) of its
 moments, and, while a step is being applied, everything needed to finish it after a crash: the
-step's :class:`Applying` section ([Note: Rolling a step forward], engine/optim/training.py).
+step's :class:`Applying` section ([Note: Rolling a step forward], engine/optim/training.py). With
+``EngineConfig.step_in_backward`` the updates run inside backward; its :class:`InBackward` section
+says so ([Note: Updates inside backward], engine/optim/backward_step.py).
 """
 
 from __future__ import annotations
@@ -85,17 +87,37 @@ class Applying:
 
 
 @dataclasses.dataclass(frozen=True)
+class InBackward:
+    """Updates of step ``step`` run inside backward (``EngineConfig.step_in_backward``): the shards
+    that took theirs keep their old parameter aside until the step commits. ``inputs_crc`` is the
+    CRC-32 of the step's forward inputs, which a replay after a crash must match."""
+
+    step: int
+    inputs_crc: int
+
+    def encode(self) -> dict[str, Any]:
+        """The section as JSON-ready values."""
+        return {"step": self.step, "inputs_crc": self.inputs_crc}
+
+    @classmethod
+    def decode(cls, doc: Mapping[str, Any]) -> "InBackward":
+        """Parse :meth:`encode`'s output."""
+        return cls(int(doc["step"]), int(doc["inputs_crc"]))
+
+
+@dataclasses.dataclass(frozen=True)
 class StepRecord:
     """Completed optimizer steps (``step``) and every trainable shard's :class:`ShardState`, by name;
     with loss scaling, the scaler's state after that step (``LossScaler.state_dict()``).
     ``master_in_param``: fp32 shards are their own masters ([Note: One copy of fp32 weights]).
-    ``applying``: a step under way (see the module docstring)."""
+    ``applying`` / ``in_backward``: a step under way (see the module docstring)."""
 
     step: int
     shards: Mapping[str, ShardState]
     loss_scale: Optional[Mapping[str, Any]] = None
     master_in_param: bool = False
     applying: Optional[Applying] = None
+    in_backward: Optional[InBackward] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
@@ -123,6 +145,8 @@ class StepRecord:
             doc["loss_scale"] = dict(self.loss_scale)
         if self.applying is not None:
             doc["applying"] = self.applying.encode()
+        if self.in_backward is not None:
+            doc["in_backward"] = self.in_backward.encode()
         return torch.frombuffer(bytearray(json.dumps(doc).encode()), dtype=torch.uint8)
 
     @classmethod
@@ -142,8 +166,10 @@ class StepRecord:
             if loss_scale is not None and not isinstance(loss_scale, dict):
                 raise StepRecordError(f"{STEP_RECORD_KEY!r} has a loss_scale that is not an object: {loss_scale!r}")
             applying = doc.get("applying")
+            in_backward = doc.get("in_backward")
             return cls(int(doc["step"]), shards, loss_scale, bool(doc.get("master_in_param", False)),
-                       Applying.decode(applying) if applying is not None else None)
+                       Applying.decode(applying) if applying is not None else None,
+                       InBackward.decode(in_backward) if in_backward is not None else None)
         except StepRecordError:
             raise
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:

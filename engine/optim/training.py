@@ -41,17 +41,27 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.errors import StepRecordError
 from engine.optim.adamw import AdamW
-from engine.optim.clip import AllReduceSum, clip_coefficient, total_norm
+from engine.optim.backward_step import BackwardUpdates, inputs_crc
+from engine.optim.clip import AllReduceSum, clip_coefficient, shard_norms, total_norm
 from engine.optim.grad_offload import GradOffload
 from engine.optim.loss_scaler import LossScaler
 from engine.optim.prefetch import StatePrefetch
 from engine.optim.step import EventHook, init_state
 from engine.optim.step_io import gather_all, plan_groups, run_sync
 from engine.optim.step_progress import PROGRESS_KEY_PREFIX, done_shards, progress_entry, progress_keys
-from engine.optim.step_record import NO_STATE, STEP_RECORD_KEY, Applying, ShardState, StepRecord
+from engine.optim.step_record import NO_STATE, STEP_RECORD_KEY, Applying, InBackward, ShardState, StepRecord
 from engine.optim.types import OptimShard, OptimStepStats
-from engine.paging.handle import ParamHandle
-from engine.paging.layout import GRAD_KEY_PREFIX, OPTIM_KEY_PREFIX, grad_key, optim_keys, staged_key
+from engine.paging.handle import HandleState, ParamHandle
+from engine.paging.layout import (
+    GRAD_KEY_PREFIX,
+    OPTIM_KEY_PREFIX,
+    PARAM_KEY_PREFIX,
+    grad_key,
+    kept_key,
+    new_key,
+    optim_keys,
+    staged_key,
+)
 from engine.paging.pager import Pager
 from engine.paging.shard_io import ShardIO, delete_keys
 from tiered import ChecksumError, TieredStore
@@ -140,6 +150,19 @@ def check_resumable(store: TieredStore) -> None:
         )
 
 
+def return_kept_parameters(store: TieredStore) -> None:
+    """Put back under ``param/<name>`` every old parameter value an update inside backward had kept
+    aside when a crash came before it wrote the new one (the parameter's key is then empty), so the
+    store holds a value for every parameter before a resume adopts them ([Note: Updates inside
+    backward]). Renames only; nothing else changes."""
+    suffix = "/kept"
+    pairs = [(k, PARAM_KEY_PREFIX + k[len(OPTIM_KEY_PREFIX):-len(suffix)]) for k in store.keys()
+             if k.startswith(OPTIM_KEY_PREFIX) and k.endswith(suffix)]
+    pairs = [(kept, param) for kept, param in pairs if param not in store]
+    if pairs:
+        store.sync.rename_many(pairs)
+
+
 class Training:
     """The engine's side of ``engine.AdamW``: one per wrapped model."""
 
@@ -174,8 +197,31 @@ class Training:
         #: fp32 shards are their own masters ([Note: One copy of fp32 weights]).
         self._master_in_param = config.param_tier == config.optimizer_tier and (
             self._durable or config.updates_in_place)
-        # State updated in place is read by nobody: the step works on the store's memory directly.
-        prefetch_groups = 0 if config.updates_in_place else config.optimizer_prefetch_groups
+        #: Updates inside backward ([Note: Updates inside backward]); None without step_in_backward.
+        self._updates: Optional[BackwardUpdates] = None
+        if config.step_in_backward:
+            other = [p.name for p in self._params if p.dtype != torch.float32]
+            if other:
+                raise ValueError(
+                    f"EngineConfig.step_in_backward updates fp32 parameters that are their own masters, but "
+                    f"{other[:3]} train in {self._by_name[other[0]].dtype}: train in fp32 (train_dtype=None or "
+                    "'float32') or leave step_in_backward off"
+                )
+            group = config.optimizer_group_bytes
+            self._updates = BackwardUpdates(
+                self._store, compress=config.compress_optimizer, batch_bytes=group, inflight_bytes=2 * group,
+                window_bytes=2 * group * max(1, config.optimizer_prefetch_groups),
+            )
+        self._io = shard_io
+        #: Shards updated inside backward (or whose update a crash left set aside) in this step, in the
+        #: order their gradients became final, with their gradients' 2-norms.
+        self._stepped: dict[str, torch.Tensor] = {}
+        self._inputs_crc = 0  # CRC-32 of the step's forward inputs so far
+        self._replay_crc: Optional[int] = None  # the inputs a resumed step must replay
+        self._backward_failed = False  # an update inside backward failed: the step must be run again
+        # State updated in place is read by nobody: the step works on the store's memory directly;
+        # updates inside backward read theirs along the order gradients become final.
+        prefetch_groups = 0 if config.updates_in_place or config.step_in_backward else config.optimizer_prefetch_groups
         self._prefetch = StatePrefetch(self._store, prefetch_groups, config.optimizer_group_bytes)
         #: The running loss scale (None without ``EngineConfig.loss_scaling``).
         self.scaler: Optional[LossScaler] = (
@@ -194,8 +240,9 @@ class Training:
         self.record = StepRecord.empty([p.name for p in self._params], master_in_param=self._master_in_param).replace(
             loss_scale=self._scaler_state())
         self.counters = TrainCounters()
-        #: Tracing hook passed to every step's ``run_step`` (tests use it to stop a step half way), and
-        #: called with ("staged", -1) once a load's record has committed and before its renames.
+        #: Tracing hook passed to every step's ``run_step`` (tests use it to stop a step half way),
+        #: called with ("staged", -1) once a load's record has committed and before its renames, and
+        #: by the updates inside backward ("renamed" / "written", batch).
         self.on_event: Optional[EventHook] = None
         self._closed = False
         #: A failed step's rollback could not rewrite the parameters (the store kept failing): the next step does.
@@ -257,6 +304,15 @@ class Training:
                 f"{missing[:5]} that the record lacks and the record has {extra[:5]} that the model lacks"
             )
         self.record = record.replace(shards={n: record.shards[n] for n in names})
+        if record.in_backward is not None:
+            if self._updates is None:
+                raise StepRecordError(
+                    f"step {record.in_backward.step} stopped inside backward, where EngineConfig.step_in_backward "
+                    "applied some of its updates: resume with step_in_backward=True and replay that step's batch"
+                )
+            self._recover_in_backward()
+        else:
+            self._finish_backward_leftovers()
         for p in self._params:
             state = self.record.shards[p.name]
             if state.slot != NO_STATE:
@@ -293,6 +349,8 @@ class Training:
             pass
         finally:
             self._prefetch.discard()
+            if self._updates is not None:
+                self._updates.close()
 
     # ------------------------------------------------------------------ queries
 
@@ -366,14 +424,68 @@ class Training:
 
     def complete_pending(self) -> None:
         """Finish a step that stopped part way, if any ([Note: Rolling a step forward]); called before
-        anything reads the parameters or the optimizer state. Raises what the finishing raises."""
-        if self.record.applying is not None and not self._closed:
+        anything reads the parameters or the optimizer state. Raises what the finishing raises, and
+        RuntimeError while updates applied inside backward wait for ``eng.step()``."""
+        if self._closed:
+            return
+        if self._stepped and not self._backward_failed:
+            raise RuntimeError(
+                f"step {self.record.step + 1} was applied inside backward (EngineConfig.step_in_backward) and is "
+                "not committed yet: call eng.step() first (its parameters are a mix of two steps until then)"
+            )
+        if self.record.applying is not None:
             self._pager.drop_prefetched()
             self._finish_applying(first_attempt=False)
 
+    @property
+    def step_in_backward(self) -> bool:
+        """True when the updates run inside backward (``EngineConfig.step_in_backward``)."""
+        return self._updates is not None
+
     def on_forward(self, inputs: tuple) -> None:
         """The wrapped model's forward starts (outside backward) with ``inputs``, its ``(args, kwargs)``."""
+        if self._backward_failed:
+            self._recover_in_backward()
         self.complete_pending()
+        if self._updates is not None and torch.is_grad_enabled():
+            self._inputs_crc = inputs_crc(inputs, self._inputs_crc)
+
+    def update_in_backward(self, handle: ParamHandle) -> None:
+        """``handle``'s gradient is final for the step (the window's last backward): hand its update to
+        the worker ([Note: Updates inside backward]); ``param.grad`` is None afterwards."""
+        assert self._updates is not None
+        grad = handle.param.grad
+        if grad is None:
+            return
+        self._on_offload()
+        name = handle.name
+        if name in self._stepped:
+            raise RuntimeError(
+                f"a second backward reached {name!r} before eng.step(): with EngineConfig.step_in_backward each "
+                "backward that ends an accumulation window applies the update, so call eng.step() after it (or set "
+                "EngineConfig.gradient_accumulation_steps and call eng.backward / eng.step per micro-batch)"
+            )
+        shard = self._io.grad_shard(handle, grad).to("cpu")
+        handle.param.grad = None
+        del grad
+        if self.grads.current(name):  # the window's earlier micro-batches: their sum is in the store
+            shard = self._store.sync.get(grad_key(name)).add_(shard)
+        norm = shard_norms([shard])[0]
+        if not self._stepped:
+            self._begin_in_backward()
+        self._stepped[name] = norm
+        if new_key(name) in self._store:
+            return  # updated before a crash: its new value waits aside (the replay's gradient is the same)
+        p = self._by_name[name]
+        master = self._io.local_shard(handle).to("cpu") if handle.state is HandleState.READY else None
+        state = self.record.shards[name]
+        self._updates.on_event = self.on_event
+        try:
+            self._updates.submit(self._shard(p, max(state.slot, 0)), shard, master, state.steps,
+                                 tuple(self._optimizer.hyperparameters()))
+        except BaseException:
+            self._backward_failed = True
+            raise
 
     # ------------------------------------------------------------------ the step (AdamW.step -> here)
 
@@ -389,6 +501,11 @@ class Training:
         :meth:`pending_grad_norm`. Asked twice, the step clips to the smaller norm, as two clips in
         a row would. A backward adding gradients before that step is refused, since the clipping
         would then cover gradients that did not exist when it was asked for."""
+        if self._updates is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ cannot clip gradients that EngineConfig.step_in_backward already applied inside "
+                "backward; turn step_in_backward off to clip"
+            )
         norm = self.pending_grad_norm()
         if not math.isinf(max_norm):
             self._clip_to = float(max_norm) if self._clip_to is None else min(self._clip_to, float(max_norm))
@@ -396,7 +513,11 @@ class Training:
 
     def _stored_grad_norm(self) -> torch.Tensor:
         """The stored (loss-scaled) gradients' global norm, summed in parameter order over every
-        rank, once every gradient shard has reached the store."""
+        rank, once every gradient shard has reached the store (with the updates inside backward: the
+        norm of the gradients they used)."""
+        if self._updates is not None:
+            return total_norm([self._stepped[p.name] for p in self._params if p.name in self._stepped],
+                              self.all_reduce)
         self.grads.flush()
         # Norms taken on the compute device (CUDA) join the step's CPU math as CPU scalars.
         norms = {n: t.cpu() for n, t in self.grads.norms.items()} if self.grads.norms else {}
@@ -419,6 +540,9 @@ class Training:
             self._pager.drop_prefetched()
         if self.record.applying is not None:  # the step that failed part way: this call finishes it
             self._finish_applying(first_attempt=False, started=started)
+            return
+        if self._updates is not None:
+            self._commit_in_backward(started)
             return
         if self._restore_pending:
             self._restore_params()
@@ -562,6 +686,105 @@ class Training:
         delete_keys(self._store, progress_keys(self._store))
         self.grads.mark_consumed()
         self.counters.add(stats, time.perf_counter() - started)
+
+    def _begin_in_backward(self) -> None:
+        """The step's first update inside backward: record it (with the forward inputs' CRC), or, for
+        a step a resume is replaying, check that the inputs are the ones recorded."""
+        if self._replay_crc is not None:
+            if self._inputs_crc != self._replay_crc:
+                raise RuntimeError(
+                    f"step {self.record.step + 1} stopped inside backward before a crash, after some of its updates "
+                    "(EngineConfig.step_in_backward); the batch run since the resume is not that step's (its forward "
+                    "inputs differ), and the updates already made came from that batch. Replay step "
+                    f"{self.record.step + 1}'s batch (eng.completed_steps gives where to resume), or load a checkpoint"
+                )
+            self._replay_crc = None
+            return
+        record = self.record.replace(in_backward=InBackward(self.record.step + 1, self._inputs_crc))
+        record.write(self._store)  # before the first rename: a crash from here on is recovered by a replay
+        self.record = record
+
+    def _commit_in_backward(self, started: float) -> None:
+        """``eng.step()`` with the updates inside backward: wait for them, commit, drop the old values."""
+        assert self._updates is not None
+        if self._backward_failed:
+            self._recover_in_backward()
+            raise RuntimeError(
+                f"an optimizer update inside backward of step {self.record.step + 1} failed, so the step was not "
+                "applied: the parameters are back at the last completed step. Run that step's batch again "
+                "(forward and backward), then eng.step()"
+            )
+        try:
+            self._updates.wait()
+        except BaseException as exc:
+            self._backward_failed = True
+            exc.add_note(f"step {self.record.step + 1} was not applied; the next forward puts the last completed "
+                         "step's parameters back: run that step's batch again (forward and backward), then eng.step()")
+            raise
+        set_aside = {p.name for p in self._params if new_key(p.name) in self._store}
+        if self._replay_crc is not None and set_aside:
+            raise RuntimeError(
+                f"step {self.record.step + 1} stopped inside backward before a crash and its batch has not been "
+                "replayed since the resume: run that step's batch (forward and backward), then eng.step()"
+            )
+        norm = self._stored_grad_norm()
+        stepped = set(self._stepped) | set_aside
+        counts = {n: s.steps + 1 if n in stepped else s.steps for n, s in self.record.shards.items()}
+        record = StepRecord(self.record.step + 1, {
+            n: ShardState(counts[n], max(s.slot, 0)) if n in stepped else s for n, s in self.record.shards.items()
+        }, self._scaler_state(), self.record.master_in_param)
+        record.write(self._store)  # the commit point
+        self.record = record
+        self._optimizer._set_shard_steps(counts)
+        order = [self.live_shard(n) for n in self._stepped]
+        self._stepped = {}
+        self._inputs_crc = 0
+        self._finish_backward_leftovers()
+        self.grads.mark_consumed()
+        self.last_grad_norm = float(norm)
+        self._updates.read_ahead(order, self.has_state)
+        c = self._updates.take_counters()
+        seconds = time.perf_counter() - (c.first_update if c.first_update is not None else started)
+        self.counters.add(OptimStepStats(
+            seconds=seconds, bytes_read=c.bytes_read, bytes_written=c.bytes_written, io_stall_seconds=c.stall_seconds,
+            update_seconds=c.update_seconds, groups=c.batches, shards_updated=len(stepped),
+            shards_skipped=len(self._params) - len(stepped), grad_norm=float(norm), clip_coef=None,
+            step_counts=counts,
+        ), time.perf_counter() - started)
+
+    def _recover_in_backward(self) -> None:
+        """After a crash (or a failed update) inside backward: set each done shard's new value aside and
+        put every kept old value back, so the model is the last completed step's and its batch can be
+        replayed ([Note: Updates inside backward])."""
+        if self._updates is not None:
+            try:
+                self._updates.wait()
+            except RuntimeError:
+                pass  # the failure that brought us here
+        store = self._store
+        done = [(p.param_key, new_key(p.name)) for p in self._params
+                if kept_key(p.name) in store and p.param_key in store]
+        if done:
+            store.sync.rename_many(done)
+        back = [(kept_key(p.name), p.param_key) for p in self._params if kept_key(p.name) in store]
+        if back:
+            store.sync.rename_many(back)
+        self._pager.drop_prefetched()
+        self._stepped = {}
+        self._inputs_crc = 0
+        self._backward_failed = False
+        in_backward = self.record.in_backward
+        self._replay_crc = in_backward.inputs_crc if in_backward is not None else None
+
+    def _finish_backward_leftovers(self) -> None:
+        """After a committed step with updates inside backward: values set aside become the parameters
+        and kept old values go (also what a crash after the commit left undone)."""
+        store = self._store
+        aside = [(new_key(p.name), p.param_key) for p in self._params if new_key(p.name) in store]
+        if aside:
+            store.sync.rename_many(aside)
+            self._pager.drop_prefetched()
+        delete_keys(store, [kept_key(p.name) for p in self._params])
 
     def _zero_grad(self, set_to_none: bool) -> None:
         self._clip_to = None
@@ -723,8 +946,12 @@ class Training:
             state = self.record.shards[p.name]
             if state.staged:
                 live.add(staged_key(p.name))
-            if state.slot != NO_STATE:
+            if state.slot != NO_STATE or self.record.in_backward is not None:
+                # (a step replayed after a crash inside backward keeps the new values and moments that its
+                # updates before the crash wrote, a first step's included)
                 live.update(self.live_shard(p.name).state_keys())
+            if self.record.in_backward is not None:
+                live.add(new_key(p.name))
         stale = [k for k in self._store.keys() if k.startswith(OPTIM_KEY_PREFIX) and k not in live]
         if self.record.applying is None:
             stale += progress_keys(self._store)

@@ -52,6 +52,18 @@ def staged_key(name: str) -> str:
     return OPTIM_KEY_PREFIX + name + "/staged"
 
 
+def kept_key(name: str) -> str:
+    """Where an update inside backward (``EngineConfig.step_in_backward``) keeps the old value of the
+    parameter called ``name`` until the step commits: ``optim/<name>/kept``."""
+    return OPTIM_KEY_PREFIX + name + "/kept"
+
+
+def new_key(name: str) -> str:
+    """Where a resume sets aside the new value an update inside backward gave the parameter called
+    ``name`` before a crash, until the replayed step commits: ``optim/<name>/new``."""
+    return OPTIM_KEY_PREFIX + name + "/new"
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
     """One parameter as a flat, padded tensor split evenly across ``world`` ranks.

@@ -84,6 +84,14 @@ class ShardIO:
             return self.store.sync.put_future(handle.key, handle.flat, self.tier)
         return self.store.sync.put_future(handle.key, _shard_of(handle.layout, handle.flat), self.tier)
 
+    def local_shard(self, handle: ParamHandle) -> torch.Tensor:
+        """A copy of this rank's shard of ``handle``'s materialized value (flat, on its device, padded
+        with zeros where the shard runs past the end): what :meth:`write` would put. Local."""
+        flat = handle.flat
+        piece = flat if handle.layout.is_whole else _shard_of(handle.layout, flat)
+        shares = piece.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        return piece.clone() if shares else piece
+
     def shard_of(self, handle: ParamHandle, value: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``value``, a whole tensor of the parameter's shape (any dtype): the
         elements :meth:`write` would put for it, flat, padded with zeros where the shard runs past
