@@ -819,7 +819,7 @@ def wrap(
             source.close()
         raise
     try:
-        shard_io = ShardIO(store, config.param_tier, collectives)
+        shard_io = ShardIO(store, config.param_tier, collectives, cache=config.cache_tier)
         meter = MemoryMeter(
             sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
                 if p.device.type != "meta")

@@ -249,3 +249,15 @@ def test_the_tiered_command_lists_estimate(capsys):
 
     assert main(["--help"]) == 0 and "estimate" in capsys.readouterr().out
     assert "estimate" not in COMMANDS  # the engine adds it: the store never imports the engine
+
+
+def test_updates_inside_backward_keep_the_old_parameters_during_a_step(tmp_path):
+    after = engine.estimate_memory(two_linears(), config(tmp_path))
+    inside = engine.estimate_memory(two_linears(), config(tmp_path, step_in_backward=True))
+    grads = after.parts[1].nbytes
+    assert [p.what for p in inside.parts] == [after.parts[0].what, after.parts[2].what]  # no gradient is stored
+    assert inside.at_rest.nvme == after.at_rest.nvme and inside.at_rest.host == 0 < after.at_rest.host
+    # after backward: the gradients made durable; inside: the old parameters kept, as many bytes; and
+    # one batch or group in flight either way
+    assert inside.during_step.nvme == after.during_step.nvme == after.at_rest.nvme + grads + 3 * grads
+    assert inside.host_rss_bound == after.host_rss_bound

@@ -199,3 +199,34 @@ def test_a_kill_inside_backwards_updates_resumes_by_replaying_the_batch(tmp_path
             assert not any(k.endswith(("/kept", "/new")) for k in eng.store.keys())
         finally:
             eng.close()
+
+
+def test_a_failed_update_inside_backward_is_redone_by_running_the_batch_again(tmp_path):
+    """An update that fails (an error after the third batch committed): the backward raises and says
+    to run the batch again; its forward puts the last completed step's parameters back, and the
+    step equals torch's, with no shard updated twice."""
+    ref_losses, ref_params = reference(4)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1), config=config_at(tmp_path))
+
+    def fail(event: str, batch: int) -> None:
+        if event == "written" and batch == 2:
+            raise OSError("injected")
+
+    with eng:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                eng._training.on_event = fail
+                with pytest.raises(RuntimeError, match="update inside backward failed") as failure:
+                    loss_of(model, step).backward()
+                eng._training.on_event = None
+                assert "run its batch again" in "".join(failure.value.__notes__)
+                assert eng.completed_steps == 2
+            loss = loss_of(model, step)
+            loss.backward()
+            eng.step()
+            eng.zero_grad()
+            losses.append(loss.item())
+        assert losses == ref_losses

@@ -801,3 +801,25 @@ def test_a_resume_under_the_other_master_layout_moves_the_masters_over(tmp_path)
                 ref_losses.append(ref_loss.item())
                 step += 1
     assert losses == ref_losses
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_the_host_tier_keeps_parameters_across_steps_and_the_losses_stay_torchs(tmp_path, step_in_backward):
+    """With the parameters on nvme, the host budget keeps the ones read soonest (fetches and the
+    step's writes offer the store clean copies; the recorded order chooses): fewer bytes come from
+    the disk each step, and training equals torch's bit for bit."""
+    torch.manual_seed(13)
+    model = TinyGPT()
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    read = {}
+    for host in (0, 2 * param_bytes // 3):  # no host tier, and room for about two thirds of the parameters
+        config = training_config(tmp_path / str(host), grad_tier="nvme", host_bytes=host)
+        trained = copy.deepcopy(model)
+        losses, ref_losses, eng, ref = train_both(trained, config.replace(step_in_backward=step_in_backward), steps=5)
+        assert losses == ref_losses
+        stats = eng.store.stats()
+        read[host] = stats.bytes_read
+        assert (stats.tiers[tiered.Tier.HOST].hits > 0) == (host > 0)
+        assert_trained_equal(trained, eng, ref)
+    cached = max(read)
+    assert read[0] - read[cached] >= 4 * cached  # the four steps after the first read its worth at least once each

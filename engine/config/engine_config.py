@@ -159,6 +159,13 @@ class EngineConfig:
             _check_step_in_backward(self)
 
     @property
+    def cache_tier(self) -> Optional[str]:
+        """Where the store may keep parameter shards on nvme across steps: "host" when the host tier
+        has a budget and the parameters live on nvme, else None (docs/training.md, "Memory
+        model": the host tier as a cache)."""
+        return "host" if self.param_tier == "nvme" and self.store.host_bytes != 0 else None
+
+    @property
     def updates_in_place(self) -> bool:
         """Whether the optimizer step updates state in place (``optimizer_in_place`` resolved)."""
         return self.optimizer_tier == "host" if self.optimizer_in_place is None else self.optimizer_in_place

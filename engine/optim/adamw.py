@@ -240,6 +240,7 @@ class AdamW(torch.optim.Optimizer):
             clip_coef=clip_coef,
             atomic=atomic,
             progress=progress,
+            keep=config.cache_tier,
         )
         self._shard_steps.update(stats.step_counts)
         return stats

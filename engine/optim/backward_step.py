@@ -90,8 +90,9 @@ class BackwardUpdates:
     """The worker that applies the updates inside backward (see [Note: Updates inside backward])."""
 
     def __init__(self, store: TieredStore, *, compress: bool, batch_bytes: int, inflight_bytes: int,
-                 window_bytes: int) -> None:
+                 window_bytes: int, keep: Optional[str] = None) -> None:
         self._store = store
+        self._keep = keep  # where the store may keep the new parameters for the next forward
         self._compress = compress
         self._batch_bytes = batch_bytes
         self._inflight_limit = inflight_bytes
@@ -155,7 +156,7 @@ class BackwardUpdates:
         the error as its cause), once."""
         with self._cond:
             started = time.perf_counter()
-            while (self._queue or self._busy) and self._error is None:
+            while self._queue or self._busy:  # after an error the worker drops what is queued
                 self._cond.wait()
             self.counters.stall_seconds += time.perf_counter() - started
             self._raise_error(clear=True)
@@ -196,6 +197,11 @@ class BackwardUpdates:
                     self._cond.wait()
                 if not self._queue:
                     return
+                if self._error is not None:  # the step will be run again: drop what waits
+                    self._queue.clear()
+                    self._inflight = 0
+                    self._cond.notify_all()
+                    continue
                 batch = [self._queue.popleft()]
                 size = batch[0].grad.numel() * 4
                 while (self._queue and size + self._queue[0].grad.numel() * 4 <= self._batch_bytes
@@ -252,7 +258,7 @@ class BackwardUpdates:
             items.update({s.param_key: master, s.exp_avg_key: exp_avg, s.exp_avg_sq_key: exp_avg_sq})
             moment = True if self._compress else None
             codecs.update({s.param_key: None, s.exp_avg_key: moment, s.exp_avg_sq_key: moment})
-        store.sync.put_many(items, "nvme", codecs, atomic=True)
+        store.sync.put_many(items, "nvme", codecs, atomic=True, keep=self._keep)
         if self.on_event is not None:
             self.on_event("written", counters.batches)
         counters.bytes_written += sum(t.numel() * t.element_size() for t in items.values())

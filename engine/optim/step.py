@@ -62,6 +62,7 @@ from tiered import Tier
 MiB = 1024 * 1024
 STATE_TIERS = ("host", "nvme")
 PARAM_TIERS = ("device", "host", "nvme")
+TIER_RANK = {"device": 0, "host": 1, "nvme": 2}
 
 #: Called as ``on_event(event, group_index)`` with event "read" and "write" (on the step's event
 #: loop, when the group's transfers start) and "update" (on the worker thread, before the math).
@@ -107,6 +108,7 @@ async def step_async(
     clip_coef: Optional[torch.Tensor] = None,
     atomic: bool = False,
     progress: Optional[ProgressHook] = None,
+    keep: Optional[str] = None,
 ) -> OptimStepStats:
     """One AdamW step over ``shards`` in the store; returns what it did and cost.
 
@@ -130,7 +132,9 @@ async def step_async(
     a coefficient computed from ``max_grad_norm`` (a step redone with the coefficient it recorded).
     ``atomic`` writes each group's new state in one all-or-nothing store call, with the entry
     ``progress`` returns for the group (see the module docstring): needs ``state_tier="nvme"``. A
-    shard whose master is its parameter needs ``param_tier == state_tier``.
+    shard whose master is its parameter needs ``param_tier == state_tier``. ``keep`` (a tier faster
+    than the one written) offers the store clean copies of what the step writes, to keep where its
+    eviction policy finds them worth it (a parameter read again in the next forward).
     """
     started = time.perf_counter()
     hyper_list = [hypers] if isinstance(hypers, AdamHyper) else list(hypers)
@@ -199,7 +203,7 @@ async def step_async(
                 on_event("write", i)
             writing = asyncio.ensure_future(_write_group(
                 store, loaded, io, state_tier, param_tier, state_compress, open_blocks.pop(i, None),
-                atomic=atomic, progress=progress,
+                atomic=atomic, progress=progress, keep=keep,
             ))
             for item in loaded:
                 counts[item.shard.name] = int(item.step.item())
@@ -423,7 +427,8 @@ def _unscale_and_clip(loaded: list[_Loaded], grad_scale: float, coef: Optional[t
 
 async def _write_group(store: AsyncTensorStore, loaded: list[_Loaded], io: IOCounter, state_tier: str,
                        param_tier: str, compress: Optional[bool], blocks: Optional[ModifyBlocks], *,
-                       atomic: bool = False, progress: Optional[ProgressHook] = None) -> None:
+                       atomic: bool = False, progress: Optional[ProgressHook] = None,
+                       keep: Optional[str] = None) -> None:
     """Write every updated tensor of a group back, then end the group's modify blocks (in-place
     state: that is its write). The state goes first, in one ``put_many`` (all or nothing with
     ``atomic``, with the group's ``progress`` entry), then the new training-dtype shards that are not
@@ -449,8 +454,10 @@ async def _write_group(store: AsyncTensorStore, loaded: list[_Loaded], io: IOCou
         codecs[key] = None
     try:
         if state:
-            await io.put_many(store, state, state_tier, codecs, atomic)
-        await gather_all(io.put(store, key, param, param_tier, None) for key, param in params)
+            state_keep = keep if keep is not None and TIER_RANK[keep] < TIER_RANK[state_tier] else None
+            await io.put_many(store, state, state_tier, codecs, atomic, state_keep)
+        param_keep = keep if keep is not None and TIER_RANK[keep] < TIER_RANK[param_tier] else None
+        await gather_all(io.put(store, key, param, param_tier, None, param_keep) for key, param in params)
     finally:
         if blocks is not None:
             await blocks.close()

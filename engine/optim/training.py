@@ -210,7 +210,7 @@ class Training:
             group = config.optimizer_group_bytes
             self._updates = BackwardUpdates(
                 self._store, compress=config.compress_optimizer, batch_bytes=group, inflight_bytes=2 * group,
-                window_bytes=2 * group * max(1, config.optimizer_prefetch_groups),
+                window_bytes=2 * group * max(1, config.optimizer_prefetch_groups), keep=config.cache_tier,
             )
         self._io = shard_io
         #: Shards updated inside backward (or whose update a crash left set aside) in this step, in the
@@ -483,8 +483,10 @@ class Training:
         try:
             self._updates.submit(self._shard(p, max(state.slot, 0)), shard, master, state.steps,
                                  tuple(self._optimizer.hyperparameters()))
-        except BaseException:
+        except BaseException as exc:
             self._backward_failed = True
+            exc.add_note(f"step {self.record.step + 1} was not applied: run its batch again (forward and backward; "
+                         "the forward puts the last completed step's parameters back), then eng.step()")
             raise
 
     # ------------------------------------------------------------------ the step (AdamW.step -> here)

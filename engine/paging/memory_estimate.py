@@ -154,11 +154,14 @@ def estimate_memory(
     placed = {t: sum(p.charged for p in parts if p.tier == t) for t in _TIERS}
     during = dict(placed)
     if training and sizes.trainable and not config.updates_in_place:
-        if config.optimizer_tier == "nvme":
+        group = min(max(config.optimizer_group_bytes, sizes.largest_fp32_shard), sizes.fp32_bytes)
+        if config.step_in_backward:
+            during["nvme"] += sizes.fp32_bytes  # the old fp32 parameters, kept until the step commits
+            during["nvme"] += 3 * group  # one batch's new parameters and moments beside the old
+        elif config.optimizer_tier == "nvme":
             if config.grad_tier != "nvme":
                 during["nvme"] += parts[1].charged  # the gradients, made durable at the step's start
             # one group's new state (and parameters) in flight beside the old
-            group = min(max(config.optimizer_group_bytes, sizes.largest_fp32_shard), parts[1].charged)
             during["nvme"] += 3 * group + group * sizes.extra_itemsize // 4
         else:
             during[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
@@ -213,6 +216,7 @@ class _Sizes:
     largest_fp32_shard: int = 0
     extra_itemsize: int = 0  # bytes per element of a training dtype other than fp32 (the step's new shard)
     own_masters: int = 0  # trainable fp32 parameters that are their own masters
+    fp32_bytes: int = 0  # every trainable fp32 shard once, as a tier charges it
 
 
 def _count_entries(
@@ -240,7 +244,10 @@ def _count_entries(
             sizes.largest_fp32_shard = max(sizes.largest_fp32_shard, fp32)
             if dtype.itemsize != 4:
                 sizes.extra_itemsize = max(sizes.extra_itemsize, dtype.itemsize)
-            parts[1].add(name, fp32, copies=1)
+            sizes.fp32_bytes += round_up(max(fp32, 1))
+            # the updates inside backward store a gradient only between the backwards of a window
+            stored = not config.step_in_backward or config.gradient_accumulation_steps > 1
+            parts[1].add(name, fp32, copies=1 if stored else 0)
             own_master = one_copy and dtype == torch.float32
             sizes.own_masters += own_master
             stored = int(fp32 * COMPRESSED_STATE_RATIO) if compressed else fp32
@@ -263,7 +270,7 @@ def _host_rss_bound(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, m
     if torch.device(store_device).type == "cpu":
         rss += store.device_bytes  # the device tier is host memory here
     if sizes.trainable:
-        fp32_total = parts[1].charged  # every fp32 shard once
+        fp32_total = sizes.fp32_bytes  # every fp32 shard once
         largest = sizes.largest_fp32_shard
         group = max(config.optimizer_group_bytes, largest)
         # three groups (never more than all shards) of fp32 gradient + master + two moments (``lent``:

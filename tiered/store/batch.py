@@ -22,6 +22,7 @@ from tiered.store.validation import (
     batch_items,
     batch_keys,
     check_atomic,
+    check_keep,
     check_out,
     dense_copy,
     parse_device,
@@ -48,6 +49,7 @@ class BatchCalls:
     async def put_many(
         self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,
         compress: "Optional[bool] | Mapping[str, Optional[bool]]" = None, *, atomic: bool = False,
+        keep: "Tier | str | None" = None,
     ) -> None:
         """:meth:`put` of many tensors as one operation: ``items`` maps keys to tensors, or lists (key, tensor) pairs.
 
@@ -70,11 +72,16 @@ class BatchCalls:
         transaction. When any entry fails, every key keeps its old value and the error names the
         failed keys; after a crash at any moment, either every key holds its new value or every key
         holds its old one ([Note: Atomic batches]).
+
+        ``keep`` as for :meth:`put`: each entry written may also keep a clean copy in that faster tier
+        ([Note: Kept copies]).
         """
         pairs = batch_items(items)
         compresses = batch_compress(compress, pairs)
         check_atomic(atomic, tier)
-        return await self._call(self._put_many, pairs, tier, compresses, [ready_event(t) for _, t in pairs], atomic)
+        check_keep(keep, tier)
+        return await self._call(self._put_many, pairs, tier, compresses, [ready_event(t) for _, t in pairs], atomic,
+                                keep)
 
     async def get_many(
         self, keys: Sequence[str], device: "torch.device | str" = "cpu", *,
@@ -95,8 +102,9 @@ class BatchCalls:
 
     async def _put_many(
         self, pairs: list[tuple[str, torch.Tensor]], tier: "Tier | str", compress: list[Optional[bool]],
-        ready: list[Any], atomic: bool = False,
+        ready: list[Any], atomic: bool = False, keep: "Tier | str | None" = None,
     ) -> None:
+        kept = check_keep(keep, tier)
         tier = Tier.parse(tier)
         await self._wait_for_callers(ready)
         datas = [plain(t) for _, t in pairs]
@@ -110,10 +118,11 @@ class BatchCalls:
         locked = await self._key_locks.acquire_all(keys)
         try:
             if tier is Tier.NVME:
-                await self._put_many_nvme(keys, datas, compress, failures, atomic)  # type: ignore[arg-type]
+                await self._put_many_nvme(keys, datas, compress, failures, atomic, kept)  # type: ignore[arg-type]
             else:
                 results = await asyncio.gather(
-                    *(self._put_locked(k, d, tier, c) for k, d, c in zip(keys, datas, compress)),  # type: ignore[arg-type]
+                    *(self._put_locked(k, d, tier, c, kept)  # type: ignore[arg-type]
+                      for k, d, c in zip(keys, datas, compress)),
                     return_exceptions=True,
                 )
                 for k, r in zip(keys, results):
@@ -126,7 +135,7 @@ class BatchCalls:
 
     async def _put_many_nvme(
         self, keys: list[str], datas: list[torch.Tensor], compress: list[Optional[bool]],
-        failures: dict[str, BaseException], atomic: bool = False,
+        failures: dict[str, BaseException], atomic: bool = False, keep: Optional[Tier] = None,
     ) -> None:
         """Write every key's tensor in one allocation run, few syscalls and one group commit, then install
         the ones that committed. What failed is added to ``failures``; those keys keep their old value
@@ -139,6 +148,10 @@ class BatchCalls:
         for entry, copy in zip(entries, written):
             if copy is not None:
                 await self._finish_put(entry, Tier.NVME, copy)  # never waits: the new version is on nvme
+        if keep is not None:
+            for entry, copy, data in zip(entries, written, datas):
+                if copy is not None:
+                    await self._keep_copy(entry, keep, spans_of_tensor(data))
 
     async def _get_many(
         self, keys: list[str], device: "torch.device | str", outs: Optional[list[Optional[torch.Tensor]]],

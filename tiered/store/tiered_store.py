@@ -46,6 +46,7 @@ from tiered.store.batch import BatchCalls
 from tiered.store.error_messages import lost_at_close, naming_key, read_error
 from tiered.store.validation import (
     check_compress,
+    check_keep,
     check_key,
     check_out,
     check_tensor,
@@ -284,7 +285,8 @@ class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
     # ------------------------------------------------------------------ public API
 
     async def put(
-        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None
+        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None, *,
+        keep: "Tier | str | None" = None,
     ) -> None:
         """Store a copy of ``tensor`` under ``key`` in ``tier``, replacing any previous value.
 
@@ -292,19 +294,26 @@ class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
         durable when it returns; a put to host or device is written down when evicted, flushed or
         on close. ``compress=True`` stores the nvme copy compressed (lossless, bplane-zstd);
         None leaves it to the config's ``compress`` and ``compress_policy`` (docs/compression.md).
+        ``keep`` (a tier faster than ``tier``) also keeps a clean copy there when the eviction
+        policy finds it worth the room ([Note: Kept copies]): a write-through cache.
         """
-        return await self._call(self._put, key, tensor, tier, compress, ready_event(tensor))
+        check_keep(keep, tier)
+        return await self._call(self._put, key, tensor, tier, compress, ready_event(tensor), keep)
 
     async def get(
-        self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None
+        self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None,
+        keep: "Tier | str | None" = None,
     ) -> torch.Tensor:
         """A new tensor with the entry's exact bytes, dtype and shape, on ``device``.
 
         With ``out`` (contiguous, same dtype and shape), the bytes land there instead; a CUDA ``out``
         is written once the work queued so far on the caller's current stream has finished. Waits for
-        a prefetch of the key that is in flight instead of reading the slower copy again.
+        a prefetch of the key that is in flight instead of reading the slower copy again. A get does
+        not promote, unless ``keep`` (host or device) asks the store to keep a copy of what it read
+        from a slower tier there, when the eviction policy finds it worth the room ([Note: Kept copies]).
         """
-        return await self._call(self._get, key, device, out, ready_event(out))
+        check_keep(keep)
+        return await self._call(self._get, key, device, out, ready_event(out), keep)
 
     def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
         """Start bringing ``key`` into ``tier`` and return at once; the handle is awaitable.
@@ -499,7 +508,8 @@ class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
     # ------------------------------------------------------------------ operations (store loop)
 
     async def _put(
-        self, key: str, tensor: torch.Tensor, tier: "Tier | str", compress: Optional[bool], ready: Any = None
+        self, key: str, tensor: torch.Tensor, tier: "Tier | str", compress: Optional[bool], ready: Any = None,
+        keep: "Tier | str | None" = None,
     ) -> None:
         check_key(key)
         check_tensor(tensor)
@@ -509,14 +519,17 @@ class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
         data = plain(tensor)
         if data is None:
             data = await self._in_cpu_pool(dense_copy, tensor)
+        kept = check_keep(keep, tier)
         await self._key_locks.acquire(key)
         try:
-            await self._put_locked(key, data, tier, compress)
+            await self._put_locked(key, data, tier, compress, kept)
         finally:
             self._key_locks.release(key)
 
-    async def _put_locked(self, key: str, data: torch.Tensor, tier: Tier, compress: Optional[bool]) -> None:
-        """The put of one key whose lock the caller holds; ``data`` is contiguous."""
+    async def _put_locked(self, key: str, data: torch.Tensor, tier: Tier, compress: Optional[bool],
+                          keep: Optional[Tier] = None) -> None:
+        """The put of one key whose lock the caller holds; ``data`` is contiguous. ``keep``: see
+        [Note: Kept copies]."""
         entry = Entry(key, data.dtype, tuple(data.shape), data.numel() * data.element_size(), next(self._generation),
                       compress=compress)
         src = spans_of_tensor(data)
@@ -533,6 +546,8 @@ class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
                 self._discard(tier, copy)
                 raise
         await self._finish_put(entry, tier, copy)
+        if keep is not None:
+            await self._keep_copy(entry, keep, src)
 
     async def _finish_put(self, entry: Entry, tier: Tier, copy: Copy) -> None:
         """Make a written ``entry`` the key's current version and retire the old one.
@@ -558,13 +573,13 @@ class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
         self._stats.puts += 1
         if tier is not Tier.NVME:  # _write_nvme counted nvme's bytes_in
             self._stats.tiers[tier].bytes_in += entry.nbytes
-        self._policy.touch(key)
+        self._policy.touch(key, access=False)  # recent, but not a step of the (read) order
         if old is not None:
             entry.pinned = old.pinned
             self._retire(old)
 
-    async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor], ready: Any = None
-                   ) -> torch.Tensor:
+    async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor], ready: Any = None,
+                   keep: "Tier | str | None" = None) -> torch.Tensor:
         check_key(key)
         await self._wait_for_callers((ready,))
         device = parse_device(device)
@@ -595,6 +610,9 @@ class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
         if tier is Tier.NVME:
             self._stats.io_wait_seconds += time.perf_counter() - started
         self._count_get(entry, tier)
+        kept = check_keep(keep)
+        if kept is not None and kept.rank < tier.rank:
+            await self._keep_copy(entry, kept, dst)
         return result
 
     def _count_get(self, entry: Entry, tier: Tier) -> None:

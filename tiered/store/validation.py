@@ -126,6 +126,16 @@ def batch_compress(compress: object, pairs: Sequence[tuple[str, Any]]) -> list[O
     return [compress for _ in pairs]  # type: ignore[misc]
 
 
+def check_keep(keep: object, tier: object = None) -> Optional[Tier]:
+    """``keep`` (None, or a tier faster than ``tier`` when given) as a Tier; ValueError otherwise."""
+    if keep is None:
+        return None
+    parsed = Tier.parse(keep)  # type: ignore[arg-type]
+    if parsed is Tier.NVME or (tier is not None and parsed.rank >= Tier.parse(tier).rank):  # type: ignore[arg-type]
+        raise ValueError(f"keep must be a tier faster than the one written ({tier!r}), got {keep!r}")
+    return parsed
+
+
 def check_atomic(atomic: object, tier: object) -> None:
     """Refuse an ``atomic`` that is not a bool (TypeError), or True with a tier other than nvme (ValueError)."""
     if not isinstance(atomic, bool):
