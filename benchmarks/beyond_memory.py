@@ -171,7 +171,8 @@ def train(args: argparse.Namespace, cfg: LlamaConfig, workdir: str, floors: dict
         model = Llama(cfg)
     config = engine.EngineConfig(
         store=tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=int(args.host_gib * GiB)),
-        param_tier="nvme", optimizer_tier="nvme", compress_optimizer=args.compress_optimizer)
+        param_tier="nvme", optimizer_tier="nvme", compress_optimizer=args.compress_optimizer,
+        step_in_backward=args.step_in_backward)
     needed = needed_disk_bytes(model, config) + 4 * GiB  # and fio's file, written before
     free = shutil.disk_usage(workdir).free
     if free < needed:
@@ -304,6 +305,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compress-optimizer", action="store_true", help="EngineConfig.compress_optimizer=True")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="EngineConfig.step_in_backward=True: the updates run inside backward, no gradient is stored")
     p.add_argument("--floor-reps", type=int, default=2, help="in-memory steps timed per layer count")
     add_fio_arguments(p)
     p.add_argument("--json")
@@ -343,7 +346,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = with_machine({
         "params": cfg.num_params, "config": dataclasses.asdict(cfg), "state_bytes": summary["state_bytes"],
         "ram_bytes": ram, "host_bytes": host_bytes, "tokens": args.tokens,
-        "compress_optimizer": args.compress_optimizer, "fio": fio, "compute": compute, "floors": floors,
+        "compress_optimizer": args.compress_optimizer, "step_in_backward": args.step_in_backward, "fio": fio,
+        "compute": compute, "floors": floors,
         "summary": summary, **run,
     }, machine)
     write_json(result, args.json)

@@ -122,6 +122,7 @@ class Engine:
                 )
                 if shard_io.collectives is not None:  # global-norm clipping sums squares over ranks
                     self._training.all_reduce = shard_io.all_reduce_sum
+                scope.on_root_forward = self._training.on_forward
             elif optimizer is not None:
                 self._optimizer_hooks = TorchOptimizerHooks(optimizer, self._by_id, self._pager)
         except BaseException:
@@ -389,7 +390,7 @@ class Engine:
         written = {h.name for h in handles}
         store = self._store
         for shard in self._training.live_shards():
-            if shard.name in written and shard.master_key in store:
+            if shard.name in written and not shard.master_is_param and shard.master_key in store:
                 master = store.sync.get(shard.param_key).reshape(-1).to(torch.float32)
                 store.sync.put(
                     shard.master_key, master, self._config.optimizer_tier,
@@ -482,8 +483,11 @@ class Engine:
         the training dtype. ``exclude_frozen_parameters`` (DeepSpeed's name): without the
         parameters that take no gradient (a LoRA fine-tune's base weights; what PEFT's
         ``save_pretrained(state_dict=...)`` keeps is among the rest). With several ranks every rank
-        must call it and each gets the whole dict."""
+        must call it and each gets the whole dict. An optimizer step that stopped part way is
+        finished first (docs/training.md, "The optimizer step")."""
         self._check_open()
+        if self._training is not None:
+            self._training.complete_pending()
         return checkpoint.consolidated_state_dict(self._model, self._handles, self._io,
                                                   exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -694,7 +698,10 @@ class Engine:
         if self._optimizer is not None:
             self._accumulation.check_final_grad()
         if self._training is not None:
-            self._training.grads.offload(handle)  # to the store as an fp32 shard; param.grad = None
+            if self._training.step_in_backward and self._accumulation.is_boundary():
+                self._training.update_in_backward(handle)  # the window's last backward: its update, now
+            else:
+                self._training.grads.offload(handle)  # to the store as an fp32 shard; param.grad = None
         elif handle.param.grad is not None:  # no engine optimizer: param.grad is the mean over ranks, as with DDP
             self._io.average_grad(handle.param.grad)
         self._pager.end_backward_hold(handle)
@@ -840,15 +847,16 @@ def wrap(
             source.close()
         raise
     try:
-        shard_io = ShardIO(store, config.param_tier, collectives)
+        shard_io = ShardIO(store, config.param_tier, collectives, cache=config.cache_tier)
         meter = MemoryMeter(
             sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
                 if p.device.type != "meta")
         )
-        from engine.optim.training import check_resumable, discard_training_state
+        from engine.optim.training import check_resumable, discard_training_state, return_kept_parameters
 
         if config.resume:
             check_resumable(store)
+            return_kept_parameters(store)  # what an update inside backward had set aside when a crash came
         else:
             discard_training_state(store)  # this wrap's parameters replace the earlier run's
         discard_activations(store)
@@ -902,6 +910,11 @@ def _is_engine_optimizer(optimizer: object) -> bool:
 
 
 def _check_loss_scaling(config: EngineConfig, optimizer: object) -> None:
+    if config.step_in_backward and not _is_engine_optimizer(optimizer):
+        raise ValueError(
+            "EngineConfig.step_in_backward applies engine.AdamW's updates inside backward: pass "
+            f"optimizer=engine.AdamW(...) (got {type(optimizer).__name__ if optimizer is not None else 'no optimizer'})"
+        )
     if config.loss_scaling is not None and not _is_engine_optimizer(optimizer):
         raise ValueError(
             "EngineConfig.loss_scaling is applied by engine.AdamW's step: pass optimizer=engine.AdamW(...) "

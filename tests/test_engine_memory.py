@@ -96,7 +96,9 @@ def test_peak_rss_stays_within_host_bytes_at_two_budgets_with_the_default_alloca
     for run in got["runs"]:
         host = run["host"]
         assert states >= 4 * host and run["minimum"] <= host  # the premise: the state does not fit 4 times over
-        assert run["steps"] == 2 and run["written"] == 2 * 16 * got["params"]  # the whole state went through
+        # The whole state went through: the parameter (its own master) and two moments, written once
+        # per step (and a small progress entry per group).
+        assert run["steps"] == 2 and 0 <= run["written"] - 2 * 12 * got["params"] < 2 * 64 * 4096
         assert run["losses"][-1] < run["losses"][0]
         assert run["bound"] == run["planned"] == host  # the plan divides exactly the budget
         peak = run["peak"]

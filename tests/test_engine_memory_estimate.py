@@ -48,11 +48,16 @@ def test_each_kind_of_entry_is_counted_in_its_tier(tmp_path):
     assert (params.tier, grads.tier, state.tier) == ("nvme", "host", "nvme")  # the defaults
     assert params.nbytes == sum(page(4 * n) for n in sizes + frozen)
     assert grads.nbytes == sum(page(4 * n) for n in sizes)  # frozen parameters have no gradient ...
-    assert state.nbytes == 3 * grads.nbytes  # ... and no master weights or moments
+    # ... and no moments; the fp32 parameters in the optimizer's tier are their own masters
+    assert state.nbytes == 2 * grads.nbytes and "their own masters" in state.what
     assert params.largest == page(4 * 300_000) and params.largest_name == "0.weight"
     assert est.at_rest == engine.paging.memory_estimate.TierBytes(host=grads.nbytes, nvme=params.nbytes + state.nbytes)
-    # During the step the new state is written beside the old one.
-    assert est.during_step.nvme == est.at_rest.nvme + state.nbytes and est.during_step.host == est.at_rest.host
+    # During the step the gradients are made durable on nvme and one group's new state (here all of
+    # it: the model is smaller than a group) is written before the old one is freed.
+    assert est.during_step.nvme == est.at_rest.nvme + grads.nbytes + 3 * grads.nbytes
+    assert est.during_step.host == est.at_rest.host
+    separate = engine.estimate_memory(two_linears(), config(tmp_path, param_tier="host"))
+    assert separate.parts[2].nbytes == 3 * grads.nbytes and "own masters" not in separate.parts[2].what
     assert est.fits and not est.warnings
 
 
@@ -86,8 +91,9 @@ def test_ranks_training_dtype_compression_and_inference(tmp_path):
     assert bf16.parts[1].nbytes == sum(page(4 * n) for n in sizes)  # gradients and state stay fp32
     fp32 = engine.estimate_memory(two_linears(), config(tmp_path))
     assert bf16.host_rss_bound > fp32.host_rss_bound - fp32.materialized_bytes + bf16.materialized_bytes  # new shards
+    assert bf16.parts[2].nbytes == 3 * bf16.parts[1].nbytes  # a bf16 parameter has an fp32 master of its own
     packed = engine.estimate_memory(two_linears(), config(tmp_path, compress_optimizer=True))
-    assert packed.parts[2].nbytes == sum(3 * page(int(4 * n * COMPRESSED_STATE_RATIO)) for n in sizes)
+    assert packed.parts[2].nbytes == sum(2 * page(int(4 * n * COMPRESSED_STATE_RATIO)) for n in sizes)
     assert "compressed" in packed.parts[2].what
     inference = engine.estimate_memory(two_linears(), config(tmp_path), training=False)
     assert [p.what for p in inference.parts] == ["parameter shards"] and inference.trainable == 0
@@ -100,7 +106,7 @@ def test_meta_models_tied_weights_and_a_large_one_cost_nothing_to_estimate(tmp_p
     big[1].weight = big[0].weight  # tied: one parameter, counted once
     est = engine.estimate_memory(big, config(tmp_path, host_bytes=1 << 40))
     assert est.parameters == 50_000 * 4096
-    assert est.parts[2].nbytes == 3 * page(4 * 50_000 * 4096)
+    assert est.parts[2].nbytes == 2 * page(4 * 50_000 * 4096)
     assert est.materialized_bytes == 4 * 50_000 * 4096 + 1 * MiB  # the largest module + the window
 
 
@@ -338,3 +344,15 @@ def test_the_tiered_command_lists_estimate(capsys):
 
     assert main(["--help"]) == 0 and "estimate" in capsys.readouterr().out
     assert "estimate" not in COMMANDS  # the engine adds it: the store never imports the engine
+
+
+def test_updates_inside_backward_keep_the_old_parameters_during_a_step(tmp_path):
+    after = engine.estimate_memory(two_linears(), config(tmp_path))
+    inside = engine.estimate_memory(two_linears(), config(tmp_path, step_in_backward=True))
+    grads = after.parts[1].nbytes
+    assert [p.what for p in inside.parts] == [after.parts[0].what, after.parts[2].what]  # no gradient is stored
+    assert inside.at_rest.nvme == after.at_rest.nvme and inside.at_rest.host == 0 < after.at_rest.host
+    # after backward: the gradients made durable; inside: the old parameters kept, as many bytes; and
+    # one batch or group in flight either way
+    assert inside.during_step.nvme == after.during_step.nvme == after.at_rest.nvme + grads + 3 * grads
+    assert inside.host_rss_bound == after.host_rss_bound

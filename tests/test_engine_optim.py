@@ -210,6 +210,56 @@ def test_clipping_with_precomputed_norms_and_all_reduce(store):
     run.assert_equal()
 
 
+def one_copy_shard(i: int, n: int) -> OptimShard:
+    """A shard whose fp32 parameter is its own master."""
+    return OptimShard(f"p{i}", n, torch.float32, f"param/p{i}", f"grad/p{i}", f"param/p{i}", f"m/p{i}", f"v/p{i}")
+
+
+def test_a_parameter_that_is_its_own_master_is_written_once_per_step(store):
+    run = Run(store)
+    run.shards = [one_copy_shard(i, n) for i, n in enumerate(SIZES)]
+    numel = sum(SIZES)
+    for k in range(4):
+        run.new_grads()
+        run.oracle.step()
+        stats = run.step(state_tier="nvme", param_tier="nvme", compress=True)
+        # read: gradient and parameter (+ two moments after the first step); written: parameter + moments
+        assert stats.bytes_read == (8 if k == 0 else 16) * numel and stats.bytes_written == 12 * numel
+    run.assert_equal()
+    assert not any(k.startswith("master/") for k in store.keys())
+    assert store.info("param/p5").codec == "raw" and store.info("m/p5").codec == "bplane-zstd"
+    with pytest.raises(ValueError, match="one tier"):
+        run.step(state_tier="nvme", param_tier="host")
+    with pytest.raises(ValueError, match="only when it is fp32"):
+        OptimShard("x", 3, torch.bfloat16, "param/x", "grad/x", "param/x", "m/x", "v/x")
+
+
+def test_atomic_groups_commit_with_their_progress_entry_and_a_recorded_clip_coefficient(store):
+    run = Run(store)
+    run.shards = [one_copy_shard(i, n) for i, n in enumerate(SIZES)]
+    groups = plan_groups(run.shards, GROUP_BYTES)
+    run.new_grads()
+    coef = torch.tensor(0.25)
+    for p in run.params:
+        p.grad.mul_(coef)
+    run.oracle.step()
+    marks: list[list[str]] = []
+
+    def progress(names: list[str]) -> tuple[str, torch.Tensor]:
+        marks.append(names)
+        return f"done/{names[0]}", torch.tensor([len(names)], dtype=torch.int32)
+
+    commits = store.stats().manifest_commits
+    run.step(state_tier="nvme", param_tier="nvme", clip_coef=coef, max_grad_norm=1e-9, atomic=True,
+             progress=progress)  # the recorded coefficient wins over max_grad_norm
+    run.assert_equal()
+    assert marks == [[s.name for s in g] for g in groups]
+    assert all(f"done/{g[0].name}" in store for g in groups)
+    assert store.stats().manifest_commits - commits == len(groups)  # one transaction per group
+    with pytest.raises(ValueError, match="atomic=True"):
+        run.step(state_tier="host", param_tier="host", atomic=True)
+
+
 def test_init_state_ahead_equals_lazy_init(tmp_path):
     results = []
     for eager in (False, True):
@@ -301,6 +351,16 @@ class GatedStore:
         self._count(self.puts_in_flight, g, 1)
         try:
             await self.store.put(key, tensor, tier, compress)
+            if g < self.last_group:
+                await self._gate(g + 1)
+        finally:
+            self._count(self.puts_in_flight, g, -1)
+
+    async def put_many(self, items, tier="nvme", compress=None, *, atomic=False):
+        g = self.group_of[next(iter(items)).split("/", 1)[1]]
+        self._count(self.puts_in_flight, g, 1)
+        try:
+            await self.store.put_many(items, tier, compress, atomic=atomic)
             if g < self.last_group:
                 await self._gate(g + 1)
         finally:
@@ -406,6 +466,11 @@ class FailingStore:
             raise tiered.TransferError(f"injected failure writing {key}")
         await self.store.put(key, tensor, tier, compress)
 
+    async def put_many(self, items, tier="nvme", compress=None, *, atomic=False):
+        if self.bad_key in items:
+            raise tiered.TransferError(f"injected failure writing {self.bad_key}")
+        await self.store.put_many(items, tier, compress, atomic=atomic)
+
 
 def test_a_failed_write_fails_the_step_and_leaves_nothing_running(store, caplog):
     run = Run(store)
@@ -416,8 +481,9 @@ def test_a_failed_write_fails_the_step_and_leaves_nothing_running(store, caplog)
             optimizer_step.step(failing, run.shards, run.hyper(), {}, group_bytes=GROUP_BYTES)
         gc.collect()
     assert not caplog.records  # no task left pending or with an unretrieved exception
-    assert run.shards[1].exp_avg_key not in store
-    assert torch.equal(store.sync.get(run.shards[1].master_key), store.sync.get(run.shards[1].param_key))
+    # The group's state write failed, so its new parameters were not written either.
+    assert run.shards[1].exp_avg_key not in store and run.shards[1].master_key not in store
+    assert torch.equal(store.sync.get(run.shards[1].param_key), run.params[1])
 
 
 def test_a_failed_update_still_finishes_the_previous_groups_writes(store):

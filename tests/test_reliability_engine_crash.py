@@ -2,7 +2,8 @@
 
 tests/engine_crash_harness.py forks training children (engine.AdamW, everything on nvme; one
 variant plain with a checkpoint directory per save, one with compressed optimizer state, gradient
-accumulation, clipping and a checkpoint saved over with overwrite=True) and kills them in forward,
+accumulation, clipping and a checkpoint saved over with overwrite=True, one with the updates inside
+backward, EngineConfig.step_in_backward) and kills them in forward,
 in backward as a gradient offload starts, inside step() (at a pipeline event or a random delay),
 inside a checkpoint save (at a filesystem call or a random delay), between steps and while resuming.
 Each next child resumes from the store (EngineConfig(resume=True)) or from the latest checkpoint
@@ -41,6 +42,19 @@ def test_sigkilled_training_resumes_on_the_uninterrupted_loss_curve(tmp_path, fo
     assert {r.source for r in records} >= {"store", "checkpoint"}, records
     assert sum(r.losses_checked for r in records) >= 40, records
     assert any(not r.killed for r in records), "no chain ran to its end (its final parameters are checked)"
+
+
+@pytest.mark.timeout(180)
+def test_sigkilled_updates_inside_backward_resume_on_the_uninterrupted_loss_curve(tmp_path, forkserver):
+    """EngineConfig.step_in_backward: kills land among the updates backward runs (and anywhere else);
+    each resume replays the interrupted step's batch."""
+    records = harness.run_engine_chains(str(tmp_path), 10, seed=4242, variants=(harness.STEP_IN_BACKWARD,),
+                                        ctx=forkserver, phases=("backward", "backward", "between", "resume"))
+    killed = [r for r in records if r.killed]
+    assert len(killed) == 10 and any(not r.killed for r in records)
+    phases = collections.Counter(r.phase for r in killed)
+    assert phases["backward"] >= 2 and phases["between"] >= 1, phases  # among the updates, and before the commit
+    assert sum(r.losses_checked for r in records) >= 15, records
 
 
 def test_the_checker_catches_a_wrong_loss_and_a_wrong_resume():

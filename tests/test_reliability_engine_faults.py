@@ -2,9 +2,10 @@
 damaged step record.
 
 What must hold: step() raises the store's typed error (CapacityError / TransferError naming the
-entry); the engine is back at the last completed step (parameters, step counts, the record); the
-gradients are kept, so the same step() succeeds once the fault is gone; and the losses from there on
-equal plain torch's. A step record that cannot be read stops a resume with advice.
+entry); the record still names the last completed step; a step that failed before changing anything
+leaves everything as it was, and one that failed part way says so and is finished by the next
+step() from its durable gradients; and the losses from there on equal plain torch's. A step record
+that cannot be read stops a resume with advice.
 """
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 def train_with_a_fault(eng: engine.Engine, model: torch.nn.Module, fail_at: int, steps: int,
                        inject: Callable[[], None], heal: Callable[[], None], error: type, match: str,
-                       rolled_back: bool = True) -> None:
-    """Train ``steps`` steps beside plain torch; step ``fail_at`` first fails (``inject``), is back at
-    the last completed step (the parameters too when the rollback could write: ``rolled_back``; else
-    the next step restores them first), and succeeds after ``heal``. Losses equal torch's throughout."""
+                       part_way: Optional[bool] = None) -> None:
+    """Train ``steps`` steps beside plain torch; step ``fail_at`` first fails (``inject``) and, after
+    ``heal``, the next step() runs it again (nothing was written) or finishes it (it stopped part
+    way; ``part_way`` says which is expected, None: either). Losses equal torch's throughout."""
     ref = copy.deepcopy(eng.state_dict())
     ref_model = TinyGPT()
     ref_model.load_state_dict(ref)
@@ -94,29 +95,31 @@ def train_with_a_fault(eng: engine.Engine, model: torch.nn.Module, fail_at: int,
                 eng.step()
             heal()
             assert eng.completed_steps == completed and eng.optimizer.shard_steps == shard_steps
-            assert StepRecord.read(eng.store).step == completed
+            record = StepRecord.read(eng.store)
+            assert record.step == completed
             notes = "".join(getattr(failure.value, "__notes__", []))
-            if rolled_back:
-                assert not notes
-                assert_same(snapshot(eng), before)  # back at the last completed step
+            stopped = record.applying is not None
+            assert part_way is None or stopped == part_way, record
+            if stopped:
+                assert f"step {completed + 1} stopped part way" in notes and "eng.step() finishes it" in notes
             else:
-                assert "the next eng.step() (which restores them first)" in notes
+                assert not notes
+                assert_same(snapshot(eng), before)  # nothing was written
         eng.step()  # the gradients were kept: the same step, now whole
         eng.zero_grad()
     assert_same(snapshot(eng), {k: v.detach() for k, v in ref_model.state_dict().items()})
 
 
-@pytest.mark.parametrize("fail_at, ok, rolled_back", [(0, 4, True), (2, 9, False)],
-                         ids=["first-step-init", "later-step"])
+@pytest.mark.parametrize("fail_at, ok, part_way", [(0, 0, False), (0, 4, True), (2, 9, True)],
+                         ids=["before-any-write", "first-step", "later-step"])
 @pytest.mark.parametrize("err, error, match", [
     (errno.ENOSPC, CapacityError, "No space left on device"),
     (errno.EIO, TransferError, "Input/output error"),
 ])
-def test_a_write_fault_in_step_rolls_back_and_the_step_works_again(tmp_path, fail_at, ok, rolled_back, err, error,
-                                                                   match):
-    """Writes fail after ``ok`` succeeded, persistently until healed: some groups are written, the rest
-    fail, and so do the rollback's own writes; at the first step, a shard's new master is written but
-    its moments are not (the retry must not take that master for a whole state)."""
+def test_a_write_fault_in_step_is_finished_by_the_next_step(tmp_path, fail_at, ok, part_way, err, error, match):
+    """Writes fail after ``ok`` succeeded, persistently until healed: with none, the step's first
+    write (its record) fails and nothing changes; with some, a few groups commit and the rest fail,
+    and the next step() finishes the step from its gradients with the values it recorded."""
     torch.manual_seed(3)
     model = TinyGPT()
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path))
@@ -130,14 +133,14 @@ def test_a_write_fault_in_step_rolls_back_and_the_step_works_again(tmp_path, fai
         eng.store._io.syscalls = real
 
     try:
-        train_with_a_fault(eng, model, fail_at, 4, inject, heal, error, match, rolled_back)
+        train_with_a_fault(eng, model, fail_at, 4, inject, heal, error, match, part_way)
     finally:
         eng.close()
 
 
-def test_a_transient_eio_in_step_is_rolled_back_at_once(tmp_path):
-    """A failed write in the middle of a step: the rollback itself succeeds, so the engine is at the
-    last completed step before anything is healed."""
+def test_a_transient_eio_in_step_is_finished_without_healing(tmp_path):
+    """One failed write in the middle of a step: the step stopped part way, and the next step()
+    finishes it with nothing healed."""
     torch.manual_seed(4)
     model = TinyGPT()
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path))
@@ -157,7 +160,7 @@ def test_a_transient_eio_in_step_is_rolled_back_at_once(tmp_path):
         eng.store._io.syscalls = Syscalls(pwritev=failing, preadv=real.preadv, fdatasync=real.fdatasync)
 
     try:
-        train_with_a_fault(eng, model, 2, 4, inject, lambda: None, TransferError, "Input/output error")
+        train_with_a_fault(eng, model, 2, 4, inject, lambda: None, TransferError, "Input/output error", True)
     finally:
         eng.close()
 
@@ -168,8 +171,8 @@ def test_a_transient_eio_in_step_is_rolled_back_at_once(tmp_path):
 
 def test_a_full_disk_under_the_swap_files_fails_the_step_cleanly(tmp_path, small_tmpfs):
     """The swap files on a real 2 MiB tmpfs, filled just before the first step (which must grow them
-    for the optimizer state): CapacityError, the last completed step, and the step works once a file
-    is deleted."""
+    for the optimizer state): CapacityError, the last completed step in the record, and the step is
+    done once a file is deleted."""
     torch.manual_seed(5)
     model = TinyGPT()
     config = config_at(tmp_path, nvme_paths=[os.path.join(small_tmpfs, "nvme")], swap_grow_bytes=256 * KiB)

@@ -247,6 +247,56 @@ async def test_a_failed_block_fails_only_its_keys(tmp_path):
         assert all(torch.equal(g, new[k]) for k, g in zip(new, await store.get_many(list(new))))
 
 
+async def test_an_atomic_batch_with_a_failed_block_stores_nothing(tmp_path):
+    cfg = batch_config(tmp_path / "s", nvme_paths=[str(tmp_path / "a"), str(tmp_path / "b")], block_size=64 * KiB)
+    async with await tiered.TieredStore.open_async(cfg) as store:
+        old = {f"k{i}": torch.full((20_000,), -1.0) for i in range(6)}
+        await store.put_many(old)
+        new = {f"k{i}": torch.full((20_000,), float(i)) for i in range(6)}
+        new["small"] = torch.ones(10)
+        bad = store._nvme.files[2]
+        real = store._io.syscalls
+        store._io.syscalls = Syscalls(pwritev=_failing_file_writes(real.pwritev, bad.handle.fd))
+        try:
+            with pytest.raises(tiered.TransferError, match="stored nothing"):
+                await store.put_many(new, atomic=True)
+        finally:
+            store._io.syscalls = real
+        assert "small" not in store
+        got = await store.get_many(list(old))
+        assert all(torch.equal(g, old[k]) for k, g in zip(old, got))
+        space = store.nvme_space()
+        assert space.allocated_bytes == space.charged_bytes == space.entry_bytes
+        commits = store.stats().manifest_commits
+        await store.put_many(new, compress={"k1": True, "small": False}, atomic=True)
+        assert store.stats().manifest_commits == commits + 1  # one transaction for the whole batch
+        assert store.info("k1").codec == "bplane-zstd" and store.info("k0").codec == "raw"
+        assert all(torch.equal(g, new[k]) for k, g in zip(new, await store.get_many(list(new))))
+
+
+async def test_atomic_batches_refuse_memory_tiers_and_bad_compress_maps(store):
+    with pytest.raises(ValueError, match="atomic=True"):
+        await store.put_many({"a": torch.ones(3)}, tier="host", atomic=True)
+    with pytest.raises(ValueError, match="not in the batch"):
+        await store.put_many({"a": torch.ones(3)}, compress={"b": True})
+    with pytest.raises(TypeError, match="compress"):
+        store.sync.put_many({"a": torch.ones(3)}, compress={"a": "yes"})
+    with pytest.raises(TypeError, match="atomic"):
+        store.sync.put_many({"a": torch.ones(3)}, atomic=1)
+    assert "a" not in store
+
+
+async def test_flush_of_some_keys_writes_only_those_and_keeps_the_host_copies(store):
+    await store.put_many({"a": torch.ones(1000), "b": torch.zeros(1000)}, tier="host")
+    await store.flush(["a"])
+    assert store.info("a").tiers == (Tier.HOST, Tier.NVME) and not store.info("a").dirty
+    assert store.info("b").dirty
+    with pytest.raises(tiered.KeyNotFoundError, match="'nope'"):
+        store.sync.flush(["b", "nope"])
+    with pytest.raises(TypeError, match="flush takes a sequence of keys"):
+        await store.flush("a")
+
+
 async def test_a_corrupt_entry_fails_only_its_own_key(tmp_path):
     items = {f"k{i}": random_tensor((3000,), torch.float32, seed=i) for i in range(10)}
     async with await tiered.TieredStore.open_async(batch_config(tmp_path / "s")) as store:
@@ -383,13 +433,13 @@ def crash_config(path: str) -> tiered.StoreConfig:
     return batch_config(path, block_size=256 * KiB, swap_grow_bytes=1 * MiB, host_bytes=0, device_bytes=0)
 
 
-def crash_writer(path: str, journal: str, first: int) -> None:
+def crash_writer(path: str, journal: str, first: int, atomic: bool = False) -> None:
     """Round after round, put_many every key with the round's values; journal each round's start and end."""
     fd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with tiered.TieredStore.open(crash_config(path)) as store:
         for g in itertools.count(first):
             os.write(fd, f"begin {g}\n".encode())
-            store.sync.put_many({f"k{i}": crash_value(i, g) for i in range(CRASH_KEYS)})
+            store.sync.put_many({f"k{i}": crash_value(i, g) for i in range(CRASH_KEYS)}, atomic=atomic)
             os.write(fd, f"end {g}\n".encode())
 
 
@@ -409,7 +459,9 @@ def _journal(path: str) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(120)
-def test_put_many_killed_mid_way_leaves_every_key_old_or_new(tmp_path):
+@pytest.mark.parametrize("atomic", [False, True])
+def test_put_many_killed_mid_way_leaves_every_key_old_or_new(tmp_path, atomic):
+    """Any batch: each key old or new. An atomic batch: every key from the same round."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tiered", __name__])
     rng = random.Random(5)
@@ -418,7 +470,7 @@ def test_put_many_killed_mid_way_leaves_every_key_old_or_new(tmp_path):
     first = 0
     for kill in range(5):
         journal = str(tmp_path / f"journal-{kill}")
-        proc = ctx.Process(target=crash_writer, args=(path, journal, first))
+        proc = ctx.Process(target=crash_writer, args=(path, journal, first, atomic))
         proc.start()
         deadline = time.monotonic() + 60
         while proc.exitcode is None and time.monotonic() < deadline:  # let a few rounds return first
@@ -435,12 +487,16 @@ def test_put_many_killed_mid_way_leaves_every_key_old_or_new(tmp_path):
             allowed[i] = {ended} | ({begun} if begun > ended else set())
         with tiered.TieredStore.open(crash_config(path)) as store:
             seen = set()
+            common = set(allowed[0])
             for i in range(CRASH_KEYS):
                 got = store.sync.get(f"k{i}")
                 match = [g for g in allowed[i] if same_bytes(got, crash_value(i, g))]
                 assert match, f"k{i} after kill {kill}: neither of rounds {sorted(allowed[i])}"
                 seen.add(match[0])
+                common &= set(match)
             assert sorted(store.keys()) == sorted(f"k{i}" for i in range(CRASH_KEYS))
+            if atomic:
+                assert common, f"an atomic batch was torn by kill {kill}: keys from rounds {sorted(seen)}"
             space = store.nvme_space()
             assert space.allocated_bytes == space.charged_bytes == space.entry_bytes, space
         first = max(begun, ended) + 1

@@ -94,6 +94,14 @@ class CommitLog:
             self._task = asyncio.get_running_loop().create_task(self._run())
         return done
 
+    def submit_many(
+        self, changes: Sequence[tuple[str, int, Optional[Record], Optional[NvmeCopy]]]
+    ) -> "list[asyncio.Future[bool]]":
+        """Queue several changes, each ``(key, generation, record or None, copy)``, to commit in one
+        transaction: queued together, they are taken into the same batch, whose records the manifest
+        writes all or none of. One future per change, as :meth:`submit` returns."""
+        return [self.submit(*change) for change in changes]
+
     def committed_generation(self, key: str) -> Optional[int]:
         """The generation of ``key``'s last committed change (a record or a tombstone), if any."""
         return self._generations.get(key)

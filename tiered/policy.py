@@ -43,6 +43,11 @@ class EvictionPolicy(abc.ABC):
         Policies that cannot use it ignore it.
         """
 
+    def keeps(self, key: str, instead_of: str) -> bool:
+        """Whether a copy of ``key`` that a caller offers to keep is worth evicting ``instead_of``
+        (the policy's best victim) for; True unless the policy knows better."""
+        return True
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used first."""
@@ -109,6 +114,11 @@ class FutureOrderPolicy(EvictionPolicy):
             return float("inf")
         i = bisect.bisect_left(pos, self._cursor)
         return pos[i] - self._cursor if i < len(pos) else pos[0] + self._length - self._cursor
+
+    def keeps(self, key: str, instead_of: str) -> bool:
+        """With an order: only when ``key`` is used again before ``instead_of`` (Belady's rule with
+        bypass: a copy used later than everything resident is not worth keeping). Without one: True."""
+        return not self._length or self.next_use(key) < self.next_use(instead_of)
 
     def victims(self, resident: Collection[str]) -> Iterator[str]:
         if not self._length:

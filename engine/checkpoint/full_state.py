@@ -41,6 +41,7 @@ def full_grad(parts: EngineParts, handle: ParamHandle) -> Optional[torch.Tensor]
     """The fp32 gradient the next step will use (accumulated, averaged over ranks, without the loss
     scale), or None when there is none (a frozen parameter, or none since the last step or
     ``zero_grad``)."""
+    _check_gradients_kept(parts)
     check_between_steps(parts, "read a parameter's gradient")
     if parts.training is None:
         grad = handle.param.grad
@@ -76,7 +77,7 @@ def set_full_fp32_param(parts: EngineParts, handle: ParamHandle, value: torch.Te
     uses it), which it holds meanwhile, and calls this from that write-back. Before the parameter's
     first step there is no master yet: that step makes it from the parameter."""
     master = _master_key(parts, handle)
-    if master is not None:
+    if master is not None and master != handle.key:  # a parameter that is its own master was just written
         shard = parts.io.shard_of(handle, value.detach().to(torch.float32))
         parts.io.store.sync.put(master, shard, parts.config.optimizer_tier, compress=_compress(parts))
 
@@ -84,6 +85,7 @@ def set_full_fp32_param(parts: EngineParts, handle: ParamHandle, value: torch.Te
 def set_full_grad(parts: EngineParts, handle: ParamHandle, value: torch.Tensor) -> None:
     """Make ``value`` (the parameter's shape) the gradient the next step uses, as
     ``param.grad.copy_(value)`` before a plain step; a later backward adds to it."""
+    _check_gradients_kept(parts)
     check_between_steps(parts, "set a parameter's gradient")
     check_value(handle, value)
     _check_trainable(handle, "a gradient")
@@ -132,7 +134,7 @@ def check_value(handle: ParamHandle, value: object) -> torch.Tensor:
 def _master_key(parts: EngineParts, handle: ParamHandle) -> Optional[str]:
     """The store key of the parameter's fp32 master, None when it has none (no engine.AdamW, frozen,
     or no step taken yet). The same answer on every rank: each holds a shard of every state."""
-    if parts.training is None or not handle.trainable:
+    if parts.training is None or not handle.trainable or not parts.training.has_state(handle.name):
         return None
     key = _state_keys(parts, handle)["master"]
     return key if key in parts.io.store else None
@@ -145,6 +147,15 @@ def _state_keys(parts: EngineParts, handle: ParamHandle) -> dict[str, str]:
 
 def _compress(parts: EngineParts) -> Optional[bool]:
     return True if parts.config.compress_optimizer else None
+
+
+def _check_gradients_kept(parts: EngineParts) -> None:
+    """RuntimeError when the updates run inside backward: the gradients are used up there."""
+    if parts.training is not None and parts.training.step_in_backward:
+        raise RuntimeError(
+            "EngineConfig.step_in_backward applies each gradient inside backward and keeps none, so there is no "
+            "gradient to read or set between backward and step; turn step_in_backward off to do that"
+        )
 
 
 def _check_adam_key(key: str) -> None:

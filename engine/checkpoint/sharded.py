@@ -475,18 +475,30 @@ def _loads(parts: EngineParts, files: CheckpointFiles, load_optimizer: bool
     """What this rank loads: (handle, optimizer state or None for the parameter, store key, tier,
     compress), parameter shards first."""
     config = parts.config
+    training = parts.training
     unique = _loaded_handles(parts, files.metadata)
-    loads: list[tuple[ParamHandle, Optional[str], str, str, Optional[bool]]] = [
-        (h, None, h.key, config.param_tier, None) for h in unique
-    ]
     optimizer = files.optimizer if load_optimizer else None
-    if parts.training is not None and optimizer is not None:
+    with_state = set(optimizer["with_state"]) if training is not None and optimizer is not None else set()
+    loads: list[tuple[ParamHandle, Optional[str], str, str, Optional[bool]]] = []
+    for h in unique:
+        # A parameter that is its own fp32 master is staged, never written in place (the commit renames
+        # it there); when the checkpoint has its master, that is what is staged.
+        staged = training.param_staging_key(h.name) if training is not None and h.trainable else None
+        if staged is None:
+            loads.append((h, None, h.key, config.param_tier, None))
+        elif h.name not in with_state:
+            loads.append((h, None, staged, config.param_tier, None))
+    if with_state:
+        assert training is not None and optimizer is not None
         by_name = {h.name: h for h in unique}
         for name in optimizer["with_state"]:
             if name not in by_name:
                 raise CheckpointError(f"{files.path!r}: the optimizer has state for {name!r}, not a parameter")
-            for state, key in zip(STATE_NAMES, parts.training.staging_keys(name)):
-                loads.append((by_name[name], state, key, config.optimizer_tier, config.compress_optimizer))
+            one_copy = training.master_is_param(name)
+            for state, key in zip(STATE_NAMES, training.staging_keys(name)):
+                as_param = one_copy and state == "master"
+                loads.append((by_name[name], state, key, config.param_tier if as_param else config.optimizer_tier,
+                              None if as_param else config.compress_optimizer))
     return loads
 
 
@@ -593,13 +605,16 @@ def _restore_hyperparameters(optimizer: Any, saved: dict[str, Any]) -> None:
 
 
 def check_between_steps(parts: EngineParts, what: str) -> None:
-    """RuntimeError naming ``what`` if a parameter is in use (the model's forward or backward runs)."""
+    """RuntimeError naming ``what`` if a parameter is in use (the model's forward or backward runs);
+    then finish an optimizer step that stopped part way, so what follows sees one step's state."""
     with parts.pager.lock:
         busy = [h.name for h in parts.handles if h.held]
         if busy:
             raise RuntimeError(
                 f"cannot {what} while the model is running (parameters in use: {busy[:3]}); call it between steps"
             )
+    if parts.training is not None:
+        parts.training.complete_pending()
 
 
 def _live_state_keys(parts: EngineParts, exclude_frozen: bool = False) -> dict[str, tuple[str, str, str]]:

@@ -98,6 +98,13 @@ class EngineConfig:
     #: Cast floating tensors among the model's forward inputs to ``train_dtype`` before each forward
     #: (FSDP2's ``cast_forward_inputs``; DeepSpeed's ``fp16.auto_cast`` maps here). Needs ``train_dtype``.
     cast_forward_inputs: bool = False
+    #: Apply each parameter's AdamW update inside backward, the moment its gradient is final (after
+    #: the accumulation window's last micro-batch), instead of in ``eng.step()``, which then commits:
+    #: gradients are never written or read (docs/training.md, "Updates inside backward"). Off by
+    #: default since it changes what a loop sees between backward and step: no clipping, no loss
+    #: scaling, no gradient reads or writes there; needs engine.AdamW, fp32 training and the
+    #: parameters and optimizer state on nvme.
+    step_in_backward: bool = False
     #: Resume from the store's own state at ``store.path`` (after a crash, or a clean close):
     #: parameters, fp32 master weights, Adam moments and step counts of the last completed
     #: ``engine.AdamW`` step. False starts afresh, discarding any training state the store holds.
@@ -156,6 +163,17 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.progress must be True or False, got {self.progress!r}")
         if not isinstance(self.resume, bool):
             raise ValueError(f"EngineConfig.resume must be True or False, got {self.resume!r}")
+        if not isinstance(self.step_in_backward, bool):
+            raise ValueError(f"EngineConfig.step_in_backward must be True or False, got {self.step_in_backward!r}")
+        if self.step_in_backward:
+            _check_step_in_backward(self)
+
+    @property
+    def cache_tier(self) -> Optional[str]:
+        """Where the store may keep parameter shards on nvme across steps: "host" when the host tier
+        has a budget and the parameters live on nvme, else None (docs/training.md, "Memory
+        model": the host tier as a cache)."""
+        return "host" if self.param_tier == "nvme" and self.store.host_bytes != 0 else None
 
     @property
     def updates_in_place(self) -> bool:
@@ -180,6 +198,30 @@ class EngineConfig:
         from engine.config.deepspeed import config_from_deepspeed
 
         return config_from_deepspeed(cls, ds_config, store=store, **overrides)
+
+
+def _check_step_in_backward(config: EngineConfig) -> None:
+    """ValueError naming what ``step_in_backward`` cannot do exactly, or without nvme."""
+    if config.max_grad_norm is not None:
+        raise ValueError(
+            f"EngineConfig.step_in_backward applies each update as its gradient becomes final, before the global "
+            f"norm is known, so it cannot clip (max_grad_norm={config.max_grad_norm!r}): drop one of the two"
+        )
+    if config.loss_scaling is not None:
+        raise ValueError(
+            "EngineConfig.step_in_backward cannot skip a step whose gradients overflow, which fp16 loss scaling "
+            "needs (loss_scaling is set): drop one of the two"
+        )
+    if config.param_tier != "nvme" or config.optimizer_tier != "nvme":
+        raise ValueError(
+            f"EngineConfig.step_in_backward keeps a parameter's old value on nvme until the step commits, and needs "
+            f"param_tier='nvme' and optimizer_tier='nvme' (got {config.param_tier!r} and {config.optimizer_tier!r})"
+        )
+    if config.train_dtype not in (None, "float32"):
+        raise ValueError(
+            f"EngineConfig.step_in_backward updates fp32 parameters that are their own masters; train_dtype is "
+            f"{config.train_dtype!r}"
+        )
 
 
 def _check_choice(name: str, value: object, choices: tuple[Optional[str], ...]) -> None:

@@ -205,19 +205,26 @@ class AdamW(torch.optim.Optimizer):
         grad_scale: float = 1.0,
         grad_norm: Optional[torch.Tensor] = None,
         clip_to: Optional[float] = None,
+        hypers: Optional[Sequence[AdamHyper]] = None,
+        clip_coef: Optional[torch.Tensor] = None,
+        atomic: bool = False,
+        progress: Optional[optimizer_step.ProgressHook] = None,
     ) -> OptimStepStats:
         """One offloaded AdamW step over ``shards`` with this optimizer's hyperparameters and step
         counts and ``config``'s tiers, compression, group size and clipping (the engine's
         ``step_fn`` calls this); ``grad_scale``/``grad_norm`` as for ``optimizer_step.step_async``.
         ``clip_to``: clip to at most this norm for this step (``eng.clip_grad_norm_``), the smaller
-        of it and ``config.max_grad_norm``. Blocks; counts are updated only when the step succeeds."""
+        of it and ``config.max_grad_norm``. ``hypers`` / ``clip_coef``: recorded values to use instead
+        of the groups' current ones and the clipping (a step finished after it stopped part way);
+        ``atomic`` / ``progress`` as for ``optimizer_step.step_async``. Blocks; counts are updated
+        only when the step succeeds."""
         max_grad_norm = config.max_grad_norm
         if clip_to is not None:
             max_grad_norm = clip_to if max_grad_norm is None else min(clip_to, max_grad_norm)
         stats = optimizer_step.step(
             store,
             shards,
-            self.hyperparameters(),
+            list(hypers) if hypers is not None else self.hyperparameters(),
             self._shard_steps,
             state_tier=config.optimizer_tier,
             param_tier=config.param_tier,
@@ -230,6 +237,10 @@ class AdamW(torch.optim.Optimizer):
             grad_scale=grad_scale,
             grad_norm=grad_norm,
             in_place=config.updates_in_place,
+            clip_coef=clip_coef,
+            atomic=atomic,
+            progress=progress,
+            keep=config.cache_tier,
         )
         self._shard_steps.update(stats.step_counts)
         return stats

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -88,9 +88,16 @@ class PrefetchedStore:
                 pass
         return await self._store.get(key, device, out=out)
 
-    async def put(self, key: str, tensor: torch.Tensor, tier: Any = "nvme", compress: Optional[bool] = None) -> None:
+    async def put(self, key: str, tensor: torch.Tensor, tier: Any = "nvme", compress: Optional[bool] = None, *,
+                  keep: Any = None) -> None:
         """``store.put``."""
-        await self._store.put(key, tensor, tier, compress)
+        await self._store.put(key, tensor, tier, compress, keep=keep)
+
+    async def put_many(self, items: Mapping[str, torch.Tensor], tier: Any = "nvme",
+                       compress: "Optional[bool] | Mapping[str, Optional[bool]]" = None, *, atomic: bool = False,
+                       keep: Any = None) -> None:
+        """``store.put_many``."""
+        await self._store.put_many(items, tier, compress, atomic=atomic, keep=keep)
 
     def modify(self, key: str, tier: Any = None) -> Any:
         """``store.modify`` (a prefetched read of ``key``, which it makes stale, is dropped)."""

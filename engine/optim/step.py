@@ -12,9 +12,16 @@ of (gradient + master + two moments + new training-dtype shard) are in memory. T
 own functional AdamW (``torch.optim.adamw.adamw``) with the caller's ``foreach``/``fused`` choice,
 so results equal ``torch.optim.AdamW`` on the same tensors bit for bit.
 
-State is created lazily: a shard whose master key is absent from the store gets its fp32 master
-from its training-dtype ``param_key`` shard and zero moments at its first step (as torch creates
-``exp_avg``/``exp_avg_sq`` at the first step); :func:`init_state` creates them ahead instead.
+State is created lazily: a shard's first step (its step count is 0) takes its fp32 master from its
+training-dtype ``param_key`` shard and starts from zero moments (as torch creates
+``exp_avg``/``exp_avg_sq`` at the first step); :func:`init_state` creates them ahead instead. A
+shard whose master is its parameter (``OptimShard.master_is_param``) writes the new master once, as
+the parameter, together with its moments.
+
+``atomic=True`` (state on nvme) writes each group's new state (master, moments) with one
+``put_many(atomic=True)``, together with the entry ``progress`` names for the group: after a crash a
+group is wholly updated and marked done, or untouched. The engine builds its single-copy commit on
+that ([Note: Rolling a step forward], engine/optim/training.py).
 
 ``in_place=True`` (state in host memory) replaces the read and the write of master and moments by
 ``store.modify`` blocks: the math runs on the store's own memory, held from the group's read to its
@@ -58,10 +65,14 @@ MiB = 1024 * 1024
 MATH_CHUNK_ALIGN = 4096
 STATE_TIERS = ("host", "nvme")
 PARAM_TIERS = ("device", "host", "nvme")
+TIER_RANK = {"device": 0, "host": 1, "nvme": 2}
 
 #: Called as ``on_event(event, group_index)`` with event "read" and "write" (on the step's event
 #: loop, when the group's transfers start) and "update" (on the worker thread, before the math).
 EventHook = Callable[[str, int], None]
+#: Called with the names of a group's updated shards; returns a (key, tensor) entry the group's
+#: state write commits with them (a mark that the group is done).
+ProgressHook = Callable[[list[str]], tuple[str, torch.Tensor]]
 
 
 @dataclasses.dataclass
@@ -98,6 +109,10 @@ async def step_async(
     grad_norm: Optional[torch.Tensor] = None,
     in_place: bool = False,
     math_chunk_bytes: int = MATH_CHUNK_BYTES,
+    clip_coef: Optional[torch.Tensor] = None,
+    atomic: bool = False,
+    progress: Optional[ProgressHook] = None,
+    keep: Optional[str] = None,
 ) -> OptimStepStats:
     """One AdamW step over ``shards`` in the store; returns what it did and cost.
 
@@ -119,6 +134,14 @@ async def step_async(
 
     ``math_chunk_bytes``: torch's AdamW runs over at most this many fp32 bytes of each tensor per
     call, so its temporaries stay that small ([Note: Chunked AdamW math]).
+
+    ``clip_coef`` (a 0-dim fp32 tensor) multiplies every gradient after ``grad_scale``, in place of
+    a coefficient computed from ``max_grad_norm`` (a step redone with the coefficient it recorded).
+    ``atomic`` writes each group's new state in one all-or-nothing store call, with the entry
+    ``progress`` returns for the group (see the module docstring): needs ``state_tier="nvme"``. A
+    shard whose master is its parameter needs ``param_tier == state_tier``. ``keep`` (a tier faster
+    than the one written) offers the store clean copies of what the step writes, to keep where its
+    eviction policy finds them worth it (a parameter read again in the next forward).
     """
     started = time.perf_counter()
     hyper_list = [hypers] if isinstance(hypers, AdamHyper) else list(hypers)
@@ -133,6 +156,11 @@ async def step_async(
                          f"{math_chunk_bytes!r}")
     if in_place:
         _check_in_place(shards, state_tier)
+    if atomic and state_tier != "nvme":
+        raise ValueError(f"atomic=True commits each group on nvme; state_tier must be 'nvme', got {state_tier!r}")
+    if param_tier != state_tier and any(s.master_is_param for s in shards):
+        raise ValueError(f"a shard whose master is its parameter keeps both in one tier, but param_tier is "
+                         f"{param_tier!r} and state_tier {state_tier!r}")
     counts = {s.name: _step_count(steps, s.name) for s in shards}
     groups = plan_groups(shards, group_bytes)
     io = IOCounter()
@@ -141,7 +169,9 @@ async def step_async(
     coef: Optional[torch.Tensor] = None
     if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not grad_scale > 0:
         raise ValueError(f"grad_scale must be a number > 0, got {grad_scale!r}")
-    if max_grad_norm is not None:
+    if clip_coef is not None:
+        coef = clip_coef
+    elif max_grad_norm is not None:
         if grad_norm is None:
             norms = grad_norms if grad_norms is not None else await grad_norms_async(
                 store, shards, group_bytes=group_bytes, io=io
@@ -183,9 +213,10 @@ async def step_async(
                 await io.wait(writing)
             if on_event is not None:
                 on_event("write", i)
-            writing = asyncio.ensure_future(
-                _write_group(store, loaded, io, state_tier, param_tier, state_compress, open_blocks.pop(i, None))
-            )
+            writing = asyncio.ensure_future(_write_group(
+                store, loaded, io, state_tier, param_tier, state_compress, open_blocks.pop(i, None),
+                atomic=atomic, progress=progress, keep=keep,
+            ))
             for item in loaded:
                 counts[item.shard.name] = int(item.step.item())
             updated += len(loaded)
@@ -227,8 +258,9 @@ async def init_state_async(
     compress: bool = False,
     group_bytes: int = 64 * MiB,
 ) -> int:
-    """Create the fp32 master (from ``param_key``) and zero moments of every shard that has no
-    master in the store yet, one group at a time; returns how many shards it initialized.
+    """Create the fp32 master (from ``param_key``; none for a shard that is its own master) and zero
+    moments of every shard that has no ``exp_avg`` in the store yet, one group at a time; returns how
+    many shards it initialized.
 
     Optional: :func:`step_async` does the same lazily at a shard's first step.
     """
@@ -238,13 +270,14 @@ async def init_state_async(
     loop = asyncio.get_running_loop()
     state_compress = True if compress else None
     created = 0
-    for group in plan_groups([s for s in shards if s.master_key not in store], group_bytes):
+    for group in plan_groups([s for s in shards if s.exp_avg_key not in store], group_bytes):
         params = await gather_all(io.get(store, s.param_key) for s in group)
         states = await loop.run_in_executor(None, _initial_state, group, params)
         await gather_all(
             io.put(store, key, tensor, state_tier, state_compress)
             for s, (master, zeros) in zip(group, states)
             for key, tensor in ((s.master_key, master), (s.exp_avg_key, zeros), (s.exp_avg_sq_key, zeros))
+            if key != s.param_key
         )
         created += len(group)
     return created
@@ -252,6 +285,32 @@ async def init_state_async(
 
 #: Blocking :func:`init_state_async`: the same arguments, run on a private event loop.
 init_state = blocking(init_state_async)
+
+
+def update_in_memory(
+    shards: Sequence[OptimShard], grads: Sequence[torch.Tensor], masters: Sequence[torch.Tensor],
+    moments: Sequence[Optional[tuple[torch.Tensor, torch.Tensor]]], steps: Sequence[int],
+    hypers: Sequence[AdamHyper],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """torch's AdamW math on shards held in memory (the updates inside backward,
+    ``engine/optim/backward_step.py``), as the pipelined step computes it: ``masters`` (flat fp32)
+    are updated in place; returns each shard's new (exp_avg, exp_avg_sq), its ``moments`` pair
+    updated in place, or new ones made from zeros at a shard's first step (None), as torch makes
+    them. ``steps[i]`` is the updates shard i has taken so far; ``hypers`` holds the
+    hyperparameters of every parameter group. ValueError for mismatched lengths or sizes."""
+    if not len(shards) == len(grads) == len(masters) == len(moments) == len(steps):
+        raise ValueError("update_in_memory takes one gradient, master, moments pair and step count per shard")
+    loaded = []
+    for shard, grad, master, pair, count in zip(shards, grads, masters, moments, steps):
+        exp_avg, exp_avg_sq = pair if pair is not None else (torch.zeros_like(master), torch.zeros_like(master))
+        for what, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if t.dtype != torch.float32 or t.numel() != shard.numel:
+                raise ValueError(f"shard {shard.name!r}: {what} is {t.dtype} with {t.numel()} elements, expected "
+                                 f"torch.float32 with {shard.numel}")
+        loaded.append(_Loaded(shard, _flat_grad(shard, grad), torch.tensor(float(count), dtype=torch.float32),
+                              master.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)))
+    _update(loaded, list(hypers), 1.0, None, None, -1)
+    return [(item.exp_avg, item.exp_avg_sq) for item in loaded]  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------------------- pipeline
@@ -265,28 +324,30 @@ async def _read_group(
     ``blocks``, open modify blocks on master and moments instead of reading them)."""
 
     async def load(shard: OptimShard) -> _Loaded:
-        step_t = torch.tensor(float(counts[shard.name]), dtype=torch.float32)
-        if blocks is not None and shard.master_key in store:
+        count = counts[shard.name]
+        step_t = torch.tensor(float(count), dtype=torch.float32)
+        if blocks is not None and shard.exp_avg_key in store and shard.master_key in store:
             return await _load_in_place(store, shard, step_t, io, blocks, param_tier)
-        if shard.master_key in store:
-            grad, master, exp_avg, exp_avg_sq = await gather_all(
-                io.get(store, k) for k in (shard.grad_key, shard.master_key, shard.exp_avg_key, shard.exp_avg_sq_key)
-            )
-            for what, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-                _check_state(shard, what, t)
-            return _Loaded(shard, _flat_grad(shard, grad), step_t, master.view(-1), exp_avg.view(-1),
-                           exp_avg_sq.view(-1))
-        if counts[shard.name]:
+        if not count:  # the first step: the master is the parameter upcast, the moments zeros (as torch)
+            grad, param = await gather_all(io.get(store, k) for k in (shard.grad_key, shard.param_key))
+            if param.numel() != shard.numel:
+                raise OptimizerStateError(
+                    f"shard {shard.name!r}: {shard.param_key!r} holds {param.numel()} elements, expected {shard.numel}"
+                )
+            return _Loaded(shard, _flat_grad(shard, grad), step_t, param=param.view(-1))
+        missing = [k for k in (shard.master_key, shard.exp_avg_key, shard.exp_avg_sq_key) if k not in store]
+        if missing:
             raise OptimizerStateError(
-                f"shard {shard.name!r} has taken {counts[shard.name]} steps, but its fp32 master "
-                f"{shard.master_key!r} is not in the store; restore the optimizer state before stepping"
+                f"shard {shard.name!r} has taken {count} steps, but its optimizer state {missing[0]!r} is not in "
+                "the store; restore the optimizer state before stepping"
             )
-        grad, param = await gather_all(io.get(store, k) for k in (shard.grad_key, shard.param_key))
-        if param.numel() != shard.numel:
-            raise OptimizerStateError(
-                f"shard {shard.name!r}: {shard.param_key!r} holds {param.numel()} elements, expected {shard.numel}"
-            )
-        return _Loaded(shard, _flat_grad(shard, grad), step_t, param=param.view(-1))
+        grad, master, exp_avg, exp_avg_sq = await gather_all(
+            io.get(store, k) for k in (shard.grad_key, shard.master_key, shard.exp_avg_key, shard.exp_avg_sq_key)
+        )
+        for what, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            _check_state(shard, what, t)
+        return _Loaded(shard, _flat_grad(shard, grad), step_t, master.view(-1), exp_avg.view(-1),
+                       exp_avg_sq.view(-1))
 
     return await gather_all(load(s) for s in group if s.grad_key in store)
 
@@ -303,7 +364,7 @@ async def _load_in_place(store: AsyncTensorStore, shard: OptimShard, step_t: tor
         _check_state(shard, what, t)
     item = _Loaded(shard, _flat_grad(shard, grad), step_t, *(t.view(-1) for t in state), in_place=True,
                    grad_lent=lend_grad)
-    if param_tier == "host" and shard.param_key in store:
+    if param_tier == "host" and shard.param_key in store and not shard.master_is_param:
         param = await io.modify(blocks, store, shard.param_key, "host")
         if param.numel() != shard.numel or param.dtype != shard.train_dtype:
             raise OptimizerStateError(
@@ -335,7 +396,9 @@ def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, c
         for item in loaded:
             assert item.master is not None
             dtype = item.shard.train_dtype
-            if item.param_entry is not None:
+            if item.shard.master_is_param:
+                item.param = None  # written once, as the master
+            elif item.param_entry is not None:
                 item.param_entry.copy_(item.master)  # the same rounding as .to(dtype)
             else:
                 item.param = item.master if dtype == torch.float32 else item.master.to(dtype)
@@ -405,24 +468,38 @@ def _unscale_and_clip(loaded: list[_Loaded], grad_scale: float, coef: Optional[t
 
 
 async def _write_group(store: AsyncTensorStore, loaded: list[_Loaded], io: IOCounter, state_tier: str,
-                       param_tier: str, compress: Optional[bool], blocks: Optional[ModifyBlocks]) -> None:
-    """Write every updated tensor of a group back, all puts in flight together, then end the group's
-    modify blocks (in-place state: that is its write). The puts come first: a new fp32 parameter
-    shard bound for another tier is the master's own memory, which ending its block gives back."""
-    puts = []
+                       param_tier: str, compress: Optional[bool], blocks: Optional[ModifyBlocks], *,
+                       atomic: bool = False, progress: Optional[ProgressHook] = None,
+                       keep: Optional[str] = None) -> None:
+    """Write every updated tensor of a group back, then end the group's modify blocks (in-place
+    state: that is its write). The state goes first, in one ``put_many`` (all or nothing with
+    ``atomic``, with the group's ``progress`` entry), then the new training-dtype shards that are not
+    their own master: so a shard whose parameter was rewritten always has its new state committed.
+    Modify blocks end last: a new fp32 parameter shard bound for another tier is the master's own
+    memory, which ending its block gives back."""
+    state: dict[str, torch.Tensor] = {}
+    codecs: dict[str, Optional[bool]] = {}
+    params: list[tuple[str, torch.Tensor]] = []
     for item in loaded:
         s = item.shard
         assert item.master is not None and item.exp_avg is not None and item.exp_avg_sq is not None
         if not item.in_place:
             master_key, exp_avg_key, exp_avg_sq_key = s.out_keys
-            puts.append(io.put(store, master_key, item.master, state_tier, compress))
-            puts.append(io.put(store, exp_avg_key, item.exp_avg, state_tier, compress))
-            puts.append(io.put(store, exp_avg_sq_key, item.exp_avg_sq, state_tier, compress))
-        if item.param_entry is None:
-            assert item.param is not None
-            puts.append(io.put(store, s.param_key, item.param, param_tier, None))
+            state.update({master_key: item.master, exp_avg_key: item.exp_avg, exp_avg_sq_key: item.exp_avg_sq})
+            codecs.update({master_key: None if s.master_is_param else compress, exp_avg_key: compress,
+                           exp_avg_sq_key: compress})
+        if item.param is not None and item.param_entry is None:
+            params.append((s.param_key, item.param))
+    if progress is not None and loaded:
+        key, mark = progress([item.shard.name for item in loaded])
+        state[key] = mark
+        codecs[key] = None
     try:
-        await gather_all(puts)
+        if state:
+            state_keep = keep if keep is not None and TIER_RANK[keep] < TIER_RANK[state_tier] else None
+            await io.put_many(store, state, state_tier, codecs, atomic, state_keep)
+        param_keep = keep if keep is not None and TIER_RANK[keep] < TIER_RANK[param_tier] else None
+        await gather_all(io.put(store, key, param, param_tier, None, param_keep) for key, param in params)
     finally:
         if blocks is not None:
             await blocks.close()

@@ -8,7 +8,9 @@ import concurrent.futures
 import dataclasses
 import functools
 import time
-from typing import Any, Awaitable, Callable, Coroutine, Iterable, Optional, ParamSpec, Protocol, Sequence, TypeVar
+from typing import (
+    Any, Awaitable, Callable, Coroutine, Iterable, Mapping, Optional, ParamSpec, Protocol, Sequence, TypeVar,
+)
 
 import torch
 
@@ -26,8 +28,15 @@ class AsyncTensorStore(Protocol):
         """:meth:`tiered.TieredStore.get`."""
         ...
 
-    async def put(self, key: str, tensor: torch.Tensor, tier: Any = ..., compress: Optional[bool] = None) -> None:
+    async def put(self, key: str, tensor: torch.Tensor, tier: Any = ..., compress: Optional[bool] = None, *,
+                  keep: Any = None) -> None:
         """:meth:`tiered.TieredStore.put`."""
+        ...
+
+    async def put_many(self, items: Mapping[str, torch.Tensor], tier: Any = ...,
+                       compress: "Optional[bool] | Mapping[str, Optional[bool]]" = None, *, atomic: bool = False,
+                       keep: Any = None) -> None:
+        """:meth:`tiered.TieredStore.put_many`."""
         ...
 
     def modify(self, key: str, tier: Any = None) -> Any:
@@ -105,10 +114,23 @@ class IOCounter:
         return tensor
 
     async def put(self, store: AsyncTensorStore, key: str, tensor: torch.Tensor, tier: str,
-                  compress: Optional[bool]) -> None:
-        """``store.put(key, tensor, tier, compress)``, counting its bytes."""
-        await store.put(key, tensor, tier, compress)
+                  compress: Optional[bool], keep: Optional[str] = None) -> None:
+        """``store.put(key, tensor, tier, compress)`` (with ``keep`` when given), counting its bytes."""
+        if keep is None:
+            await store.put(key, tensor, tier, compress)
+        else:
+            await store.put(key, tensor, tier, compress, keep=keep)
         self.bytes_written += tensor.numel() * tensor.element_size()
+
+    async def put_many(self, store: AsyncTensorStore, items: Mapping[str, torch.Tensor], tier: str,
+                       compress: Mapping[str, Optional[bool]], atomic: bool, keep: Optional[str] = None) -> None:
+        """``store.put_many(items, tier, compress, atomic=atomic)`` (with ``keep`` when given), counting
+        its bytes."""
+        if keep is None:
+            await store.put_many(items, tier, compress, atomic=atomic)
+        else:
+            await store.put_many(items, tier, compress, atomic=atomic, keep=keep)
+        self.bytes_written += sum(t.numel() * t.element_size() for t in items.values())
 
     async def modify(self, blocks: "ModifyBlocks", store: AsyncTensorStore, key: str, tier: str) -> torch.Tensor:
         """Open ``store.modify(key, tier)`` in ``blocks``; counts bytes only when the store had to copy

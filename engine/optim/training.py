@@ -1,34 +1,30 @@
 """Training: ``engine.AdamW`` bound to a wrapped model: gradient offload, the step, zero_grad, resume.
 
 ``engine.wrap(model, optimizer=engine.AdamW(...))`` binds the optimizer over ``model.parameters()``
-and routes its ``step()`` here (so LR schedulers and step hooks see every step):
+and routes its ``step()`` here (so LR schedulers and step hooks see every step). After waiting for
+the gradient puts still in flight (``GradOffload``) and, with loss scaling, checking the stored
+gradients' norm for an overflow (skip: gradients and prefetched state dropped, the scale lowered,
+the record rewritten with the scaler's new state), the step depends on where the state lives:
 
-1. wait for the gradient puts still in flight (``GradOffload``);
-2. give optimizer state to shards that got a gradient and have none yet: fp32 master upcast from
-   the training-dtype shard, zero moments, in slot 0 (``optimizer_step.init_state``), and commit;
-3. stream every shard through ``AdamW.run_step``: read the live slot's master and moments (those of
-   the first groups were read during backward, ``engine/optim/prefetch.py``), write the new ones to
-   the other slot and the new training-dtype shard to ``param/<name>``; with the state in host
-   memory (``EngineConfig.updates_in_place``) update the live slot where it lies instead;
-4. commit: put the step record (``engine/step``, durable on nvme) naming the new slots and step
-   counts, then delete the superseded slot's keys (in place: the record keeps the slots).
+- **nvme** (``optimizer_tier="nvme"``, crash-safe): every gradient shard is made durable, the step
+  record is rewritten with the step's :class:`~engine.optim.step_record.Applying` section, and each
+  group's new state is written once, in place of the old, with one atomic store call that also
+  marks the group done; the record then commits the step ([Note: Rolling a step forward]).
+- **host, in place** (``EngineConfig.updates_in_place``): AdamW runs on the store's own memory
+  (``store.modify``); a step that raises keeps the groups it updated, as a torch optimizer would.
+- **host, not in place**: the new state goes to the other of two key sets (slots) and the record
+  names the new slots; a step that raises leaves the previous one whole, its partial writes
+  deleted and the parameters rewritten from the masters.
 
-With ``EngineConfig.loss_scaling`` (``engine/optim/loss_scaler.py``), ``eng.backward(loss)`` scales the
-loss; the step first takes the global norm of the stored (scaled) gradients, from the per-shard
-norms taken at offload. Not finite: the step is skipped (gradients and prefetched state dropped,
-the scale lowered, the record rewritten with the scaler's new state). Finite: step 3 multiplies
-every gradient by 1/scale before clipping and AdamW, and the record carries the scaler's state.
-
-A crash anywhere leaves a record whose slots are whole (state in host memory is lost by a crash
-anyway; a step that raises keeps the groups it updated in place, and rewrites ``param/<name>`` from
-the masters as below). ``param/<name>`` of a trainable shard is
-overwritten in place during the step, so resuming (``EngineConfig(resume=True)``) rewrites it from
-the live master (cast to the training dtype: exactly what the step wrote). A step that raises does
-the same before re-raising, so the model keeps the last completed step's values.
+An fp32 shard whose parameter lives in the optimizer's tier is its own master ([Note: One copy of
+fp32 weights]). With ``EngineConfig.loss_scaling`` (``engine/optim/loss_scaler.py``), the step
+multiplies every gradient by 1/scale before clipping and AdamW, and the record carries the scaler's
+state.
 
 For checkpoints (``engine/checkpoint/sharded.py``): :meth:`Training.live_shards` gives the store keys of the
 current state; to install loaded state atomically, write each shard's master and moments to
-:meth:`Training.staging_keys` and call :meth:`Training.commit_staged`.
+:meth:`Training.staging_keys` (a one-copy shard's parameter too: :meth:`Training.param_staging_key`)
+and call :meth:`Training.commit_staged`.
 """
 
 from __future__ import annotations
@@ -45,19 +41,63 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.errors import StepRecordError
 from engine.optim.adamw import AdamW
-from engine.optim.clip import AllReduceSum, total_norm
+from engine.optim.backward_step import BackwardUpdates, inputs_crc
+from engine.optim.clip import AllReduceSum, clip_coefficient, shard_norms, total_norm
 from engine.optim.grad_offload import GradOffload
 from engine.optim.loss_scaler import LossScaler
 from engine.optim.prefetch import StatePrefetch
 from engine.optim.step import EventHook, init_state
 from engine.optim.step_io import gather_all, plan_groups, run_sync
-from engine.optim.step_record import NO_STATE, STEP_RECORD_KEY, ShardState, StepRecord
+from engine.optim.step_progress import PROGRESS_KEY_PREFIX, done_shards, progress_entry, progress_keys
+from engine.optim.step_record import NO_STATE, STEP_RECORD_KEY, Applying, InBackward, ShardState, StepRecord
 from engine.optim.types import OptimShard, OptimStepStats
-from engine.paging.handle import ParamHandle
-from engine.paging.layout import GRAD_KEY_PREFIX, OPTIM_KEY_PREFIX, grad_key, optim_keys
+from engine.paging.handle import HandleState, ParamHandle
+from engine.paging.layout import (
+    GRAD_KEY_PREFIX,
+    OPTIM_KEY_PREFIX,
+    PARAM_KEY_PREFIX,
+    grad_key,
+    kept_key,
+    new_key,
+    optim_keys,
+    staged_key,
+)
 from engine.paging.pager import Pager
 from engine.paging.shard_io import ShardIO, delete_keys
 from tiered import ChecksumError, TieredStore
+
+
+# [Note: One copy of fp32 weights]
+# When a shard trains in fp32 and its parameter lives in the optimizer's tier (``param_tier ==
+# optimizer_tier``, with state on nvme or updated in place), the parameter entry ``param/<name>``
+# is the fp32 master: there is no ``optim/<name>/master``, the step reads the master from the
+# parameter and writes it once, with the moments. The record says so (``master_in_param``), so a
+# resume under a config that lays the state out the other way moves it over first. Everything that
+# reads masters (checkpoints, ``full_fp32_param``, ``save_weights(master_weights=True)``) reads
+# ``OptimShard.master_key``, which is the parameter's key here. A checkpoint load cannot write the
+# parameter in place (a crash half way would leave a mix of the old and loaded weights, with no
+# master to rewrite them from): it stages the loaded master under ``optim/<name>/staged``, the
+# record commits with the shard marked staged, and a rename (no I/O) makes it the parameter; a
+# resume finishes the renames a crash interrupted.
+#
+# [Note: Rolling a step forward]
+# With the state on nvme a step never writes a second copy of it. At the start of ``step()`` the
+# gradient shards are made durable (``store.flush``: those in the host tier are written down and
+# stay cached), and the record is rewritten with an ``applying`` section: the step it completes,
+# the shards it updates (those with a gradient), each parameter group's hyperparameters, the
+# gradient scale and the clip coefficient, and the loss scaler's state after it. Each group of the
+# pipeline then writes its shards' new master (the parameter, in one-copy layout) and moments in
+# place of the old ones with one ``put_many(atomic=True)``, together with a small progress entry
+# (``engine/step/done/<first shard>``) listing the group's shards: a group is wholly new and marked
+# done, or wholly old. The record of step t+1 commits last; then the progress entries go.
+# A step that stops part way (a crash, an error) is finished, not undone: resuming, or calling
+# ``eng.step()`` again, updates the shards no progress entry names from their stored gradients
+# with the recorded values (so with the same bits), then commits. Until it is finished the
+# parameters are a mix of the two steps, so a forward, ``zero_grad``, a checkpoint call and the
+# ``full_*`` calls finish it first. With a separate master (bf16, fp16) the new parameter shard is
+# written after its group's state commits, so a finished step rewrites its parameters from the
+# masters. On nvme the state takes its size once during a step, plus one group in flight, plus
+# the gradients.
 
 
 @dataclasses.dataclass
@@ -93,9 +133,11 @@ class _Param:
 
 
 def discard_training_state(store: TieredStore) -> None:
-    """Delete gradient shards, optimizer state and the step record an earlier run left in ``store``
-    (a fresh, non-resuming wrap: its parameters replace that run's, so its state no longer fits)."""
-    stale = [k for k in store.keys() if k.startswith((GRAD_KEY_PREFIX, OPTIM_KEY_PREFIX)) or k == STEP_RECORD_KEY]
+    """Delete gradient shards, optimizer state, progress entries and the step record an earlier run
+    left in ``store`` (a fresh, non-resuming wrap: its parameters replace that run's, so its state
+    no longer fits)."""
+    stale = [k for k in store.keys()
+             if k.startswith((GRAD_KEY_PREFIX, OPTIM_KEY_PREFIX, PROGRESS_KEY_PREFIX)) or k == STEP_RECORD_KEY]
     delete_keys(store, stale)
 
 
@@ -106,6 +148,19 @@ def check_resumable(store: TieredStore) -> None:
             f"EngineConfig(resume=True), but the store at {store.config.path} has no step record: no training with "
             "engine.AdamW ran there (or a later wrap started afresh); wrap without resume"
         )
+
+
+def return_kept_parameters(store: TieredStore) -> None:
+    """Put back under ``param/<name>`` every old parameter value an update inside backward had kept
+    aside when a crash came before it wrote the new one (the parameter's key is then empty), so the
+    store holds a value for every parameter before a resume adopts them ([Note: Updates inside
+    backward]). Renames only; nothing else changes."""
+    suffix = "/kept"
+    pairs = [(k, PARAM_KEY_PREFIX + k[len(OPTIM_KEY_PREFIX):-len(suffix)]) for k in store.keys()
+             if k.startswith(OPTIM_KEY_PREFIX) and k.endswith(suffix)]
+    pairs = [(kept, param) for kept, param in pairs if param not in store]
+    if pairs:
+        store.sync.rename_many(pairs)
 
 
 class Training:
@@ -137,8 +192,36 @@ class Training:
         for handle in handles:
             if handle.trainable:
                 handle.mark_grads_in_store(config.max_grad_norm)
-        # State updated in place is read by nobody: the step works on the store's memory directly.
-        prefetch_groups = 0 if config.updates_in_place else config.optimizer_prefetch_groups
+        #: State on nvme: one copy, each group committed atomically, rolled forward ([Note: Rolling a step forward]).
+        self._durable = config.optimizer_tier == "nvme" and not config.updates_in_place
+        #: fp32 shards are their own masters ([Note: One copy of fp32 weights]).
+        self._master_in_param = config.param_tier == config.optimizer_tier and (
+            self._durable or config.updates_in_place)
+        #: Updates inside backward ([Note: Updates inside backward]); None without step_in_backward.
+        self._updates: Optional[BackwardUpdates] = None
+        if config.step_in_backward:
+            other = [p.name for p in self._params if p.dtype != torch.float32]
+            if other:
+                raise ValueError(
+                    f"EngineConfig.step_in_backward updates fp32 parameters that are their own masters, but "
+                    f"{other[:3]} train in {self._by_name[other[0]].dtype}: train in fp32 (train_dtype=None or "
+                    "'float32') or leave step_in_backward off"
+                )
+            group = config.optimizer_group_bytes
+            self._updates = BackwardUpdates(
+                self._store, compress=config.compress_optimizer, batch_bytes=group, inflight_bytes=2 * group,
+                window_bytes=2 * group * max(1, config.optimizer_prefetch_groups), keep=config.cache_tier,
+            )
+        self._io = shard_io
+        #: Shards updated inside backward (or whose update a crash left set aside) in this step, in the
+        #: order their gradients became final, with their gradients' 2-norms.
+        self._stepped: dict[str, torch.Tensor] = {}
+        self._inputs_crc = 0  # CRC-32 of the step's forward inputs so far
+        self._replay_crc: Optional[int] = None  # the inputs a resumed step must replay
+        self._backward_failed = False  # an update inside backward failed: the step must be run again
+        # State updated in place is read by nobody: the step works on the store's memory directly;
+        # updates inside backward read theirs along the order gradients become final.
+        prefetch_groups = 0 if config.updates_in_place or config.step_in_backward else config.optimizer_prefetch_groups
         self._prefetch = StatePrefetch(self._store, prefetch_groups, config.optimizer_group_bytes)
         #: The running loss scale (None without ``EngineConfig.loss_scaling``).
         self.scaler: Optional[LossScaler] = (
@@ -154,9 +237,12 @@ class Training:
         self.last_grad_norm: Optional[float] = None
         #: The norm ``clip_next_step`` asked the next step to clip to (None: only the config's clipping).
         self._clip_to: Optional[float] = None
-        self.record = StepRecord.empty([p.name for p in self._params]).replace(loss_scale=self._scaler_state())
+        self.record = StepRecord.empty([p.name for p in self._params], master_in_param=self._master_in_param).replace(
+            loss_scale=self._scaler_state())
         self.counters = TrainCounters()
-        #: Tracing hook passed to every step's ``run_step`` (tests use it to stop a step half way).
+        #: Tracing hook passed to every step's ``run_step`` (tests use it to stop a step half way),
+        #: called with ("staged", -1) once a load's record has committed and before its renames, and
+        #: by the updates inside backward ("renamed" / "written", batch).
         self.on_event: Optional[EventHook] = None
         self._closed = False
         #: A failed step's rollback could not rewrite the parameters (the store kept failing): the next step does.
@@ -185,7 +271,9 @@ class Training:
             )
 
     def start(self, resume: bool) -> None:
-        """Fresh: commit an empty record (step 0). Resume: take up the store's record (see module doc)."""
+        """Fresh: commit an empty record (step 0). Resume: take up the store's record, finish a step it
+        was applying ([Note: Rolling a step forward]) and a load it was installing, and drop the
+        gradients and anything the record does not name."""
         if not resume:
             self.record.write(self._store)
             return
@@ -202,7 +290,8 @@ class Training:
             failure.__cause__ = exc
         except BaseException as exc:  # noqa: BLE001 - raised below, after every rank has reported
             failure = exc
-        self._agree_on_step(None if record is None else record.step)
+        # A step being applied counts as done: resuming finishes it.
+        self._agree_on_step(None if record is None else record.applying.step if record.applying else record.step)
         if failure is not None:
             raise failure
         assert record is not None
@@ -214,10 +303,20 @@ class Training:
                 f"the store's step record does not match the model's trainable parameters: the model has "
                 f"{missing[:5]} that the record lacks and the record has {extra[:5]} that the model lacks"
             )
+        self.record = record.replace(shards={n: record.shards[n] for n in names})
+        if record.in_backward is not None:
+            if self._updates is None:
+                raise StepRecordError(
+                    f"step {record.in_backward.step} stopped inside backward, where EngineConfig.step_in_backward "
+                    "applied some of its updates: resume with step_in_backward=True and replay that step's batch"
+                )
+            self._recover_in_backward()
+        else:
+            self._finish_backward_leftovers()
         for p in self._params:
-            state = record.shards[p.name]
+            state = self.record.shards[p.name]
             if state.slot != NO_STATE:
-                absent = [k for k in optim_keys(p.name, state.slot) if k not in self._store]
+                absent = [k for k in self.live_shard(p.name).state_keys() if k not in self._store]
                 if absent:
                     raise StepRecordError(
                         f"optimizer state of {p.name!r} from step {record.step} is missing from the store "
@@ -229,15 +328,20 @@ class Training:
                 self.scaler.load_state_dict(record.loss_scale)
             except ValueError as exc:
                 raise StepRecordError(f"cannot resume the loss scale from the store's step record: {exc}") from exc
-        self.record = StepRecord(record.step, {n: record.shards[n] for n in names}, self._scaler_state())
+        self.record = self.record.replace(loss_scale=self._scaler_state())
         self._optimizer._set_shard_steps({n: s.steps for n, s in self.record.shards.items()})
+        if self.record.applying is not None:
+            self._finish_applying(first_attempt=False)
+        self._install_staged()
         self._restore_params()
+        self._migrate_layout()
         self.grads.discard_stored()
         self._delete_inactive()
 
     def close(self) -> None:
         """Wait for gradient puts still in flight (errors are dropped: the engine is closing); later
-        steps raise and zero_grad does nothing more than torch's."""
+        steps raise and zero_grad does nothing more than torch's. A step left part way is finished
+        by the next resume."""
         self._closed = True
         try:
             self.grads.flush()
@@ -245,6 +349,8 @@ class Training:
             pass
         finally:
             self._prefetch.discard()
+            if self._updates is not None:
+                self._updates.close()
 
     # ------------------------------------------------------------------ queries
 
@@ -255,42 +361,133 @@ class Training:
 
     def live_shards(self) -> list[OptimShard]:
         """Every trainable shard with the store keys of its current state (a shard that never took
-        a step has none yet: its slot-0 keys are absent from the store)."""
+        a step has none yet: its slot-0 moments are absent from the store)."""
         return [self.live_shard(p.name) for p in self._params]
 
     def live_shard(self, name: str) -> OptimShard:
         """:meth:`live_shards`' entry for the trainable shard ``name`` alone."""
         p = self._by_name[name]
-        return self._shard(p, max(self.record.shards[name].slot, 0))
+        state = self.record.shards[name]
+        return self._shard(p, max(state.slot, 0), staged=state.staged)
+
+    def has_state(self, name: str) -> bool:
+        """True when the trainable shard ``name`` has taken a step (it has moments, and a master)."""
+        return self.record.shards[name].slot != NO_STATE
+
+    def master_is_param(self, name: str) -> bool:
+        """True when the trainable shard ``name`` is its own fp32 master ([Note: One copy of fp32 weights])."""
+        return self._one_copy(self._by_name[name])
 
     def staging_keys(self, name: str) -> tuple[str, str, str]:
         """Where to write loaded master, exp_avg, exp_avg_sq of ``name`` before :meth:`commit_staged`."""
-        return optim_keys(name, self._other(self.record.shards[name].slot))
+        p = self._by_name[name]
+        master, exp_avg, exp_avg_sq = optim_keys(name, self._other(self.record.shards[name].slot))
+        return (staged_key(name) if self._one_copy(p) else master), exp_avg, exp_avg_sq
+
+    def param_staging_key(self, name: str) -> Optional[str]:
+        """Where a load writes the trainable parameter ``name`` for :meth:`commit_staged` to install it,
+        or None when it is written in place (its master, staged apart, can rewrite it). A staged
+        parameter is its fp32 master: write the loaded master there when there is one."""
+        return staged_key(name) if self._one_copy(self._by_name[name]) else None
 
     def commit_staged(self, step: int, shard_steps: Mapping[str, int]) -> None:
-        """Install state written to :meth:`staging_keys`: a shard whose staged master is in the store
+        """Install state written to :meth:`staging_keys`: a shard whose staged moments are in the store
         takes ``shard_steps[name]``; the others have no state (and must have 0 steps). Commits the
-        record at ``step``, rewrites the trainable parameters from their masters, drops the old state
-        and every gradient shard."""
+        record at ``step``, rewrites the trainable parameters from their masters (a staged one-copy
+        parameter is renamed into place), drops the old state and every gradient shard."""
+        self.complete_pending()
         self._prefetch.discard()  # it read the state this replaces
         self.grads.discard_stored()
+        self._pager.drop_prefetched()
         shards = {}
         for p in self._params:
             slot = self._other(self.record.shards[p.name].slot)
             count = int(shard_steps.get(p.name, 0))
-            staged = optim_keys(p.name, slot)
-            if all(k in self._store for k in staged):
-                shards[p.name] = ShardState(count, slot)
+            staged = self.staging_keys(p.name)
+            one_copy = self._one_copy(p)
+            parked = one_copy and staged[0] in self._store  # the loaded parameter, waiting to be renamed
+            if all(k in self._store for k in staged[1 if one_copy else 0:]):
+                shards[p.name] = ShardState(count, slot, staged=parked)
             elif count:
                 raise StepRecordError(f"{p.name!r} has taken {count} steps but no state was staged at {staged}")
             else:
-                shards[p.name] = ShardState(0, NO_STATE)
-        record = StepRecord(step, shards, self._scaler_state())
+                shards[p.name] = ShardState(0, NO_STATE, staged=parked)
+        record = StepRecord(step, shards, self._scaler_state(), self.record.master_in_param)
         record.write(self._store)
         self.record = record
         self._optimizer._set_shard_steps({n: s.steps for n, s in self.record.shards.items()})
+        if self.on_event is not None:
+            self.on_event("staged", -1)
+        self._install_staged()
         self._restore_params()
         self._delete_inactive()  # the replaced state, and anything staged for a shard left without state
+
+    def complete_pending(self) -> None:
+        """Finish a step that stopped part way, if any ([Note: Rolling a step forward]); called before
+        anything reads the parameters or the optimizer state. Raises what the finishing raises, and
+        RuntimeError while updates applied inside backward wait for ``eng.step()``."""
+        if self._closed:
+            return
+        if self._stepped and not self._backward_failed:
+            raise RuntimeError(
+                f"step {self.record.step + 1} was applied inside backward (EngineConfig.step_in_backward) and is "
+                "not committed yet: call eng.step() first (its parameters are a mix of two steps until then)"
+            )
+        if self.record.applying is not None:
+            self._pager.drop_prefetched()
+            self._finish_applying(first_attempt=False)
+
+    @property
+    def step_in_backward(self) -> bool:
+        """True when the updates run inside backward (``EngineConfig.step_in_backward``)."""
+        return self._updates is not None
+
+    def on_forward(self, inputs: tuple) -> None:
+        """The wrapped model's forward starts (outside backward) with ``inputs``, its ``(args, kwargs)``."""
+        if self._backward_failed:
+            self._recover_in_backward()
+        self.complete_pending()
+        if self._updates is not None and torch.is_grad_enabled():
+            self._inputs_crc = inputs_crc(inputs, self._inputs_crc)
+
+    def update_in_backward(self, handle: ParamHandle) -> None:
+        """``handle``'s gradient is final for the step (the window's last backward): hand its update to
+        the worker ([Note: Updates inside backward]); ``param.grad`` is None afterwards."""
+        assert self._updates is not None
+        grad = handle.param.grad
+        if grad is None:
+            return
+        self._on_offload()
+        name = handle.name
+        if name in self._stepped:
+            raise RuntimeError(
+                f"a second backward reached {name!r} before eng.step(): with EngineConfig.step_in_backward each "
+                "backward that ends an accumulation window applies the update, so call eng.step() after it (or set "
+                "EngineConfig.gradient_accumulation_steps and call eng.backward / eng.step per micro-batch)"
+            )
+        shard = self._io.grad_shard(handle, grad).to("cpu")
+        handle.param.grad = None
+        del grad
+        if self.grads.current(name):  # the window's earlier micro-batches: their sum is in the store
+            shard = self._store.sync.get(grad_key(name)).add_(shard)
+        norm = shard_norms([shard])[0]
+        if not self._stepped:
+            self._begin_in_backward()
+        self._stepped[name] = norm
+        if new_key(name) in self._store:
+            return  # updated before a crash: its new value waits aside (the replay's gradient is the same)
+        p = self._by_name[name]
+        master = self._io.local_shard(handle).to("cpu") if handle.state is HandleState.READY else None
+        state = self.record.shards[name]
+        self._updates.on_event = self.on_event
+        try:
+            self._updates.submit(self._shard(p, max(state.slot, 0)), shard, master, state.steps,
+                                 tuple(self._optimizer.hyperparameters()))
+        except BaseException as exc:
+            self._backward_failed = True
+            exc.add_note(f"step {self.record.step + 1} was not applied: run its batch again (forward and backward; "
+                         "the forward puts the last completed step's parameters back), then eng.step()")
+            raise
 
     # ------------------------------------------------------------------ the step (AdamW.step -> here)
 
@@ -306,6 +503,11 @@ class Training:
         :meth:`pending_grad_norm`. Asked twice, the step clips to the smaller norm, as two clips in
         a row would. A backward adding gradients before that step is refused, since the clipping
         would then cover gradients that did not exist when it was asked for."""
+        if self._updates is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ cannot clip gradients that EngineConfig.step_in_backward already applied inside "
+                "backward; turn step_in_backward off to clip"
+            )
         norm = self.pending_grad_norm()
         if not math.isinf(max_norm):
             self._clip_to = float(max_norm) if self._clip_to is None else min(self._clip_to, float(max_norm))
@@ -313,7 +515,11 @@ class Training:
 
     def _stored_grad_norm(self) -> torch.Tensor:
         """The stored (loss-scaled) gradients' global norm, summed in parameter order over every
-        rank, once every gradient shard has reached the store."""
+        rank, once every gradient shard has reached the store (with the updates inside backward: the
+        norm of the gradients they used)."""
+        if self._updates is not None:
+            return total_norm([self._stepped[p.name] for p in self._params if p.name in self._stepped],
+                              self.all_reduce)
         self.grads.flush()
         # Norms taken on the compute device (CUDA) join the step's CPU math as CPU scalars.
         norms = {n: t.cpu() for n, t in self.grads.norms.items()} if self.grads.norms else {}
@@ -334,6 +540,12 @@ class Training:
                     "backward() has returned"
                 )
             self._pager.drop_prefetched()
+        if self.record.applying is not None:  # the step that failed part way: this call finishes it
+            self._finish_applying(first_attempt=False, started=started)
+            return
+        if self._updates is not None:
+            self._commit_in_backward(started)
+            return
         if self._restore_pending:
             self._restore_params()
             self._restore_pending = False
@@ -350,8 +562,13 @@ class Training:
                 return
             grad_scale = 1.0 / self.scaler.scale
         with_grad = [p for p in self._params if self.grads.has_grad(p.name)]
-        self._init_new_state([p for p in with_grad if self.record.shards[p.name].slot == NO_STATE])
+        if self._durable:
+            self._start_applying(with_grad, stored_norm, grad_scale, started)
+            return
         in_place = cfg.updates_in_place
+        # Two slots: the first step's masters exist before the step can touch a parameter; in place:
+        # state to lend to the step exists before it.
+        self._init_new_state([p for p in with_grad if self.record.shards[p.name].slot == NO_STATE])
         shards = [self._shard(p, max(self.record.shards[p.name].slot, 0), write_other=not in_place)
                   for p in self._params]
         store = self._prefetch.take(self._store)
@@ -362,7 +579,8 @@ class Training:
             )
         except BaseException as exc:
             store.close()
-            self._rollback(exc)
+            if not in_place:
+                self._rollback(exc)
             raise
         store.close()
         counts = self._optimizer.shard_steps
@@ -371,15 +589,17 @@ class Training:
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         record = StepRecord(previous.step + 1, {
-            name: ShardState(counts.get(name, 0), self._other(s.slot) if name in updated and not in_place else s.slot)
+            name: ShardState(counts.get(name, 0), (max(s.slot, 0) if in_place else self._other(s.slot))
+                             if name in updated else s.slot)
             for name, s in previous.shards.items()
-        }, self._scaler_state())
+        }, self._scaler_state(), previous.master_in_param)
         try:
             record.write(self._store)  # the commit point
         except BaseException as exc:
             self._optimizer._set_shard_steps({n: s.steps for n, s in previous.shards.items()})
             self._restore_scaler(scaler_before)
-            self._rollback(exc)
+            if not in_place:
+                self._rollback(exc)
             raise
         self.record = record
         self.grads.mark_consumed()
@@ -389,9 +609,189 @@ class Training:
             delete_keys(self._store, [k for name in updated for k in optim_keys(name, previous.shards[name].slot)])
         self.counters.add(stats, time.perf_counter() - started)
 
+    def _start_applying(self, with_grad: list["_Param"], stored_norm: torch.Tensor, grad_scale: float,
+                        started: float) -> None:
+        """The step with the state on nvme: durable gradients, the ``applying`` record, then the groups
+        ([Note: Rolling a step forward])."""
+        max_norm = self._config.max_grad_norm
+        if self._clip_to is not None:
+            max_norm = self._clip_to if max_norm is None else min(self._clip_to, max_norm)
+        # A power-of-two scale scales the norm exactly: this is the norm of the unscaled gradients.
+        norm = stored_norm * grad_scale if grad_scale != 1.0 else stored_norm
+        coef = clip_coefficient(norm, max_norm) if max_norm is not None else None
+        self._store.sync.flush([grad_key(p.name) for p in with_grad])
+        scaler_after = None
+        if self.scaler is not None:
+            after = LossScaler(self.scaler.policy)
+            after.load_state_dict(self.scaler.state_dict())
+            after.update(overflow=False)
+            scaler_after = after.state_dict()
+        applying = Applying(
+            self.record.step + 1, tuple(p.name for p in with_grad), tuple(self._optimizer.hyperparameters()),
+            float(grad_scale), None if coef is None else float(coef), scaler_after,
+        )
+        delete_keys(self._store, progress_keys(self._store))  # leftovers of no step in flight
+        record = self.record.replace(applying=applying)
+        record.write(self._store)  # from here on the step is finished, never undone
+        self.record = record
+        self._clip_to = None
+        self.last_grad_norm = float(norm)
+        self._finish_applying(first_attempt=True, started=started)
+
+    def _finish_applying(self, *, first_attempt: bool, started: Optional[float] = None) -> None:
+        """Update every shard of the record's ``applying`` step that no progress entry names, then
+        commit the step (see [Note: Rolling a step forward])."""
+        applying = self.record.applying
+        assert applying is not None
+        started = time.perf_counter() if started is None else started
+        stepping = set(applying.shards)
+        done = done_shards(self._store, applying.step) if not first_attempt else set()
+        todo = [p for p in self._params if p.name in stepping and p.name not in done]
+        lost = [p.name for p in todo if grad_key(p.name) not in self._store]
+        if lost:
+            raise StepRecordError(
+                f"step {applying.step} stopped part way and cannot be finished: the gradients of {lost[:3]} are not "
+                "in the store. Resume from a checkpoint instead (wrap without resume, then eng.load_checkpoint(...))"
+            )
+        cfg = self._config
+        shards = [self._shard(p, max(self.record.shards[p.name].slot, 0)) for p in todo]
+        if not first_attempt:
+            self._prefetch.discard()  # read for a step that did not run as planned
+        store = self._prefetch.take(self._store)
+        try:
+            stats = self._optimizer.run_step(
+                store, shards, config=cfg, on_event=self.on_event, grad_scale=applying.grad_scale,
+                hypers=applying.hypers, clip_coef=applying.clip_tensor(), atomic=True,
+                progress=lambda names: progress_entry(applying.step, names),
+            )
+        except BaseException as exc:
+            store.close()
+            exc.add_note(
+                f"step {applying.step} stopped part way: some parameters and optimizer states hold its new values. "
+                "eng.step() finishes it from the stored gradients (as does a resume, or the next forward); the "
+                "gradients stay in the store until then"
+            )
+            raise
+        store.close()
+        shards_after = {
+            name: ShardState(s.steps + 1, max(s.slot, 0)) if name in stepping else s
+            for name, s in self.record.shards.items()
+        }
+        record = StepRecord(applying.step, shards_after, applying.loss_scale, self.record.master_in_param)
+        record.write(self._store)  # the commit point
+        self.record = record
+        self._optimizer._set_shard_steps({n: s.steps for n, s in record.shards.items()})
+        if self.scaler is not None and applying.loss_scale is not None:
+            self.scaler.load_state_dict(applying.loss_scale)
+        if not first_attempt:  # a separate master's parameter may lag behind it: rewrite those
+            self._restore_params([p for p in self._params if p.name in stepping])
+        delete_keys(self._store, progress_keys(self._store))
+        self.grads.mark_consumed()
+        self.counters.add(stats, time.perf_counter() - started)
+
+    def _begin_in_backward(self) -> None:
+        """The step's first update inside backward: record it (with the forward inputs' CRC), or, for
+        a step a resume is replaying, check that the inputs are the ones recorded."""
+        if self._replay_crc is not None:
+            if self._inputs_crc != self._replay_crc:
+                raise RuntimeError(
+                    f"step {self.record.step + 1} stopped inside backward before a crash, after some of its updates "
+                    "(EngineConfig.step_in_backward); the batch run since the resume is not that step's (its forward "
+                    "inputs differ), and the updates already made came from that batch. Replay step "
+                    f"{self.record.step + 1}'s batch (eng.completed_steps gives where to resume), or load a checkpoint"
+                )
+            self._replay_crc = None
+            return
+        record = self.record.replace(in_backward=InBackward(self.record.step + 1, self._inputs_crc))
+        record.write(self._store)  # before the first rename: a crash from here on is recovered by a replay
+        self.record = record
+
+    def _commit_in_backward(self, started: float) -> None:
+        """``eng.step()`` with the updates inside backward: wait for them, commit, drop the old values."""
+        assert self._updates is not None
+        if self._backward_failed:
+            self._recover_in_backward()
+            raise RuntimeError(
+                f"an optimizer update inside backward of step {self.record.step + 1} failed, so the step was not "
+                "applied: the parameters are back at the last completed step. Run that step's batch again "
+                "(forward and backward), then eng.step()"
+            )
+        try:
+            self._updates.wait()
+        except BaseException as exc:
+            self._backward_failed = True
+            exc.add_note(f"step {self.record.step + 1} was not applied; the next forward puts the last completed "
+                         "step's parameters back: run that step's batch again (forward and backward), then eng.step()")
+            raise
+        set_aside = {p.name for p in self._params if new_key(p.name) in self._store}
+        if self._replay_crc is not None and set_aside:
+            raise RuntimeError(
+                f"step {self.record.step + 1} stopped inside backward before a crash and its batch has not been "
+                "replayed since the resume: run that step's batch (forward and backward), then eng.step()"
+            )
+        norm = self._stored_grad_norm()
+        stepped = set(self._stepped) | set_aside
+        counts = {n: s.steps + 1 if n in stepped else s.steps for n, s in self.record.shards.items()}
+        record = StepRecord(self.record.step + 1, {
+            n: ShardState(counts[n], max(s.slot, 0)) if n in stepped else s for n, s in self.record.shards.items()
+        }, self._scaler_state(), self.record.master_in_param)
+        record.write(self._store)  # the commit point
+        self.record = record
+        self._optimizer._set_shard_steps(counts)
+        order = [self.live_shard(n) for n in self._stepped]
+        self._stepped = {}
+        self._inputs_crc = 0
+        self._finish_backward_leftovers()
+        self.grads.mark_consumed()
+        self.last_grad_norm = float(norm)
+        self._updates.read_ahead(order, self.has_state)
+        c = self._updates.take_counters()
+        seconds = time.perf_counter() - (c.first_update if c.first_update is not None else started)
+        self.counters.add(OptimStepStats(
+            seconds=seconds, bytes_read=c.bytes_read, bytes_written=c.bytes_written, io_stall_seconds=c.stall_seconds,
+            update_seconds=c.update_seconds, groups=c.batches, shards_updated=len(stepped),
+            shards_skipped=len(self._params) - len(stepped), grad_norm=float(norm), clip_coef=None,
+            step_counts=counts,
+        ), time.perf_counter() - started)
+
+    def _recover_in_backward(self) -> None:
+        """After a crash (or a failed update) inside backward: set each done shard's new value aside and
+        put every kept old value back, so the model is the last completed step's and its batch can be
+        replayed ([Note: Updates inside backward])."""
+        if self._updates is not None:
+            try:
+                self._updates.wait()
+            except RuntimeError:
+                pass  # the failure that brought us here
+        store = self._store
+        done = [(p.param_key, new_key(p.name)) for p in self._params
+                if kept_key(p.name) in store and p.param_key in store]
+        if done:
+            store.sync.rename_many(done)
+        back = [(kept_key(p.name), p.param_key) for p in self._params if kept_key(p.name) in store]
+        if back:
+            store.sync.rename_many(back)
+        self._pager.drop_prefetched()
+        self._stepped = {}
+        self._inputs_crc = 0
+        self._backward_failed = False
+        in_backward = self.record.in_backward
+        self._replay_crc = in_backward.inputs_crc if in_backward is not None else None
+
+    def _finish_backward_leftovers(self) -> None:
+        """After a committed step with updates inside backward: values set aside become the parameters
+        and kept old values go (also what a crash after the commit left undone)."""
+        store = self._store
+        aside = [(new_key(p.name), p.param_key) for p in self._params if new_key(p.name) in store]
+        if aside:
+            store.sync.rename_many(aside)
+            self._pager.drop_prefetched()
+        delete_keys(store, [kept_key(p.name) for p in self._params])
+
     def _zero_grad(self, set_to_none: bool) -> None:
         self._clip_to = None
         if not self._closed:
+            self.complete_pending()  # its gradients are still needed
             self.grads.zero(set_to_none)
 
     def _skip_step(self) -> None:
@@ -433,12 +833,22 @@ class Training:
                 "call it once the accumulation window's last backward has returned, right before the optimizer "
                 "step (under accelerate: `if accelerator.sync_gradients: eng.clip_grad_norm_(...)`)"
             )
+        if self.record.applying is not None:
+            raise RuntimeError(
+                f"step {self.record.applying.step} stopped part way and a backward started before it was finished: "
+                "call eng.step() to finish it first (its gradients are the ones in the store)"
+            )
         self._start_prefetch()
 
     # ------------------------------------------------------------------ internals
 
-    def _shard(self, p: _Param, slot: int, *, write_other: bool = False) -> OptimShard:
+    def _one_copy(self, p: "_Param") -> bool:
+        return self.record.master_in_param and p.dtype == torch.float32
+
+    def _shard(self, p: "_Param", slot: int, *, write_other: bool = False, staged: bool = False) -> OptimShard:
         master, exp_avg, exp_avg_sq = optim_keys(p.name, slot)
+        if self._one_copy(p):
+            master = staged_key(p.name) if staged else p.param_key
         return OptimShard(
             p.name, p.numel, p.dtype, p.param_key, grad_key(p.name), master, exp_avg, exp_avg_sq,
             group=p.group, state_out_keys=optim_keys(p.name, 1 - slot) if write_other else None,
@@ -448,14 +858,14 @@ class Training:
     def _other(slot: int) -> int:
         return 0 if slot == NO_STATE else 1 - slot
 
-    def _init_new_state(self, params: list[_Param]) -> None:
+    def _init_new_state(self, params: list["_Param"]) -> None:
         """State for shards stepping for the first time, committed before the step can touch their
-        parameters (so a crash in the step finds their pre-step values in the master)."""
+        parameters (so a failure in the step finds their pre-step values in the master)."""
         if not params:
             return
         cfg = self._config
         # Slot-0 keys of a shard without state are leftovers of an init that failed half way (init_state
-        # skips a shard whose master exists, so a master without its moments would stay so).
+        # skips a shard whose exp_avg exists, so an exp_avg without the rest would stay so).
         delete_keys(self._store, [k for p in params for k in optim_keys(p.name, 0)])
         init_state(self._store, [self._shard(p, 0) for p in params], state_tier=cfg.optimizer_tier,
                    compress=cfg.compress_optimizer, group_bytes=cfg.optimizer_group_bytes)
@@ -475,8 +885,9 @@ class Training:
         self._prefetch.start(shards, [self.record.shards[p.name].slot != NO_STATE for p in self._params])
 
     def _rollback(self, error: BaseException) -> None:
-        """After a failed step: parameters back to the live masters (the step's error is what the caller
-        sees; if the store fails this too, the next step does it first, and ``error`` says so)."""
+        """After a failed step with two slots: parameters back to the live masters (the step's error is
+        what the caller sees; if the store fails this too, the next step does it first, and ``error``
+        says so)."""
         try:
             self._delete_inactive()  # the failed step's partial state writes: frees their space for the rewrite
             self._restore_params()
@@ -487,21 +898,65 @@ class Training:
                 "next eng.step() (which restores them first) or a resume, some parameters hold the failed step's values"
             )
 
-    def _restore_params(self) -> None:
-        """Rewrite every trainable shard that has state from its live master, cast to the training
-        dtype, one group at a time."""
-        shards = [s for s, p in zip(self.live_shards(), self._params) if self.record.shards[p.name].slot != NO_STATE]
+    def _restore_params(self, params: Optional[Sequence["_Param"]] = None) -> None:
+        """Rewrite every trainable shard (of ``params``) that has state and a master of its own from
+        that master, cast to the training dtype, one group at a time (a shard that is its own master
+        needs nothing)."""
+        chosen = self._params if params is None else params
+        shards = [self.live_shard(p.name) for p in chosen
+                  if self.record.shards[p.name].slot != NO_STATE and not self._one_copy(p)]
         if shards:
             run_sync(_restore(self._store, shards, self._config.param_tier, self._config.optimizer_group_bytes))
 
+    def _install_staged(self) -> None:
+        """Make the staged masters of a committed load the parameters (renames, no I/O; a rename a
+        crash interrupted is finished here), then record that nothing is staged."""
+        staged = [p for p in self._params if self.record.shards[p.name].staged]
+        if not staged:
+            return
+        pairs = [(staged_key(p.name), p.param_key) for p in staged if staged_key(p.name) in self._store]
+        if pairs:
+            self._store.sync.rename_many(pairs)
+        record = self.record.replace(shards={
+            n: ShardState(s.steps, s.slot) if s.staged else s for n, s in self.record.shards.items()
+        })
+        record.write(self._store)
+        self.record = record
+
+    def _migrate_layout(self) -> None:
+        """A resume under a config that lays fp32 masters out the other way ([Note: One copy of fp32
+        weights]): give them their own keys (from the parameters, exact in fp32) or drop them (the
+        parameters were just rewritten from them), then record the layout."""
+        if self.record.master_in_param == self._master_in_param:
+            return
+        fp32 = [p for p in self._params if p.dtype == torch.float32 and self.record.shards[p.name].slot != NO_STATE]
+        if not self._master_in_param:
+            cfg = self._config
+            for p in fp32:
+                master = optim_keys(p.name, self.record.shards[p.name].slot)[0]
+                self._store.sync.put(master, self._store.sync.get(p.param_key), cfg.optimizer_tier,
+                                     compress=True if cfg.compress_optimizer else None)
+        record = self.record.replace(master_in_param=self._master_in_param)
+        record.write(self._store)
+        self.record = record  # the masters a one-copy layout no longer names go with _delete_inactive
+
     def _delete_inactive(self) -> None:
-        """Delete state keys of the slots the record does not name (a crashed step's partial writes)."""
-        stale = []
+        """Delete optimizer keys the record does not name (a crashed step's partial writes, replaced
+        slots, masters a one-copy layout does not keep) and, with no step being applied, progress entries."""
+        live: set[str] = set()
         for p in self._params:
-            live = self.record.shards[p.name].slot
-            for slot in (0, 1):
-                if slot != live:
-                    stale += optim_keys(p.name, slot)
+            state = self.record.shards[p.name]
+            if state.staged:
+                live.add(staged_key(p.name))
+            if state.slot != NO_STATE or self.record.in_backward is not None:
+                # (a step replayed after a crash inside backward keeps the new values and moments that its
+                # updates before the crash wrote, a first step's included)
+                live.update(self.live_shard(p.name).state_keys())
+            if self.record.in_backward is not None:
+                live.add(new_key(p.name))
+        stale = [k for k in self._store.keys() if k.startswith(OPTIM_KEY_PREFIX) and k not in live]
+        if self.record.applying is None:
+            stale += progress_keys(self._store)
         delete_keys(self._store, stale)
 
 
@@ -529,4 +984,3 @@ async def _restore(store: TieredStore, shards: Sequence[OptimShard], tier: str, 
 def _cast(group: list[OptimShard], masters: list[torch.Tensor]) -> list[torch.Tensor]:
     return [m.view(-1) if s.train_dtype == torch.float32 else m.view(-1).to(s.train_dtype)
             for s, m in zip(group, masters)]
-

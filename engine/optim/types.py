@@ -23,9 +23,11 @@ class OptimShard:
     and ``exp_avg_sq_key`` hold the fp32 master weights and Adam moments. ``group`` indexes the
     hyperparameter groups (``AdamW.param_groups``) the shard belongs to.
 
-    ``state_out_keys``: where the step writes the updated master, ``exp_avg`` and ``exp_avg_sq``
-    (None: back into the keys it read). The engine writes each step's state to the other of two
-    key sets, so a crash in the middle of a step leaves the last completed step's state whole.
+    ``master_key`` may be ``param_key`` itself when the training dtype is fp32: the parameter is
+    then its own master ([Note: One copy of fp32 weights]) and the step writes it once, with the
+    moments. ``state_out_keys``: where the step writes the updated master, ``exp_avg`` and
+    ``exp_avg_sq`` (None: back into the keys it read); the engine uses it only for state in host
+    memory that is not updated in place (two key sets, so a step that raises leaves the last one whole).
     """
 
     name: str
@@ -52,8 +54,13 @@ class OptimShard:
         for key in keys:
             if not isinstance(key, str) or not key:
                 raise ValueError(f"OptimShard {self.name!r}: store keys must be non-empty strings, got {key!r}")
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"OptimShard {self.name!r}: its five store keys must differ, got {keys}")
+        distinct = keys[1:] if self.master_is_param else keys
+        if len(set(distinct)) != len(distinct):
+            raise ValueError(f"OptimShard {self.name!r}: its store keys must differ (only the master may be the "
+                             f"parameter's key), got {keys}")
+        if self.master_is_param and self.train_dtype != torch.float32:
+            raise ValueError(f"OptimShard {self.name!r}: the master may be the parameter's own key only when it is "
+                             f"fp32, but train_dtype is {self.train_dtype}")
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 0:
             raise ValueError(f"OptimShard {self.name!r}: group must be an int >= 0, got {self.group!r}")
         if self.state_out_keys is not None:
@@ -62,11 +69,19 @@ class OptimShard:
                 raise ValueError(
                     f"OptimShard {self.name!r}: state_out_keys must be None or three non-empty strings, got {out!r}"
                 )
+            if self.master_is_param:
+                raise ValueError(f"OptimShard {self.name!r}: a master that is the parameter's key is written in "
+                                 "place, so state_out_keys must be None")
             if len(set(out)) != 3 or set(out) & {self.param_key, self.grad_key}:
                 raise ValueError(
                     f"OptimShard {self.name!r}: state_out_keys must differ from each other and from the param and "
                     f"grad keys, got {out}"
                 )
+
+    @property
+    def master_is_param(self) -> bool:
+        """True when the fp32 master is the parameter's own entry (``master_key == param_key``)."""
+        return self.master_key == self.param_key
 
     def keys(self) -> tuple[str, str, str, str, str]:
         """The shard's store keys: param, grad, master, exp_avg, exp_avg_sq."""
@@ -82,6 +97,12 @@ class OptimShard:
     def all_keys(self) -> tuple[str, ...]:
         """Every store key the shard reads or writes, each once."""
         return tuple(dict.fromkeys((*self.keys(), *self.out_keys)))
+
+    def state_keys(self) -> tuple[str, ...]:
+        """The keys of the optimizer state the step reads beside the gradient: the master (unless it is
+        the parameter), exp_avg and exp_avg_sq."""
+        keys = (self.master_key, self.exp_avg_key, self.exp_avg_sq_key)
+        return keys[1:] if self.master_is_param else keys
 
     @property
     def fp32_bytes(self) -> int:

@@ -45,6 +45,25 @@ def optim_keys(name: str, slot: int = 0) -> tuple[str, str, str]:
     return base + "/master" + suffix, base + "/exp_avg" + suffix, base + "/exp_avg_sq" + suffix
 
 
+def staged_key(name: str) -> str:
+    """Where a checkpoint load stages the fp32 master of the parameter called ``name`` when that
+    parameter is its own master (``engine.optim.training``, [Note: One copy of fp32 weights]):
+    ``optim/<name>/staged``, renamed to ``param/<name>`` once the load commits."""
+    return OPTIM_KEY_PREFIX + name + "/staged"
+
+
+def kept_key(name: str) -> str:
+    """Where an update inside backward (``EngineConfig.step_in_backward``) keeps the old value of the
+    parameter called ``name`` until the step commits: ``optim/<name>/kept``."""
+    return OPTIM_KEY_PREFIX + name + "/kept"
+
+
+def new_key(name: str) -> str:
+    """Where a resume sets aside the new value an update inside backward gave the parameter called
+    ``name`` before a crash, until the replayed step commits: ``optim/<name>/new``."""
+    return OPTIM_KEY_PREFIX + name + "/new"
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
     """One parameter as a flat, padded tensor split evenly across ``world`` ranks.

@@ -3,10 +3,11 @@
 The counterpart of DeepSpeed's ``estimate_zero3_model_states_mem_needs_all_live`` and accelerate's
 ``estimate-memory``, computed from the model's parameter shapes alone (a model on the meta device
 works) with docs/training.md's memory model: what the engine puts in each tier, where the store's
-budgets push the overflow, the optimizer state's second slot during a step (not when it is updated
-in place), and the host memory plan (engine/paging/memory_plan.py) whose total tests/test_engine_memory.py
-holds a real run to. It also finds what ``wrap`` or the first step would fail on (a budget below
-the model's minimum, a shard larger than its tier's whole budget), which ``wrap`` refuses up front.
+budgets push the overflow, what a step adds (on nvme the gradients made durable and one group's new
+state before the old is freed; in host memory not updated in place, a second slot), and the host
+memory plan (engine/paging/memory_plan.py) whose total tests/test_engine_memory.py holds a real run
+to. It also finds what ``wrap`` or the first step would fail on (a budget below the model's
+minimum, a shard larger than its tier's whole budget), which ``wrap`` refuses up front.
 """
 
 from __future__ import annotations
@@ -78,11 +79,12 @@ class MemoryEstimate:
     #: Each tier's bytes between steps once the budgets are applied: what a tier cannot hold is
     #: written down to the next (device -> host -> nvme).
     at_rest: TierBytes
-    #: The same while ``step()`` runs: the optimizer state is written to its second slot before the
-    #: old one is deleted, so its tier holds it twice (not when it is updated in place).
+    #: The same while ``step()`` runs: with the state on nvme, the gradients are made durable there
+    #: and one group's new state is written before its old state is freed; with the state in host
+    #: memory and not updated in place, the new state goes to a second slot, so that tier holds it twice.
     during_step: TierBytes
     #: Host memory the engine and its store hold at most, above the process's size before wrap: the
-    #: plan's pieces and its host tier (docs/training.md, "Host RSS bound"). torch's and Python's own
+    #: plan's pieces and its host tier (docs/training.md, "One budget for host memory"). torch's and Python's own
     #: growth (the autograd graph, the batch's activations) comes on top.
     host_rss_bound: int
     #: The least ``StoreConfig.host_bytes`` the model needs under the config (``host_budget="total"``).
@@ -166,8 +168,18 @@ def estimate_memory(
     budgets = {"device": store.device_bytes, "host": plan.host_tier_bytes, "nvme": store.nvme_bytes}
     placed = {t: sum(p.charged for p in parts if p.tier == t) for t in _TIERS}
     during = dict(placed)
-    if training and not config.updates_in_place:
-        during[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
+    if training and sizes.trainable and not config.updates_in_place:
+        group = min(max(config.optimizer_group_bytes, sizes.largest_fp32_shard), sizes.fp32_bytes)
+        if config.step_in_backward:
+            during["nvme"] += sizes.fp32_bytes  # the old fp32 parameters, kept until the step commits
+            during["nvme"] += 3 * group  # one batch's new parameters and moments beside the old
+        elif config.optimizer_tier == "nvme":
+            if config.grad_tier != "nvme":
+                during["nvme"] += parts[1].charged  # the gradients, made durable at the step's start
+            # one group's new state (and parameters) in flight beside the old
+            during["nvme"] += 3 * group + group * sizes.extra_itemsize // 4
+        else:
+            during[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
     at_rest, during_step = _apply_budgets(placed, budgets), _apply_budgets(during, budgets)
     largest_module = max((_module_bytes(m, train_dtype) for m in model.modules()), default=0)
     materialized = largest_module + plan.settings.prefetch_bytes
@@ -213,6 +225,10 @@ class _Sizes:
 
     params: int = 0
     trainable: int = 0
+    largest_fp32_shard: int = 0
+    extra_itemsize: int = 0  # bytes per element of a training dtype other than fp32 (the step's new shard)
+    own_masters: int = 0  # trainable fp32 parameters that are their own masters
+    fp32_bytes: int = 0  # every trainable fp32 shard once, as a tier charges it
 
 
 def _count_entries(
@@ -220,11 +236,13 @@ def _count_entries(
 ) -> tuple[list["_Part"], _Sizes]:
     """Every entry the engine puts in the store for ``model``, summed by kind."""
     compressed = config.compress_optimizer and config.optimizer_tier == "nvme"
+    # fp32 parameters in the optimizer's tier are their own masters (engine/optim/training.py)
+    one_copy = config.param_tier == config.optimizer_tier and (
+        config.optimizer_tier == "nvme" or config.updates_in_place)
     parts = [_Part("parameter shards", config.param_tier, "param_tier")]
     if training:
         parts += [_Part("fp32 gradient shards", config.grad_tier, "grad_tier"),
-                  _Part("fp32 master weights + 2 Adam moments" + (", ~compressed" if compressed else ""),
-                        config.optimizer_tier, "optimizer_tier")]
+                  _Part("fp32 master weights + 2 Adam moments", config.optimizer_tier, "optimizer_tier")]
     sizes = _Sizes()
     for name, p in model.named_parameters():  # tied parameters once, under their first name
         dtype = train_dtype if train_dtype is not None and p.is_floating_point() else p.dtype
@@ -234,8 +252,20 @@ def _count_entries(
         if training and p.requires_grad:
             sizes.trainable += p.numel()
             fp32 = shard_numel * 4
-            parts[1].add(name, fp32, copies=1)
-            parts[2].add(name, int(fp32 * COMPRESSED_STATE_RATIO) if compressed else fp32, copies=3)
+            sizes.largest_fp32_shard = max(sizes.largest_fp32_shard, fp32)
+            if dtype.itemsize != 4:
+                sizes.extra_itemsize = max(sizes.extra_itemsize, dtype.itemsize)
+            sizes.fp32_bytes += round_up(max(fp32, 1))
+            # the updates inside backward store a gradient only between the backwards of a window
+            stored = not config.step_in_backward or config.gradient_accumulation_steps > 1
+            parts[1].add(name, fp32, copies=1 if stored else 0)
+            own_master = one_copy and dtype == torch.float32
+            sizes.own_masters += own_master
+            stored = int(fp32 * COMPRESSED_STATE_RATIO) if compressed else fp32
+            parts[2].add(name, stored, copies=2 if own_master else 3)
+    if training:
+        parts[2].what += (" (fp32 parameters are their own masters)" if sizes.own_masters else "") + (
+            ", ~compressed" if compressed else "")
     return parts, sizes
 
 

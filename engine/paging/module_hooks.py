@@ -73,6 +73,10 @@ class ForwardScope:
         self._counters = counters
         self._frames: list[_Frame] = []
         self._contexts: Optional[contextlib.ExitStack] = None
+        #: Called with the root module's ``(args, kwargs)`` as a step's forward starts, once the holds
+        #: of an earlier backward are released and before any parameter is fetched (the optimizer
+        #: finishes a step left part way there).
+        self.on_root_forward: Optional[Callable[[tuple], None]] = None
 
     @property
     def depth(self) -> int:
@@ -88,6 +92,8 @@ class ForwardScope:
         if outermost:
             if hooks.module is self._root and not backward:
                 self._tracker.reset()
+                if self.on_root_forward is not None:
+                    self.on_root_forward(inputs)
                 self._saved.begin_forward(self._root)
                 grad = torch.is_grad_enabled()
                 self._pager.begin_step(grad, wrap_around=not grad)

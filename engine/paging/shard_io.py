@@ -32,10 +32,14 @@ class ShardIO:
     """Store traffic of parameter shards, for one rank; ``collectives`` is required when any
     handle's layout spans several ranks."""
 
-    def __init__(self, store: TieredStore, tier: "Tier | str", collectives: Optional[Collectives] = None) -> None:
+    def __init__(self, store: TieredStore, tier: "Tier | str", collectives: Optional[Collectives] = None, *,
+                 cache: "Tier | str | None" = None) -> None:
         self.store = store
         self.tier = Tier.parse(tier)
         self.collectives = collectives
+        #: A faster tier where fetches and writes offer the store a clean copy of the shard to keep
+        #: across steps (the store keeps it when its policy, fed the recorded order, finds it worth it).
+        self.cache = Tier.parse(cache) if cache is not None else None
 
     @property
     def rank(self) -> int:
@@ -51,9 +55,9 @@ class ShardIO:
         """Start filling ``handle``'s (allocated) storage from the store; never blocks."""
         layout = handle.layout
         if layout.is_whole:
-            return self.store.sync.get_future(handle.key, handle.flat.device, out=handle.flat)
+            return self.store.sync.get_future(handle.key, handle.flat.device, out=handle.flat, keep=self.cache)
         gathered, shard = self._gather_buffers(layout, handle.flat)
-        local = self.store.sync.get_future(handle.key, handle.flat.device, out=shard)
+        local = self.store.sync.get_future(handle.key, handle.flat.device, out=shard, keep=self.cache)
         return self._comm().submit(self._gather, local, gathered, shard, layout.numel, handle.flat)
 
     def read_copy(self, handle: ParamHandle, key: Optional[str] = None, dtype: Optional[torch.dtype] = None
@@ -81,8 +85,17 @@ class ShardIO:
         """Start writing ``handle``'s materialized value as its shard (this rank's slice of it); the
         storage must stay as it is until the future is done."""
         if handle.layout.is_whole:
-            return self.store.sync.put_future(handle.key, handle.flat, self.tier)
-        return self.store.sync.put_future(handle.key, _shard_of(handle.layout, handle.flat), self.tier)
+            return self.store.sync.put_future(handle.key, handle.flat, self.tier, keep=self.cache)
+        return self.store.sync.put_future(handle.key, _shard_of(handle.layout, handle.flat), self.tier,
+                                          keep=self.cache)
+
+    def local_shard(self, handle: ParamHandle) -> torch.Tensor:
+        """A copy of this rank's shard of ``handle``'s materialized value (flat, on its device, padded
+        with zeros where the shard runs past the end): what :meth:`write` would put. Local."""
+        flat = handle.flat
+        piece = flat if handle.layout.is_whole else _shard_of(handle.layout, flat)
+        shares = piece.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        return piece.clone() if shares else piece
 
     def shard_of(self, handle: ParamHandle, value: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``value``, a whole tensor of the parameter's shape (any dtype): the

@@ -18,9 +18,11 @@ from tiered.errors import KeyNotFoundError, TieredError
 from tiered.spans import Span, new_result, spans_of_tensor
 from tiered.store.error_messages import batch_error, naming_key, read_error
 from tiered.store.validation import (
+    batch_compress,
     batch_items,
     batch_keys,
-    check_compress,
+    check_atomic,
+    check_keep,
     check_out,
     dense_copy,
     parse_device,
@@ -30,29 +32,56 @@ from tiered.store.validation import (
 from tiered.tier import Tier
 
 
+# [Note: Atomic batches]
+# ``put_many(..., atomic=True)`` writes every entry's bytes to new extents first, as any put does.
+# Only when every one of them is on disk are the records submitted, all at once with no await
+# between them, so the commit log takes them into one batch: one fdatasync round and one SQLite
+# transaction that replaces every old record (CommitLog.submit_many). A failure before that point
+# frees the new extents and commits nothing; a failed transaction rolls back as a whole; a crash
+# before the transaction commits leaves the old records, and the new extents are free space at the
+# next open. The key locks are held throughout, so no other put or delete of these keys can slip
+# in between. Memory tiers have no transaction to lean on, so the mode is nvme's alone.
+
+
 class BatchCalls:
     """The batched calls of :class:`~tiered.TieredStore` (mixed into it)."""
 
     async def put_many(
         self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,
-        compress: Optional[bool] = None,
+        compress: "Optional[bool] | Mapping[str, Optional[bool]]" = None, *, atomic: bool = False,
+        keep: "Tier | str | None" = None,
     ) -> None:
         """:meth:`put` of many tensors as one operation: ``items`` maps keys to tensors, or lists (key, tensor) pairs.
 
         To nvme, the tensors are written into one run of swap-file extents with few vectored syscalls
         and committed by one group commit (one fdatasync round, one manifest transaction), so each
         costs a fraction of a put; every key is durable when this returns. Each entry keeps its own
-        CRCs, generation and record, exactly as a put would write it.
+        CRCs, generation and record, exactly as a put would write it. ``compress`` applies to every
+        entry, or maps keys to their own setting (a key it leaves out: None).
 
-        Bad input (a non-string key, a non-tensor, the same key twice: ValueError) is refused before
-        anything is stored. Otherwise the call is not all-or-nothing: when some entries fail (a full
-        tier, an I/O error), the others are still stored, and the call then raises an error of the
-        first failure's type whose message names every failed key. Whatever happens, including a
-        crash, each key holds either its old or its new value, never a mix of the two: a named key is
-        left as a failed :meth:`put` of it would leave it, every other key holds its new value.
+        Bad input (a non-string key, a non-tensor, the same key twice: ValueError; a ``compress``
+        mapping naming a key not in ``items``: ValueError) is refused before anything is stored.
+        Otherwise, by default, the call is not all-or-nothing: when some entries fail (a full tier,
+        an I/O error), the others are still stored, and the call then raises an error of the first
+        failure's type whose message names every failed key. Whatever happens, including a crash,
+        each key holds either its old or its new value, never a mix of the two: a named key is left
+        as a failed :meth:`put` of it would leave it, every other key holds its new value.
+
+        ``atomic=True`` (nvme only; another tier is a ValueError) makes the batch all-or-nothing:
+        no entry is committed unless every one was written, and all records commit in one manifest
+        transaction. When any entry fails, every key keeps its old value and the error names the
+        failed keys; after a crash at any moment, either every key holds its new value or every key
+        holds its old one ([Note: Atomic batches]).
+
+        ``keep`` as for :meth:`put`: each entry written may also keep a clean copy in that faster tier
+        ([Note: Kept copies]).
         """
         pairs = batch_items(items)
-        return await self._call(self._put_many, pairs, tier, compress, [ready_event(t) for _, t in pairs])
+        compresses = batch_compress(compress, pairs)
+        check_atomic(atomic, tier)
+        check_keep(keep, tier)
+        return await self._call(self._put_many, pairs, tier, compresses, [ready_event(t) for _, t in pairs], atomic,
+                                keep)
 
     async def get_many(
         self, keys: Sequence[str], device: "torch.device | str" = "cpu", *,
@@ -72,10 +101,11 @@ class BatchCalls:
         return await self._call(self._get_many, keys, device, outs, [ready_event(o) for o in outs or ()])
 
     async def _put_many(
-        self, pairs: list[tuple[str, torch.Tensor]], tier: "Tier | str", compress: Optional[bool], ready: list[Any]
+        self, pairs: list[tuple[str, torch.Tensor]], tier: "Tier | str", compress: list[Optional[bool]],
+        ready: list[Any], atomic: bool = False, keep: "Tier | str | None" = None,
     ) -> None:
+        kept = check_keep(keep, tier)
         tier = Tier.parse(tier)
-        check_compress(compress)
         await self._wait_for_callers(ready)
         datas = [plain(t) for _, t in pairs]
         odd = [i for i, d in enumerate(datas) if d is None]
@@ -88,10 +118,11 @@ class BatchCalls:
         locked = await self._key_locks.acquire_all(keys)
         try:
             if tier is Tier.NVME:
-                await self._put_many_nvme(keys, datas, compress, failures)  # type: ignore[arg-type]
+                await self._put_many_nvme(keys, datas, compress, failures, atomic, kept)  # type: ignore[arg-type]
             else:
                 results = await asyncio.gather(
-                    *(self._put_locked(k, d, tier, compress) for k, d in zip(keys, datas)),  # type: ignore[arg-type]
+                    *(self._put_locked(k, d, tier, c, kept)  # type: ignore[arg-type]
+                      for k, d, c in zip(keys, datas, compress)),
                     return_exceptions=True,
                 )
                 for k, r in zip(keys, results):
@@ -100,21 +131,27 @@ class BatchCalls:
         finally:
             self._key_locks.release_all(locked)
         if failures:
-            raise batch_error("put_many", failures, len(keys))
+            raise batch_error("put_many(atomic=True) stored nothing" if atomic else "put_many", failures, len(keys))
 
     async def _put_many_nvme(
-        self, keys: list[str], datas: list[torch.Tensor], compress: Optional[bool], failures: dict[str, BaseException]
+        self, keys: list[str], datas: list[torch.Tensor], compress: list[Optional[bool]],
+        failures: dict[str, BaseException], atomic: bool = False, keep: Optional[Tier] = None,
     ) -> None:
         """Write every key's tensor in one allocation run, few syscalls and one group commit, then install
-        the ones that committed. What failed is added to ``failures``; those keys keep their old value."""
+        the ones that committed. What failed is added to ``failures``; those keys keep their old value
+        (with ``atomic``, every key does when anything failed)."""
         entries = [Entry(k, d.dtype, tuple(d.shape), d.numel() * d.element_size(), next(self._generation),
-                         compress=compress) for k, d in zip(keys, datas)]
+                         compress=c) for k, d, c in zip(keys, datas, compress)]
         started = time.perf_counter()
-        written = await self._write_nvme_many(entries, [spans_of_tensor(d) for d in datas], failures)
+        written = await self._write_nvme_many(entries, [spans_of_tensor(d) for d in datas], failures, atomic=atomic)
         self._stats.io_wait_seconds += time.perf_counter() - started
         for entry, copy in zip(entries, written):
             if copy is not None:
                 await self._finish_put(entry, Tier.NVME, copy)  # never waits: the new version is on nvme
+        if keep is not None:
+            for entry, copy, data in zip(entries, written, datas):
+                if copy is not None:
+                    await self._keep_copy(entry, keep, spans_of_tensor(data))
 
     async def _get_many(
         self, keys: list[str], device: "torch.device | str", outs: Optional[list[Optional[torch.Tensor]]],
@@ -193,11 +230,13 @@ class BatchCalls:
         return entries  # type: ignore[return-value]
 
     async def _write_nvme_many(
-        self, entries: list[Entry], srcs: list[list[Span]], failures: dict[str, BaseException]
+        self, entries: list[Entry], srcs: list[list[Span]], failures: dict[str, BaseException], *,
+        atomic: bool = False,
     ) -> list[Optional[NvmeCopy]]:
         """:meth:`_write_nvme` for new versions of distinct keys whose locks the caller holds: one
         allocation run, coalesced writes, one group commit. Returns each entry's committed copy, or
-        None with its error in ``failures``."""
+        None with its error in ``failures``. ``atomic``: nothing is committed unless every entry was
+        written, and then every record in one transaction ([Note: Atomic batches])."""
         for entry in entries:
             entry.persisted = True
         payloads = await asyncio.gather(*(self._encode(e, s) for e, s in zip(entries, srcs)), return_exceptions=True)
@@ -207,6 +246,10 @@ class BatchCalls:
                 failures[entry.key] = payload
             else:
                 todo.append((entry, payload))
+        if atomic and failures:
+            for _, payload in todo:
+                payload.close()
+            return [None] * len(entries)
         copies: list[Optional[NvmeCopy]] = [None] * len(todo)
         try:
             try:
@@ -224,17 +267,24 @@ class BatchCalls:
         finally:
             for _, payload in todo:
                 payload.close()
-        requests = []
-        for i, ((entry, payload), copy, error) in enumerate(zip(todo, allocated, errors)):
+        for i, ((entry, _), copy, error) in enumerate(zip(todo, allocated, errors)):
             if error is not None:
                 self._discard(Tier.NVME, copy)
                 copies[i] = None
                 failures[entry.key] = naming_key(error, "writing", entry.key) if isinstance(error, OSError) else error
-            else:
-                record = payload.record(entry, copy)
-                requests.append((i, self._commits.submit(entry.key, entry.generation, record, copy)))
-        results = await asyncio.gather(*(r for _, r in requests), return_exceptions=True)
-        for (i, _), applied in zip(requests, results):
+        if atomic and failures:
+            for copy in copies:
+                if copy is not None:
+                    self._discard(Tier.NVME, copy)
+            return [None] * len(entries)
+        written = [i for i, copy in enumerate(copies) if copy is not None]
+        # Submitted together, with no await between them: one batch of the commit log, one transaction.
+        futures = self._commits.submit_many([
+            (todo[i][0].key, todo[i][0].generation, todo[i][1].record(todo[i][0], copies[i]), copies[i])
+            for i in written
+        ])
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for i, applied in zip(written, results):
             entry, payload = todo[i]
             copy = copies[i]
             assert copy is not None

@@ -7,8 +7,17 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from tiered.store.validation import batch_items, batch_keys, ready_event
+from tiered.store.validation import (
+    batch_compress,
+    batch_items,
+    batch_keys,
+    check_atomic,
+    check_keep,
+    key_list,
+    ready_event,
+)
 from tiered.store.prefetch import Prefetch
+from tiered.store.renames import rename_pairs
 from tiered.tier import Tier
 
 if TYPE_CHECKING:
@@ -26,24 +35,42 @@ class SyncStore:
         self._store = store
 
     def put(
-        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None
+        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None, *,
+        keep: "Tier | str | None" = None,
     ) -> None:
         """Blocking :meth:`TieredStore.put`."""
-        self._store._call_sync(self._store._put, key, tensor, tier, compress, ready_event(tensor))
+        check_keep(keep, tier)
+        self._store._call_sync(self._store._put, key, tensor, tier, compress, ready_event(tensor), keep)
 
     def get(
-        self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None
+        self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None,
+        keep: "Tier | str | None" = None,
     ) -> torch.Tensor:
         """Blocking :meth:`TieredStore.get`."""
-        return self._store._call_sync(self._store._get, key, device, out, ready_event(out))
+        check_keep(keep)
+        return self._store._call_sync(self._store._get, key, device, out, ready_event(out), keep)
 
     def put_many(
         self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,
-        compress: Optional[bool] = None,
+        compress: "Optional[bool] | Mapping[str, Optional[bool]]" = None, *, atomic: bool = False,
+        keep: "Tier | str | None" = None,
     ) -> None:
         """Blocking :meth:`TieredStore.put_many`."""
+        self.put_many_future(items, tier, compress, atomic=atomic, keep=keep).result()
+
+    def put_many_future(
+        self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,
+        compress: "Optional[bool] | Mapping[str, Optional[bool]]" = None, *, atomic: bool = False,
+        keep: "Tier | str | None" = None,
+    ) -> "concurrent.futures.Future[None]":
+        """Start :meth:`TieredStore.put_many` and return at once (bad input raises here, before anything
+        is queued); the tensors must stay unchanged until the future is done."""
         pairs = batch_items(items)
-        self._store._call_sync(self._store._put_many, pairs, tier, compress, [ready_event(t) for _, t in pairs])
+        compresses = batch_compress(compress, pairs)
+        check_atomic(atomic, tier)
+        check_keep(keep, tier)
+        return self._store._submit_sync(self._store._put_many, pairs, tier, compresses,
+                                        [ready_event(t) for _, t in pairs], atomic, keep)
 
     def get_many(
         self, keys: Sequence[str], device: "torch.device | str" = "cpu", *,
@@ -54,7 +81,8 @@ class SyncStore:
         return self._store._call_sync(self._store._get_many, keys, device, outs, [ready_event(o) for o in outs or ()])
 
     def get_future(
-        self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None
+        self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None,
+        keep: "Tier | str | None" = None,
     ) -> "concurrent.futures.Future[torch.Tensor]":
         """Start :meth:`TieredStore.get` and return at once; the future holds the result (``out`` when given).
 
@@ -62,13 +90,16 @@ class SyncStore:
         the work queued so far on the caller's current stream has finished (memory the caching allocator
         handed back may still be read by queued kernels).
         """
-        return self._store._submit(self._store._get, key, device, out, ready_event(out))
+        check_keep(keep)
+        return self._store._submit(self._store._get, key, device, out, ready_event(out), keep)
 
     def put_future(
-        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None
+        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None, *,
+        keep: "Tier | str | None" = None,
     ) -> "concurrent.futures.Future[None]":
         """Start :meth:`TieredStore.put` and return at once; ``tensor`` must stay unchanged until the future is done."""
-        return self._store._submit(self._store._put, key, tensor, tier, compress, ready_event(tensor))
+        check_keep(keep, tier)
+        return self._store._submit(self._store._put, key, tensor, tier, compress, ready_event(tensor), keep)
 
     def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
         """Same as :meth:`TieredStore.prefetch` (it never blocks)."""
@@ -98,9 +129,18 @@ class SyncStore:
         """:meth:`TieredStore.modify` as a plain context manager: ``with store.sync.modify(key) as t: ...``."""
         return self._store.modify(key, tier)
 
-    def flush(self) -> None:
+    def flush(self, keys: Optional[Sequence[str]] = None) -> None:
         """Blocking :meth:`TieredStore.flush`."""
-        self._store._call_sync(self._store._flush)
+        checked = None if keys is None else key_list(keys, "flush")
+        self._store._call_sync(self._store._flush, checked)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Blocking :meth:`TieredStore.rename`."""
+        self.rename_many([(src, dst)])
+
+    def rename_many(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Blocking :meth:`TieredStore.rename_many`."""
+        self._store._call_sync(self._store._rename_many, rename_pairs(pairs))
 
     def close(self) -> None:
         """Blocking :meth:`TieredStore.close`."""

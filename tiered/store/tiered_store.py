@@ -75,10 +75,12 @@ from tiered.store.batch import BatchCalls
 from tiered.store.error_messages import lost_at_close, naming_key, read_error
 from tiered.store.validation import (
     check_compress,
+    check_keep,
     check_key,
     check_out,
     check_tensor,
     dense_copy,
+    key_list,
     parse_device,
     plain,
     ready_event,
@@ -88,6 +90,7 @@ from tiered.store.payload import Payload
 from tiered.store.prefetch import Prefetch
 from tiered.store.opening import OpenedFiles, open_files
 from tiered.store.process import close_at_exit
+from tiered.store.renames import Renames
 from tiered.store.sync import SyncStore
 from tiered.store.tiers import TierBookkeeping
 from tiered.tier import TIERS_TOP_DOWN, Tier
@@ -145,7 +148,7 @@ T = TypeVar("T")
 # the program never closed is closed at interpreter exit (tiered.store.process).
 
 
-class TieredStore(BatchCalls, Modifications, TierBookkeeping):
+class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
     """A key -> tensor store over three tiers. Create it with :meth:`open`."""
 
     def __init__(self, config: StoreConfig, policy: Optional[EvictionPolicy], loop: LoopThread) -> None:
@@ -361,7 +364,8 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
     # ------------------------------------------------------------------ public API
 
     async def put(
-        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None
+        self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None, *,
+        keep: "Tier | str | None" = None,
     ) -> None:
         """Store a copy of ``tensor`` under ``key`` in ``tier``, replacing any previous value.
 
@@ -369,19 +373,26 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         durable when it returns; a put to host or device is written down when evicted, flushed or
         on close. ``compress=True`` stores the nvme copy compressed (lossless, bplane-zstd);
         None leaves it to the config's ``compress`` and ``compress_policy`` (docs/compression.md).
+        ``keep`` (a tier faster than ``tier``) also keeps a clean copy there when the eviction
+        policy finds it worth the room ([Note: Kept copies]): a write-through cache.
         """
-        return await self._call(self._put, key, tensor, tier, compress, ready_event(tensor))
+        check_keep(keep, tier)
+        return await self._call(self._put, key, tensor, tier, compress, ready_event(tensor), keep)
 
     async def get(
-        self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None
+        self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None,
+        keep: "Tier | str | None" = None,
     ) -> torch.Tensor:
         """A new tensor with the entry's exact bytes, dtype and shape, on ``device``.
 
         With ``out`` (contiguous, same dtype and shape), the bytes land there instead; a CUDA ``out``
         is written once the work queued so far on the caller's current stream has finished. Waits for
-        a prefetch of the key that is in flight instead of reading the slower copy again.
+        a prefetch of the key that is in flight instead of reading the slower copy again. A get does
+        not promote, unless ``keep`` (host or device) asks the store to keep a copy of what it read
+        from a slower tier there, when the eviction policy finds it worth the room ([Note: Kept copies]).
         """
-        return await self._call(self._get, key, device, out, ready_event(out))
+        check_keep(keep)
+        return await self._call(self._get, key, device, out, ready_event(out), keep)
 
     def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
         """Start bringing ``key`` into ``tier`` and return at once; the handle is awaitable.
@@ -409,9 +420,12 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         """Make ``key`` evictable again."""
         return await self._call(self._unpin, key)
 
-    async def flush(self) -> None:
-        """Write every entry without an nvme copy down to nvme and commit it."""
-        return await self._call(self._flush)
+    async def flush(self, keys: Optional[Sequence[str]] = None) -> None:
+        """Write every entry without an nvme copy down to nvme and commit it; with ``keys``, only
+        those keys' entries (KeyNotFoundError naming any that is missing). Copies in faster tiers
+        stay, now clean."""
+        checked = None if keys is None else key_list(keys, "flush")
+        return await self._call(self._flush, checked)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 CPU tensor of exactly ``nbytes`` (uninitialized), page-aligned and with every
@@ -612,7 +626,8 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
     # ------------------------------------------------------------------ operations (store loop)
 
     async def _put(
-        self, key: str, tensor: torch.Tensor, tier: "Tier | str", compress: Optional[bool], ready: Any = None
+        self, key: str, tensor: torch.Tensor, tier: "Tier | str", compress: Optional[bool], ready: Any = None,
+        keep: "Tier | str | None" = None,
     ) -> None:
         check_key(key)
         check_tensor(tensor)
@@ -622,14 +637,17 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         data = plain(tensor)
         if data is None:
             data = await self._in_cpu_pool(dense_copy, tensor)
+        kept = check_keep(keep, tier)
         await self._key_locks.acquire(key)
         try:
-            await self._put_locked(key, data, tier, compress)
+            await self._put_locked(key, data, tier, compress, kept)
         finally:
             self._key_locks.release(key)
 
-    async def _put_locked(self, key: str, data: torch.Tensor, tier: Tier, compress: Optional[bool]) -> None:
-        """The put of one key whose lock the caller holds; ``data`` is contiguous."""
+    async def _put_locked(self, key: str, data: torch.Tensor, tier: Tier, compress: Optional[bool],
+                          keep: Optional[Tier] = None) -> None:
+        """The put of one key whose lock the caller holds; ``data`` is contiguous. ``keep``: see
+        [Note: Kept copies]."""
         entry = Entry(key, data.dtype, tuple(data.shape), data.numel() * data.element_size(), next(self._generation),
                       compress=compress)
         src = spans_of_tensor(data)
@@ -646,6 +664,8 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
                 self._discard(tier, copy)
                 raise
         await self._finish_put(entry, tier, copy)
+        if keep is not None:
+            await self._keep_copy(entry, keep, src)
 
     async def _finish_put(self, entry: Entry, tier: Tier, copy: Copy) -> None:
         """Make a written ``entry`` the key's current version and retire the old one.
@@ -672,13 +692,13 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         self._stats.puts += 1
         if tier is not Tier.NVME:  # _write_nvme counted nvme's bytes_in
             self._stats.tiers[tier].bytes_in += entry.nbytes
-        self._policy.touch(key)
+        self._policy.touch(key, access=False)  # recent, but not a step of the (read) order
         if old is not None:
             entry.pinned = old.pinned
             self._retire(old)
 
-    async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor], ready: Any = None
-                   ) -> torch.Tensor:
+    async def _get(self, key: str, device: "torch.device | str", out: Optional[torch.Tensor], ready: Any = None,
+                   keep: "Tier | str | None" = None) -> torch.Tensor:
         check_key(key)
         await self._wait_for_callers((ready,))
         device = parse_device(device)
@@ -709,6 +729,9 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         if tier is Tier.NVME:
             self._stats.io_wait_seconds += time.perf_counter() - started
         self._count_get(entry, tier)
+        kept = check_keep(keep)
+        if kept is not None and kept.rank < tier.rank:
+            await self._keep_copy(entry, kept, dst)
         return result
 
     def _count_get(self, entry: Entry, tier: Tier) -> None:
@@ -780,15 +803,16 @@ class TieredStore(BatchCalls, Modifications, TierBookkeeping):
         for tier in TIERS_TOP_DOWN:
             self._wake(tier)
 
-    async def _flush(self) -> None:
-        failures = await self._write_down()
+    async def _flush(self, keys: Optional[list[str]] = None) -> None:
+        failures = await self._write_down(keys)
         if failures:
             raise next(iter(failures.values()))[1]
 
-    async def _write_down(self) -> dict[str, tuple[int, BaseException]]:
-        """Write every dirty entry down to nvme, as many as fit; return those that failed (key ->
-        bytes, error), in no particular order."""
-        dirty = [e for e in list(self._entries.values()) if e.dirty]
+    async def _write_down(self, keys: Optional[list[str]] = None) -> dict[str, tuple[int, BaseException]]:
+        """Write every dirty entry (of ``keys``, when given) down to nvme, as many as fit; return
+        those that failed (key -> bytes, error), in no particular order."""
+        entries = list(self._entries.values()) if keys is None else self._entries_of(keys)
+        dirty = [e for e in entries if e.dirty]
         tasks = [(e, self._materialize(e, Tier.NVME)) for e in dirty]
         pending = [(e, t) for e, t in tasks if t is not None]
         if not pending:

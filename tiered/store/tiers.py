@@ -25,7 +25,7 @@ for something that may never come.
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from tiered.backends import Copy
 from tiered.entry import Entry
@@ -33,18 +33,38 @@ from tiered.errors import CapacityError, TieredError
 from tiered.store.error_messages import naming_key
 from tiered.tier import Tier
 
+if TYPE_CHECKING:
+    from tiered.spans import Span
+
+
+# [Note: Kept copies]
+# ``get(..., keep=tier)`` and ``put(..., keep=tier)`` offer the store a clean copy of what they just
+# read or wrote, from the memory they already hold, so keeping it costs a copy and no I/O. The
+# store keeps it when the tier has room, or when the eviction policy values it over the victim
+# that would make room (``EvictionPolicy.keeps``: with the future access order, Belady's rule with
+# bypass, so a copy used later than everything resident is dropped instead of evicting something
+# used sooner); it never waits for room and never fails the call for it. A caller that reads and
+# rewrites the same entries in a repeating order (a training step) thus keeps the ones it will
+# read soonest in the faster tier across iterations.
+
+
+class _NotKept(Exception):
+    """An optional copy is not worth the room it would take (see [Note: Kept copies])."""
+
 
 class TierBookkeeping:
     """Admission into tiers, victims, and attaching/detaching copies (mixed into TieredStore)."""
 
     # ------------------------------------------------------------------ budgets and eviction
 
-    async def _admit(self, tier: Tier, nbytes: int) -> Copy:
+    async def _admit(self, tier: Tier, nbytes: int, *, optional_for: Optional[str] = None) -> Copy:
         """Allocate ``nbytes`` in ``tier``, evicting victims (writing dirty ones down) as needed
         (see [Note: admission and eviction]).
 
         Waits while the only bytes that could be freed belong to transfers in flight; raises
-        CapacityError when even evicting everything evictable could not make room.
+        CapacityError when even evicting everything evictable could not make room. With
+        ``optional_for`` (a copy of that key the store may skip), raises _NotKept instead of waiting
+        or of evicting a victim the policy values more (see [Note: Kept copies]).
         """
         backend = self._backends[tier]
         if tier is Tier.NVME:  # no eviction below nvme; allocate() checks the budget itself
@@ -55,6 +75,8 @@ class TierBookkeeping:
         async with self._tier_locks[tier]:
             while not backend.has_room(nbytes):
                 victim = self._pick_victim(tier)
+                if optional_for is not None and (victim is None or not self._policy.keeps(optional_for, victim.key)):
+                    raise _NotKept()
                 if victim is not None:
                     await self._make_room(victim, tier)
                     continue
@@ -72,6 +94,24 @@ class TierBookkeeping:
             copy = await backend.allocate(nbytes)
             self._inflight[tier] += copy.footprint
             return copy
+
+    async def _keep_copy(self, entry: Entry, tier: Tier, src: "Sequence[Span]") -> None:
+        """Give ``entry`` a clean copy in ``tier`` from ``src`` (its bytes, in memory) when the tier has
+        room or the policy values it over what would go for it; else nothing ([Note: Kept copies])."""
+        if tier in entry.copies or tier in entry.moving or self._entries.get(entry.key) is not entry:
+            return
+        try:
+            copy = await self._admit(tier, entry.nbytes, optional_for=entry.key)
+        except (_NotKept, CapacityError):
+            return
+        try:
+            await self._store_memory(tier, copy, src)
+        except BaseException:
+            self._discard(tier, copy)
+            raise
+        self._stats.tiers[tier].bytes_in += entry.nbytes
+        self._install(entry, tier, copy)
+        self._policy.touch(entry.key, access=False)
 
     def _pick_victim(self, tier: Tier) -> Optional[Entry]:
         resident = self._resident[tier]

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from tiered.entry import Entry
+from tiered.tier import Tier
 
 QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 
@@ -110,16 +111,56 @@ def batch_items(items: object) -> list[tuple[str, torch.Tensor]]:
     return pairs
 
 
+def batch_compress(compress: object, pairs: Sequence[tuple[str, Any]]) -> list[Optional[bool]]:
+    """put_many's ``compress`` (True, False, None, or a mapping of keys to those) as one setting per
+    item of ``pairs``; TypeError for a bad value, ValueError for a mapping naming a key not in the batch."""
+    if isinstance(compress, Mapping):
+        keys = {k for k, _ in pairs}
+        unknown = sorted(str(k) for k in compress if k not in keys)
+        if unknown:
+            raise ValueError(f"put_many's compress mapping names keys that are not in the batch: {unknown!r}")
+        for value in compress.values():
+            check_compress(value)
+        return [compress.get(k) for k, _ in pairs]
+    check_compress(compress)
+    return [compress for _ in pairs]  # type: ignore[misc]
+
+
+def check_keep(keep: object, tier: object = None) -> Optional[Tier]:
+    """``keep`` (None, or a tier faster than ``tier`` when given) as a Tier; ValueError otherwise."""
+    if keep is None:
+        return None
+    parsed = Tier.parse(keep)  # type: ignore[arg-type]
+    if parsed is Tier.NVME or (tier is not None and parsed.rank >= Tier.parse(tier).rank):  # type: ignore[arg-type]
+        raise ValueError(f"keep must be a tier faster than the one written ({tier!r}), got {keep!r}")
+    return parsed
+
+
+def check_atomic(atomic: object, tier: object) -> None:
+    """Refuse an ``atomic`` that is not a bool (TypeError), or True with a tier other than nvme (ValueError)."""
+    if not isinstance(atomic, bool):
+        raise TypeError(f"atomic must be True or False, got {atomic!r}")
+    if atomic and Tier.parse(tier) is not Tier.NVME:  # type: ignore[arg-type]
+        raise ValueError(f"put_many(atomic=True) commits to nvme in one transaction; got tier={tier!r}")
+
+
+def key_list(keys: object, what: str) -> list[str]:
+    """``keys`` (a sequence of distinct valid keys, for the call ``what``) as a list; TypeError or
+    ValueError naming the problem."""
+    if isinstance(keys, (str, bytes, torch.Tensor)) or not isinstance(keys, Iterable):
+        raise TypeError(f"{what} takes a sequence of keys, got {type(keys).__name__}: {keys!r}")
+    keys = list(keys)
+    for key in keys:
+        check_key(key)
+    check_distinct(keys, what)
+    return keys
+
+
 def batch_keys(
     keys: object, out: Optional[Sequence[Optional[torch.Tensor]]]
 ) -> tuple[list[str], Optional[list[Optional[torch.Tensor]]]]:
     """Validate get_many's keys and ``out`` on the caller's thread."""
-    if isinstance(keys, (str, bytes, torch.Tensor)) or not isinstance(keys, Iterable):
-        raise TypeError(f"get_many takes a sequence of keys, got {type(keys).__name__}: {keys!r}")
-    keys = list(keys)
-    for key in keys:
-        check_key(key)
-    check_distinct(keys, "get_many")
+    keys = key_list(keys, "get_many")
     if out is None:
         return keys, None
     outs = list(out)

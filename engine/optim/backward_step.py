@@ -1,0 +1,312 @@
+"""BackwardUpdates: AdamW applied to each shard inside backward, the moment its gradient is final
+(``EngineConfig.step_in_backward``), so gradients are never written or read.
+
+[Note: Updates inside backward]
+With ``step_in_backward`` the engine hands each fp32 shard whose gradient is final (after the
+accumulation window's last micro-batch) to a worker thread, with the gradient shard and a copy of
+the parameter shard backward has just used (it is the master, [Note: One copy of fp32 weights]).
+Per batch of shards (up to ``optimizer_group_bytes``) the worker renames each ``param/<name>`` to
+``optim/<name>/kept`` (no I/O: the old value stays where it is), runs torch's AdamW math with the
+hyperparameters the groups have at that moment, and writes the new parameter and both moments with
+one ``put_many(atomic=True)``: per parameter and step 12 bytes are written and only the moments (8)
+are read beside forward's and backward's reads, which the worker prefetches along the order in which
+gradients became final in the previous step. ``eng.step()`` waits for the worker, commits the step
+record and then deletes the kept values.
+
+A crash before that commit: the record holds an ``in_backward`` section (written before the first
+rename) with a CRC-32 of the step's forward inputs. A shard is done when its kept value and its new
+parameter both exist; the resume moves each done shard's new value to ``optim/<name>/new`` and puts
+every kept value back under ``param/<name>``, so the model is the last completed step's again. The
+training loop replays that step's batch (it must anyway to continue the loss curve): the same
+forward gives the same gradients, shards with a new value set aside take no update (their moments
+are already new), the others are updated as usual, and the commit renames the set-aside values into
+place. A replay whose inputs differ from the CRC is refused, since the done shards' updates came from
+the recorded batch. The cleanup after a commit (renames of set-aside values, deletes of kept ones)
+is finished by the next resume when a crash interrupts it. Footprint: the parameters, the kept old
+parameters and the moments, 16 bytes per parameter at the end of backward.
+
+Memory: the moments read ahead (at most ``window_bytes``), the gradient and parameter copies of
+shards waiting for the worker (at most ``inflight_bytes``, backward waits beyond it) and one batch
+being updated (its moments and new values).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+import zlib
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.utils._pytree
+
+from engine.optim.step import update_in_memory
+from engine.optim.types import AdamHyper, OptimShard
+from engine.paging.layout import kept_key
+from tiered import TieredStore
+
+
+@dataclasses.dataclass
+class _Job:
+    shard: OptimShard
+    grad: torch.Tensor
+    master: Optional[torch.Tensor]  # None: read the parameter from the store
+    steps: int
+    hypers: tuple[AdamHyper, ...]
+    nbytes: int = 0  # what it holds while it waits: the gradient and the parameter copy
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.grad.numel() * 4 * (2 if self.master is not None else 1)
+
+
+@dataclasses.dataclass
+class BackwardCounters:
+    """What the updates of one step did and cost."""
+
+    batches: int = 0
+    shards: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    update_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    first_update: Optional[float] = None
+
+
+def inputs_crc(inputs: object, crc: int = 0) -> int:
+    """CRC-32 of every tensor among ``inputs`` (any nesting of tuples, lists and dicts): dtype, shape
+    and bytes, chained onto ``crc``."""
+    for leaf in torch.utils._pytree.tree_leaves(inputs):
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().cpu().contiguous()
+            crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
+            crc = zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()), crc)
+    return crc
+
+
+class BackwardUpdates:
+    """The worker that applies the updates inside backward (see [Note: Updates inside backward])."""
+
+    def __init__(self, store: TieredStore, *, compress: bool, batch_bytes: int, inflight_bytes: int,
+                 window_bytes: int, keep: Optional[str] = None) -> None:
+        self._store = store
+        self._keep = keep  # where the store may keep the new parameters for the next forward
+        self._compress = compress
+        self._batch_bytes = batch_bytes
+        self._inflight_limit = inflight_bytes
+        self._window_limit = window_bytes
+        self._cond = threading.Condition()
+        self._queue: "collections.deque[_Job]" = collections.deque()
+        self._inflight = 0
+        self._busy = False
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+        # Reads ahead along ``_order`` from ``_cursor``: name -> the shard's moments (and its parameter,
+        # for a shard backward did not materialize last time).
+        self._ahead: dict[str, _Ahead] = {}
+        self._ahead_bytes = 0
+        self._order: list[tuple[OptimShard, bool, bool]] = []  # (shard, read moments, read parameter)
+        self._cursor = 0
+        self._read_params: set[str] = set()  # shards whose update read its parameter this step
+        self.counters = BackwardCounters()
+        #: Tracing hook, called on the worker as ``on_event(event, batch)`` with "renamed" (old values
+        #: kept aside) and "written" (the batch committed); tests stop a process there.
+        self.on_event: Optional[Callable[[str, int], None]] = None
+
+    # ------------------------------------------------------------------ the caller's side
+
+    def read_ahead(self, order: Sequence[OptimShard], has_moments: Callable[[str], bool]) -> None:
+        """Start reading the moments of the shards of ``order`` (the order in which the last step's
+        gradients became final) that have some, and the parameters of those whose update had to read
+        its parameter, within the window; topped up as updates use them."""
+        with self._cond:
+            self._drop_ahead()
+            read_param = self._read_params
+            self._read_params = set()
+            self._order = [(s, has_moments(s.name), s.name in read_param) for s in order]
+            self._order = [entry for entry in self._order if entry[1] or entry[2]]
+            self._cursor = 0
+            self._top_up()
+
+    def submit(self, shard: OptimShard, grad: torch.Tensor, master: Optional[torch.Tensor], steps: int,
+               hypers: tuple[AdamHyper, ...]) -> None:
+        """Queue the update of ``shard`` (its fp32 gradient shard; its parameter shard in fp32, or None
+        to read it; ``steps`` it has taken). Blocks while too many bytes wait; raises the first error
+        an earlier update had (RuntimeError, the error as its cause)."""
+        job = _Job(shard, grad, master, steps, hypers)
+        with self._cond:
+            self._raise_error()
+            while self._inflight and self._inflight + job.nbytes > self._inflight_limit and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+            if self.counters.first_update is None:
+                self.counters.first_update = time.perf_counter()
+            self._queue.append(job)
+            self._inflight += job.nbytes
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="engine-backward-updates", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Wait until every queued update has committed; raise the first error one had (RuntimeError,
+        the error as its cause), once."""
+        with self._cond:
+            started = time.perf_counter()
+            while self._queue or self._busy:  # after an error the worker drops what is queued
+                self._cond.wait()
+            self.counters.stall_seconds += time.perf_counter() - started
+            self._raise_error(clear=True)
+
+    def take_counters(self) -> BackwardCounters:
+        """The counters since the last call, and fresh ones."""
+        with self._cond:
+            counters, self.counters = self.counters, BackwardCounters()
+            return counters
+
+    def close(self) -> None:
+        """Stop the worker once the queue is empty and drop what was read ahead. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._cond:
+            self._drop_ahead()
+
+    # ------------------------------------------------------------------ internals
+
+    def _raise_error(self, clear: bool = False) -> None:
+        error = self._error
+        if error is None:
+            return
+        if clear:
+            self._error = None
+            self._queue.clear()
+            self._inflight = 0
+        raise RuntimeError(f"an optimizer update inside backward failed: {error}") from error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                if self._error is not None:  # the step will be run again: drop what waits
+                    self._queue.clear()
+                    self._inflight = 0
+                    self._cond.notify_all()
+                    continue
+                batch = [self._queue.popleft()]
+                size = batch[0].grad.numel() * 4
+                while (self._queue and size + self._queue[0].grad.numel() * 4 <= self._batch_bytes
+                       and self._queue[0].hypers == batch[0].hypers):
+                    size += self._queue[0].grad.numel() * 4
+                    batch.append(self._queue.popleft())
+                moments = [self._take_ahead(job.shard) for job in batch]
+                self._busy = True
+            try:
+                self._apply(batch, moments)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller by submit / wait
+                with self._cond:
+                    self._error = self._error or exc
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._inflight -= sum(job.nbytes for job in batch)
+                    self._top_up()
+                    self._cond.notify_all()
+
+    def _apply(self, batch: list[_Job], ahead: list[Optional["_Ahead"]]) -> None:
+        """Keep each shard's old parameter aside, update, write the new parameter and moments atomically."""
+        store, counters = self._store, self.counters
+        # A read of a parameter started before its rename reads the same (old) bytes.
+        reads = [a.param if a is not None and a.param is not None else None for a in ahead]
+        store.sync.rename_many([(job.shard.param_key, kept_key(job.shard.name)) for job in batch])
+        if self.on_event is not None:
+            self.on_event("renamed", counters.batches)
+        masters = []
+        for job, read in zip(batch, reads):
+            if job.master is None:  # backward did not need the parameter (an embedding, a bias)
+                read = read if read is not None else store.sync.get_future(kept_key(job.shard.name))
+                job.master = read.result().view(-1)
+                counters.bytes_read += job.master.numel() * 4
+                self._read_params.add(job.shard.name)
+            masters.append(job.master)
+        pairs: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []
+        for job, a in zip(batch, ahead):
+            if job.steps == 0:
+                pairs.append(None)
+                continue
+            futures = (a.exp_avg, a.exp_avg_sq) if a is not None and a.exp_avg is not None else tuple(
+                store.sync.get_future(k) for k in (job.shard.exp_avg_key, job.shard.exp_avg_sq_key))
+            pairs.append((futures[0].result().view(-1), futures[1].result().view(-1)))  # type: ignore[union-attr]
+            counters.bytes_read += 2 * job.shard.numel * 4
+        started = time.perf_counter()
+        updated = update_in_memory([j.shard for j in batch], [j.grad for j in batch], masters, pairs,
+                                   [j.steps for j in batch], batch[0].hypers)
+        counters.update_seconds += time.perf_counter() - started
+        items: dict[str, torch.Tensor] = {}
+        codecs: dict[str, Optional[bool]] = {}
+        for job, master, (exp_avg, exp_avg_sq) in zip(batch, masters, updated):
+            s = job.shard
+            items.update({s.param_key: master, s.exp_avg_key: exp_avg, s.exp_avg_sq_key: exp_avg_sq})
+            moment = True if self._compress else None
+            codecs.update({s.param_key: None, s.exp_avg_key: moment, s.exp_avg_sq_key: moment})
+        store.sync.put_many(items, "nvme", codecs, atomic=True, keep=self._keep)
+        if self.on_event is not None:
+            self.on_event("written", counters.batches)
+        counters.bytes_written += sum(t.numel() * t.element_size() for t in items.values())
+        counters.batches += 1
+        counters.shards += len(batch)
+
+    def _take_ahead(self, shard: OptimShard) -> Optional["_Ahead"]:
+        """What was read ahead for ``shard`` (lock held), or None."""
+        ahead = self._ahead.pop(shard.name, None)
+        if ahead is not None:
+            self._ahead_bytes -= ahead.nbytes
+        return ahead
+
+    def _top_up(self) -> None:
+        """Read ahead along the order while the window has room, at least one shard (lock held)."""
+        get = self._store.sync.get_future
+        while self._cursor < len(self._order) and not self._closed:
+            shard, moments, param = self._order[self._cursor]
+            nbytes = (2 * moments + param) * shard.numel * 4
+            if self._ahead and self._ahead_bytes + nbytes > self._window_limit:
+                return
+            self._cursor += 1
+            if shard.name in self._ahead:
+                continue
+            self._ahead[shard.name] = _Ahead(
+                get(shard.exp_avg_key) if moments else None, get(shard.exp_avg_sq_key) if moments else None,
+                get(shard.param_key) if param else None, nbytes)
+            self._ahead_bytes += nbytes
+
+    def _drop_ahead(self) -> None:
+        """Forget the reads ahead (lock held; their results are waited for and dropped)."""
+        ahead, self._ahead = self._ahead, {}
+        self._ahead_bytes = 0
+        self._order, self._cursor = [], 0
+        for a in ahead.values():
+            for future in (a.exp_avg, a.exp_avg_sq, a.param):
+                try:
+                    if future is not None:
+                        future.result()
+                except Exception:  # noqa: BLE001 - unused reads: their outcome does not matter
+                    pass
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """Reads started ahead for one shard: its moments and, when its update needs it, its parameter."""
+
+    exp_avg: "Optional[concurrent.futures.Future[torch.Tensor]]"
+    exp_avg_sq: "Optional[concurrent.futures.Future[torch.Tensor]]"
+    param: "Optional[concurrent.futures.Future[torch.Tensor]]"
+    nbytes: int
