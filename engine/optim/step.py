@@ -309,7 +309,7 @@ def update_in_memory(
                                  f"torch.float32 with {shard.numel}")
         loaded.append(_Loaded(shard, _flat_grad(shard, grad), torch.tensor(float(count), dtype=torch.float32),
                               master.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)))
-    _update(loaded, list(hypers), 1.0, None, None, -1)
+    _update(loaded, list(hypers), 1.0, None, None, -1, MATH_CHUNK_BYTES // 4)
     return [(item.exp_avg, item.exp_avg_sq) for item in loaded]  # type: ignore[misc]
 
 
