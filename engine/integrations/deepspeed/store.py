@@ -102,6 +102,14 @@ def deepspeed_budgets(config: EngineConfig, model: nn.Module, world_size: int, *
             roomy = config.replace(store=store.replace(host_bytes=UNBOUNDED))
             overhead = sum(p.nbytes for p in plan_memory(model, roomy, world_size=world_size,
                                                          training=training).pieces)
+            # At a finite budget the plan may size its pieces differently (the pool of a step whose
+            # state is lent by the host tier): grow the overhead until the host tier gets ``host``.
+            for _ in range(4):
+                sized = config.replace(store=store.replace(host_bytes=host + overhead))
+                short = host - plan_memory(model, sized, world_size=world_size, training=training).host_tier_bytes
+                if short <= 0:
+                    break
+                overhead += short
         if host + overhead > store.host_bytes:
             store = store.replace(host_bytes=_host_budget(host, overhead, store.host_bytes, store.path))
     return store
