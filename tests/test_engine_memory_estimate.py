@@ -356,3 +356,13 @@ def test_updates_inside_backward_keep_the_old_parameters_during_a_step(tmp_path)
     # one batch or group in flight either way
     assert inside.during_step.nvme == after.during_step.nvme == after.at_rest.nvme + grads + 3 * grads
     assert inside.host_rss_bound == after.host_rss_bound
+
+
+def test_gradients_that_overflow_the_host_tier_point_to_updates_inside_backward(tmp_path):
+    model = two_linears()  # about 1.2 MiB of fp32 gradients
+    small = config(tmp_path, host_bytes=256 * KiB, param_tier="nvme", optimizer_tier="nvme")
+    (hint,) = [w for w in engine.estimate_memory(model, small).warnings if "step_in_backward" in w]
+    assert "do not fit in the host tier (256.0 KiB)" in hint
+    for quiet in (small.replace(step_in_backward=True), small.replace(max_grad_norm=1.0),
+                  config(tmp_path, param_tier="nvme", optimizer_tier="nvme")):  # 64 MiB: they fit
+        assert not any("step_in_backward" in w for w in engine.estimate_memory(model, quiet).warnings)

@@ -191,6 +191,11 @@ def estimate_memory(
         warnings.append(f"the nvme tier needs about {format_bytes(during_step.nvme)} during a step but "
                         f"StoreConfig.nvme_bytes is {format_bytes(store.nvme_bytes)}: raise it or give the "
                         "host tier more")
+    if _gradients_spill(config, parts, sizes, budgets["host"]):
+        warnings.append(f"the gradients ({format_bytes(parts[1].charged)}) do not fit in the host tier "
+                        f"({format_bytes(budgets['host'] or 0)}): each goes to nvme in backward and comes back in "
+                        "the step, 8 bytes a parameter; EngineConfig(step_in_backward=True) applies each update "
+                        "inside backward and stores no gradient (docs/training.md, 'Updates inside backward')")
     return MemoryEstimate(
         world_size=world_size, parameters=sizes.params, trainable=sizes.trainable, training=training,
         parts=tuple(p.freeze() for p in parts if p.entries), at_rest=at_rest, during_step=during_step,
@@ -288,6 +293,15 @@ def _apply_budgets(placed: dict[str, int], budgets: dict[str, Optional[int]]) ->
         held[tier] = want if budget is None or tier == "nvme" else min(want, budget)
         spill = want - held[tier]
     return TierBytes(**held)
+
+
+def _gradients_spill(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, host_tier: Optional[int]) -> bool:
+    """Whether fp32 gradients that ``step_in_backward`` would not store overflow the host tier, in a
+    config that allows it (fp32 parameters their own masters on nvme, no clipping or loss scaling)."""
+    return (len(parts) > 1 and not config.step_in_backward and config.grad_tier == "host"
+            and config.param_tier == config.optimizer_tier == "nvme" and sizes.own_masters == parts[1].entries
+            and config.max_grad_norm is None and config.loss_scaling is None
+            and host_tier is not None and parts[1].charged > host_tier)
 
 
 def _problems(config: EngineConfig, parts: Iterable[_Part], budgets: dict[str, Optional[int]]) -> list[str]:
