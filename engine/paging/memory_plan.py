@@ -389,6 +389,23 @@ def _needs(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.d
             if config.gradient_accumulation_steps > 1:
                 accumulate = largest
                 buffers_why.append(f"a gradient read back to accumulate into {format_bytes(accumulate)}")
+        if config.step_in_backward:
+            # [Note: Updates inside backward] (engine/optim/backward_step.py): backward's working set
+            # takes the step's, and step() holds nothing of its own. Beside the parameters: the moments
+            # read ahead (with the parameter, for a shard backward does not materialize), at least one
+            # shard's; the batch being updated, its parameters and two moments; the fp32 gradient
+            # shards waiting for their update, at least one shard's; AdamW's temporaries.
+            ahead = max(2 * s.optimizer_group_bytes * max(1, s.optimizer_prefetch_groups), 3 * largest)
+            batch = 3 * max(s.optimizer_group_bytes, largest)
+            buffers_why[1:] = [f"moments read ahead {format_bytes(ahead)}",
+                               f"the batch being updated {format_bytes(batch)} (parameters and two moments)",
+                               *([f"a gradient read back to accumulate into {format_bytes(accumulate)}"]
+                                 if accumulate else [])]
+            ahead += batch
+            grads = max(2 * s.optimizer_group_bytes, largest) + (facts.largest_param if on_cpu else 0) + temps
+            allocations_why[:] = [f"gradients waiting for their update and AdamW's temporaries {format_bytes(grads)}"]
+            step = temps = 0
+            step_why = "no optimizer step: the updates run inside backward"
     activations = 2 * s.activation_window_bytes if config.activation_tier is not None else 0
     if activations:
         allocations_why.append(f"the activation window {format_bytes(activations)}")
@@ -450,7 +467,9 @@ def _facts(model: nn.Module, config: EngineConfig, world_size: int, training: bo
                 facts.extra_itemsize = max(facts.extra_itemsize, dtype.itemsize)
             facts.grad_shard_copies |= world_size > 1 or dtype != torch.float32
             fp32 = round_up(max(shard_numel * 4, 1))
-            if config.grad_tier == "host":
+            # updates inside backward store a gradient only between the backwards of a window
+            stored = not config.step_in_backward or config.gradient_accumulation_steps > 1
+            if config.grad_tier == "host" and stored:
                 host_parts.append((fp32, f"gradient shard {name!r} (grad_tier='host')"))
             if config.optimizer_tier == "host":
                 host_parts.append((fp32, f"optimizer state of {name!r} (optimizer_tier='host')"))
