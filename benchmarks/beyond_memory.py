@@ -162,23 +162,13 @@ def needed_disk_bytes(model: torch.nn.Module, config: Any) -> int:
 def train(args: argparse.Namespace, cfg: LlamaConfig, workdir: str, floors: dict[str, float]) -> dict[str, Any]:
     """Wrap the model on nvme and train ``args.steps`` steps on one batch; one dict per step."""
     import engine
-    import tiered
 
     torch.manual_seed(args.seed)
     tokens = torch.randint(0, cfg.vocab_size, (1, args.tokens + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     with torch.device("meta"):
         model = Llama(cfg)
-    config = engine.EngineConfig(
-        store=tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=int(args.host_gib * GiB)),
-        param_tier="nvme", optimizer_tier="nvme", compress_optimizer=args.compress_optimizer,
-        step_in_backward=args.step_in_backward)
-    needed = needed_disk_bytes(model, config) + 4 * GiB  # and fio's file, written before
-    free = shutil.disk_usage(workdir).free
-    if free < needed:
-        raise NoRoom(f"{workdir} has {free / 1e9:.1f} GB free; this run needs about {needed / 1e9:.1f} GB "
-                     f"({cfg.num_params / 1e9:.2f} B parameters, {args.ram_multiple}x RAM of fp32 training state): "
-                     "free some, or give --ram-multiple or --state-gib a smaller value")
+    config = engine_config(args, workdir)
     rss_before = rss_bytes()
     results: list[dict[str, Any]] = []
     with Sampler(workdir) as sampler:
@@ -204,6 +194,30 @@ def train(args: argparse.Namespace, cfg: LlamaConfig, workdir: str, floors: dict
             eng.close()
     return {"steps": results, "wrap_seconds": wrap_seconds, "rss_before_wrap": rss_before,
             "rss_series": [(round(t, 2), b) for t, b in sampler.series]}
+
+
+def engine_config(args: argparse.Namespace, workdir: str) -> Any:
+    """The run's EngineConfig: everything on nvme under ``workdir``, ``--host-gib`` of host budget."""
+    import engine
+    import tiered
+
+    return engine.EngineConfig(
+        store=tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=int(args.host_gib * GiB)),
+        param_tier="nvme", optimizer_tier="nvme", compress_optimizer=args.compress_optimizer,
+        step_in_backward=args.step_in_backward)
+
+
+def check_room(args: argparse.Namespace, cfg: LlamaConfig, workdir: str) -> None:
+    """NoRoom unless ``workdir``'s disk holds what the run writes: the store during a step (from
+    ``engine.estimate_memory``) and fio's file."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    needed = needed_disk_bytes(model, engine_config(args, workdir)) + max(args.fio_size, 0) + GiB
+    free = shutil.disk_usage(workdir).free
+    if free < needed:
+        raise NoRoom(f"{workdir} has {free / 1e9:.1f} GB free; this run needs about {needed / 1e9:.1f} GB "
+                     f"({cfg.num_params / 1e9:.2f} B parameters, {args.ram_multiple}x RAM of fp32 training state): "
+                     "free some, or give --ram-multiple or --state-gib a smaller value")
 
 
 class NoRoom(RuntimeError):
@@ -323,6 +337,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     workdir = scratch_dir(args.dir, "tiered-beyond-memory-")
     machine = machine_info(workdir)
     try:
+        try:
+            check_room(args, cfg, workdir)
+        except NoRoom as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         fio = disk_limit(args, workdir)
         if fio is None:
             print("error: the I/O floor needs fio's best bandwidth on this disk (install fio, and leave --fio-size "
@@ -334,11 +353,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"compute floor: {compute['seconds']:.1f} s a step in memory", flush=True)
         floors = {"fio_read_bps": fio["read_bytes_per_s"], "fio_write_bps": fio["write_bytes_per_s"],
                   "compute_s": compute["seconds"]}
-        try:
-            run = train(args, cfg, workdir, floors)
-        except NoRoom as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        run = train(args, cfg, workdir, floors)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     host_bytes = int(args.host_gib * GiB)

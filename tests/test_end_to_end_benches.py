@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -94,3 +95,12 @@ def test_cuda_without_a_gpu_is_refused_before_any_work(tmp_path, benchmark_scrip
     assert exc.value.code == 2
     assert "CUDA is not available" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def test_beyond_memory_refuses_a_disk_without_room_before_measuring_anything(tmp_path, benchmark_script, capsys):
+    free = shutil.disk_usage(tmp_path).free
+    code = benchmark_script("beyond_memory").main(["--dir", str(tmp_path), "--state-gib", str(4 * free / 2 ** 30),
+                                                   "--json", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "GB free; this run needs about" in err and "fio" not in err
+    assert not (tmp_path / "out.json").exists() and os.listdir(tmp_path) == []  # nothing written or left behind

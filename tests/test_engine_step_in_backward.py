@@ -28,9 +28,9 @@ def config_at(path, **kw) -> engine.EngineConfig:
     """Parameters and state on nvme, several update batches per step."""
     from pathlib import Path
 
-    return engine.EngineConfig(host_budget="host_tier", store=store_config(Path(path), host_bytes=64 * KiB), param_tier="nvme",
-                               optimizer_tier="nvme", grad_tier="nvme", optimizer_group_bytes=8 * KiB,
-                               prefetch_bytes=16 * KiB, step_in_backward=True, **kw)
+    return engine.EngineConfig(host_budget="host_tier", store=store_config(Path(path), host_bytes=64 * KiB),
+                               param_tier="nvme", optimizer_tier="nvme", grad_tier="nvme",
+                               optimizer_group_bytes=8 * KiB, prefetch_bytes=16 * KiB, step_in_backward=True, **kw)
 
 
 def loss_of(model: torch.nn.Module, step: int, micro: int = 0) -> torch.Tensor:
