@@ -538,7 +538,7 @@ def test_load_checkpoint_and_dispatch_refuses_a_weight_the_checkpoint_lacks_as_a
 
     untied = empty_model()
     assert untied.lm_head.weight is not untied.transformer.wte.weight and untied.lm_head.weight.is_meta
-    with pytest.raises((NotImplementedError, RuntimeError, ValueError), match="meta"):
+    with pytest.raises(NotImplementedError, match="meta tensor"):
         load_checkpoint_and_dispatch(untied, tmp_path / "hf", device_map="auto")
     untied = empty_model()
     with pytest.raises(ValueError, match=r"not in .*: \['lm_head.weight'\].*initialize_missing_weights=True"):
