@@ -346,21 +346,21 @@ class GatedStore:
         finally:
             self._count(self.gets_in_flight, g, -1)
 
-    async def put(self, key, tensor, tier="nvme", compress=None):
+    async def put(self, key, tensor, tier="nvme", compress=None, *, keep=None):
         g = self.group_of[key.split("/", 1)[1]]
         self._count(self.puts_in_flight, g, 1)
         try:
-            await self.store.put(key, tensor, tier, compress)
+            await self.store.put(key, tensor, tier, compress, keep=keep)
             if g < self.last_group:
                 await self._gate(g + 1)
         finally:
             self._count(self.puts_in_flight, g, -1)
 
-    async def put_many(self, items, tier="nvme", compress=None, *, atomic=False):
+    async def put_many(self, items, tier="nvme", compress=None, *, atomic=False, keep=None):
         g = self.group_of[next(iter(items)).split("/", 1)[1]]
         self._count(self.puts_in_flight, g, 1)
         try:
-            await self.store.put_many(items, tier, compress, atomic=atomic)
+            await self.store.put_many(items, tier, compress, atomic=atomic, keep=keep)
             if g < self.last_group:
                 await self._gate(g + 1)
         finally:
@@ -461,15 +461,15 @@ class FailingStore:
     async def get(self, key, device="cpu", *, out=None):
         return await self.store.get(key, device, out=out)
 
-    async def put(self, key, tensor, tier="nvme", compress=None):
+    async def put(self, key, tensor, tier="nvme", compress=None, *, keep=None):
         if key == self.bad_key:
             raise tiered.TransferError(f"injected failure writing {key}")
-        await self.store.put(key, tensor, tier, compress)
+        await self.store.put(key, tensor, tier, compress, keep=keep)
 
-    async def put_many(self, items, tier="nvme", compress=None, *, atomic=False):
+    async def put_many(self, items, tier="nvme", compress=None, *, atomic=False, keep=None):
         if self.bad_key in items:
             raise tiered.TransferError(f"injected failure writing {self.bad_key}")
-        await self.store.put_many(items, tier, compress, atomic=atomic)
+        await self.store.put_many(items, tier, compress, atomic=atomic, keep=keep)
 
 
 def test_a_failed_write_fails_the_step_and_leaves_nothing_running(store, caplog):

@@ -128,7 +128,7 @@ class _CountingStore:
         self.gets.append(key)
         return torch.full((4,), 7.0)
 
-    async def put(self, key, tensor, tier="nvme", compress=None):
+    async def put(self, key, tensor, tier="nvme", compress=None, *, keep=None):
         raise AssertionError("not used")
 
     def __contains__(self, key):

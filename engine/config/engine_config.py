@@ -176,6 +176,12 @@ class EngineConfig:
         return "host" if self.param_tier == "nvme" and self.store.host_bytes != 0 else None
 
     @property
+    def stores_gradients(self) -> bool:
+        """Whether gradient shards go to the store (``grad_tier``): always, except with
+        ``step_in_backward`` and no accumulation, where each update consumes its gradient."""
+        return not self.step_in_backward or self.gradient_accumulation_steps > 1
+
+    @property
     def updates_in_place(self) -> bool:
         """Whether the optimizer step updates state in place (``optimizer_in_place`` resolved)."""
         return self.optimizer_tier == "host" if self.optimizer_in_place is None else self.optimizer_in_place

@@ -65,7 +65,6 @@ MiB = 1024 * 1024
 MATH_CHUNK_ALIGN = 4096
 STATE_TIERS = ("host", "nvme")
 PARAM_TIERS = ("device", "host", "nvme")
-TIER_RANK = {"device": 0, "host": 1, "nvme": 2}
 
 #: Called as ``on_event(event, group_index)`` with event "read" and "write" (on the step's event
 #: loop, when the group's transfers start) and "update" (on the worker thread, before the math).
@@ -467,6 +466,11 @@ def _unscale_and_clip(loaded: list[_Loaded], grad_scale: float, coef: Optional[t
         item.grad = grad
 
 
+def _faster(keep: Optional[str], tier: str) -> Optional[str]:
+    """``keep`` when it is a tier faster than ``tier`` (a copy worth offering the store), else None."""
+    return keep if keep is not None and Tier.parse(keep).rank < Tier.parse(tier).rank else None
+
+
 async def _write_group(store: AsyncTensorStore, loaded: list[_Loaded], io: IOCounter, state_tier: str,
                        param_tier: str, compress: Optional[bool], blocks: Optional[ModifyBlocks], *,
                        atomic: bool = False, progress: Optional[ProgressHook] = None,
@@ -496,9 +500,8 @@ async def _write_group(store: AsyncTensorStore, loaded: list[_Loaded], io: IOCou
         codecs[key] = None
     try:
         if state:
-            state_keep = keep if keep is not None and TIER_RANK[keep] < TIER_RANK[state_tier] else None
-            await io.put_many(store, state, state_tier, codecs, atomic, state_keep)
-        param_keep = keep if keep is not None and TIER_RANK[keep] < TIER_RANK[param_tier] else None
+            await io.put_many(store, state, state_tier, codecs, atomic, _faster(keep, state_tier))
+        param_keep = _faster(keep, param_tier)
         await gather_all(io.put(store, key, param, param_tier, None, param_keep) for key, param in params)
     finally:
         if blocks is not None:

@@ -115,21 +115,14 @@ class IOCounter:
 
     async def put(self, store: AsyncTensorStore, key: str, tensor: torch.Tensor, tier: str,
                   compress: Optional[bool], keep: Optional[str] = None) -> None:
-        """``store.put(key, tensor, tier, compress)`` (with ``keep`` when given), counting its bytes."""
-        if keep is None:
-            await store.put(key, tensor, tier, compress)
-        else:
-            await store.put(key, tensor, tier, compress, keep=keep)
+        """``store.put(key, tensor, tier, compress, keep=keep)``, counting its bytes."""
+        await store.put(key, tensor, tier, compress, keep=keep)
         self.bytes_written += tensor.numel() * tensor.element_size()
 
     async def put_many(self, store: AsyncTensorStore, items: Mapping[str, torch.Tensor], tier: str,
                        compress: Mapping[str, Optional[bool]], atomic: bool, keep: Optional[str] = None) -> None:
-        """``store.put_many(items, tier, compress, atomic=atomic)`` (with ``keep`` when given), counting
-        its bytes."""
-        if keep is None:
-            await store.put_many(items, tier, compress, atomic=atomic)
-        else:
-            await store.put_many(items, tier, compress, atomic=atomic, keep=keep)
+        """``store.put_many(items, tier, compress, atomic=atomic, keep=keep)``, counting its bytes."""
+        await store.put_many(items, tier, compress, atomic=atomic, keep=keep)
         self.bytes_written += sum(t.numel() * t.element_size() for t in items.values())
 
     async def modify(self, blocks: "ModifyBlocks", store: AsyncTensorStore, key: str, tier: str) -> torch.Tensor:

@@ -261,9 +261,7 @@ def _count_entries(
             if dtype.itemsize != 4:
                 sizes.extra_itemsize = max(sizes.extra_itemsize, dtype.itemsize)
             sizes.fp32_bytes += round_up(max(fp32, 1))
-            # the updates inside backward store a gradient only between the backwards of a window
-            stored = not config.step_in_backward or config.gradient_accumulation_steps > 1
-            parts[1].add(name, fp32, copies=1 if stored else 0)
+            parts[1].add(name, fp32, copies=1 if config.stores_gradients else 0)
             own_master = one_copy and dtype == torch.float32
             sizes.own_masters += own_master
             stored = int(fp32 * COMPRESSED_STATE_RATIO) if compressed else fp32

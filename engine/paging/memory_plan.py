@@ -467,9 +467,7 @@ def _facts(model: nn.Module, config: EngineConfig, world_size: int, training: bo
                 facts.extra_itemsize = max(facts.extra_itemsize, dtype.itemsize)
             facts.grad_shard_copies |= world_size > 1 or dtype != torch.float32
             fp32 = round_up(max(shard_numel * 4, 1))
-            # updates inside backward store a gradient only between the backwards of a window
-            stored = not config.step_in_backward or config.gradient_accumulation_steps > 1
-            if config.grad_tier == "host" and stored:
+            if config.grad_tier == "host" and config.stores_gradients:
                 host_parts.append((fp32, f"gradient shard {name!r} (grad_tier='host')"))
             if config.optimizer_tier == "host":
                 host_parts.append((fp32, f"optimizer state of {name!r} (optimizer_tier='host')"))
