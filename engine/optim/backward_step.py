@@ -25,9 +25,15 @@ the recorded batch. The cleanup after a commit (renames of set-aside values, del
 is finished by the next resume when a crash interrupts it. Footprint: the parameters, the kept old
 parameters and the moments, 16 bytes per parameter at the end of backward.
 
+The write of one batch overlaps the update of the next: the worker starts the ``put_many`` and goes
+on to the next batch, waiting for the write only before it starts another, when nothing is queued,
+or when either batch is larger than ``batch_bytes`` (a shard larger than a batch is a batch of its
+own and is never paired). A crash can then find two batches part way, each atomic on its own.
+
 Memory: the moments read ahead (at most ``window_bytes``), the gradient and parameter copies of
-shards waiting for the worker (at most ``inflight_bytes``, backward waits beyond it) and one batch
-being updated (its moments and new values).
+shards waiting for the worker (at most ``inflight_bytes``, backward waits beyond it), one batch
+being updated (its moments and new values) and, beside a batch of at most ``batch_bytes``, the
+previous one being written.
 """
 
 from __future__ import annotations
@@ -100,7 +106,8 @@ class BackwardUpdates:
         self._cond = threading.Condition()
         self._queue: "collections.deque[_Job]" = collections.deque()
         self._inflight = 0
-        self._busy = False
+        self._busy = False  # a batch is being updated or written
+        self._writing: Optional[_Writing] = None  # the batch being written
         self._error: Optional[BaseException] = None
         self._closed = False
         self._thread: Optional[threading.Thread] = None
@@ -123,7 +130,9 @@ class BackwardUpdates:
         gradients became final) that have some, and the parameters of those whose update had to read
         its parameter, within the window; topped up as updates use them."""
         with self._cond:
-            self._drop_ahead()
+            dropped = self._drop_ahead()
+        _wait_dropped(dropped)
+        with self._cond:
             read_param = self._read_params
             self._read_params = set()
             self._order = [(s, has_moments(s.name), s.name in read_param) for s in order]
@@ -176,7 +185,8 @@ class BackwardUpdates:
         if thread is not None:
             thread.join()
         with self._cond:
-            self._drop_ahead()
+            dropped = self._drop_ahead()
+        _wait_dropped(dropped)
 
     # ------------------------------------------------------------------ internals
 
@@ -193,37 +203,76 @@ class BackwardUpdates:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._closed and not (self._writing and self._writing.future.done()):
                     self._cond.wait()
-                if not self._queue:
+                if not self._queue and self._writing is None:
                     return
+                batch: list[_Job] = []
                 if self._error is not None:  # the step will be run again: drop what waits
                     self._queue.clear()
                     self._inflight = 0
                     self._cond.notify_all()
-                    continue
-                batch = [self._queue.popleft()]
-                size = batch[0].grad.numel() * 4
-                while (self._queue and size + self._queue[0].grad.numel() * 4 <= self._batch_bytes
-                       and self._queue[0].hypers == batch[0].hypers):
-                    size += self._queue[0].grad.numel() * 4
-                    batch.append(self._queue.popleft())
+                elif self._queue:
+                    batch = self._take_batch()
                 moments = [self._take_ahead(job.shard) for job in batch]
                 self._busy = True
             try:
-                self._apply(batch, moments)
+                if not batch or not self._pairs_with(batch):
+                    self._finish_write()
+                if batch:
+                    paired = self._batch_nbytes(batch) <= self._batch_bytes
+                    items, codecs = self._update(batch, moments)
+                    self._release(batch)
+                    self._finish_write()
+                    self._start_write(items, codecs, paired=paired)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller by submit / wait
                 with self._cond:
                     self._error = self._error or exc
+                self._release(batch)
+                try:
+                    self._finish_write()
+                except BaseException:  # noqa: BLE001 - the first error is the one reported
+                    pass
             finally:
                 with self._cond:
-                    self._busy = False
-                    self._inflight -= sum(job.nbytes for job in batch)
+                    self._busy = self._writing is not None
                     self._top_up()
                     self._cond.notify_all()
 
-    def _apply(self, batch: list[_Job], ahead: list[Optional["_Ahead"]]) -> None:
-        """Keep each shard's old parameter aside, update, write the new parameter and moments atomically."""
+    def _take_batch(self) -> list[_Job]:
+        """The next batch: queued jobs of the same hyperparameters up to ``batch_bytes`` of gradient,
+        at least one (lock held)."""
+        batch = [self._queue.popleft()]
+        size = self._batch_nbytes(batch)
+        while (self._queue and size + self._queue[0].grad.numel() * 4 <= self._batch_bytes
+               and self._queue[0].hypers == batch[0].hypers):
+            size += self._queue[0].grad.numel() * 4
+            batch.append(self._queue.popleft())
+        return batch
+
+    @staticmethod
+    def _batch_nbytes(batch: list[_Job]) -> int:
+        return sum(job.grad.numel() * 4 for job in batch)
+
+    def _pairs_with(self, batch: list[_Job]) -> bool:
+        """Whether ``batch`` may be updated while the previous batch is still being written."""
+        writing = self._writing
+        return writing is None or (writing.paired and self._batch_nbytes(batch) <= self._batch_bytes)
+
+    def _release(self, batch: list[_Job]) -> None:
+        """The jobs of ``batch`` no longer hold their gradients: let backward queue more."""
+        if not batch:
+            return
+        with self._cond:
+            self._inflight = max(0, self._inflight - sum(job.nbytes for job in batch))
+            for job in batch:
+                job.grad = job.master = None  # type: ignore[assignment]
+                job.nbytes = 0
+            self._cond.notify_all()
+
+    def _update(self, batch: list[_Job], ahead: list[Optional["_Ahead"]]
+                ) -> tuple[dict[str, torch.Tensor], dict[str, Optional[bool]]]:
+        """Keep each shard's old parameter aside and update: the new parameters and moments to write."""
         store, counters = self._store, self.counters
         # A read of a parameter started before its rename reads the same (old) bytes.
         reads = [a.param if a is not None and a.param is not None else None for a in ahead]
@@ -258,12 +307,36 @@ class BackwardUpdates:
             items.update({s.param_key: master, s.exp_avg_key: exp_avg, s.exp_avg_sq_key: exp_avg_sq})
             moment = True if self._compress else None
             codecs.update({s.param_key: None, s.exp_avg_key: moment, s.exp_avg_sq_key: moment})
-        store.sync.put_many(items, "nvme", codecs, atomic=True, keep=self._keep)
+        counters.shards += len(batch)
+        return items, codecs
+
+    def _start_write(self, items: dict[str, torch.Tensor], codecs: dict[str, Optional[bool]], *, paired: bool) -> None:
+        """Start writing a batch's new values atomically; :meth:`_finish_write` waits for it."""
+        future = self._store.sync.put_many_future(items, "nvme", codecs, atomic=True, keep=self._keep)
+        writing = _Writing(future, items, paired)
+        with self._cond:
+            self._writing = writing
+        future.add_done_callback(lambda _: self._notify())
+
+    def _finish_write(self) -> None:
+        """Wait for the batch being written, if any, and count it; raises what the write raised."""
+        writing = self._writing
+        if writing is None:
+            return
+        try:
+            writing.future.result()
+        finally:
+            with self._cond:
+                self._writing = None
+        counters = self.counters
         if self.on_event is not None:
             self.on_event("written", counters.batches)
-        counters.bytes_written += sum(t.numel() * t.element_size() for t in items.values())
+        counters.bytes_written += sum(t.numel() * t.element_size() for t in writing.items.values())
         counters.batches += 1
-        counters.shards += len(batch)
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def _take_ahead(self, shard: OptimShard) -> Optional["_Ahead"]:
         """What was read ahead for ``shard`` (lock held), or None."""
@@ -288,18 +361,22 @@ class BackwardUpdates:
                 get(shard.param_key) if param else None, nbytes)
             self._ahead_bytes += nbytes
 
-    def _drop_ahead(self) -> None:
-        """Forget the reads ahead (lock held; their results are waited for and dropped)."""
+    def _drop_ahead(self) -> list["concurrent.futures.Future[torch.Tensor]"]:
+        """Forget the reads ahead (lock held); returns their futures, for the caller to wait for once it
+        has let go of the lock (a write's completion takes the lock on the store's thread)."""
         ahead, self._ahead = self._ahead, {}
         self._ahead_bytes = 0
         self._order, self._cursor = [], 0
-        for a in ahead.values():
-            for future in (a.exp_avg, a.exp_avg_sq, a.param):
-                try:
-                    if future is not None:
-                        future.result()
-                except Exception:  # noqa: BLE001 - unused reads: their outcome does not matter
-                    pass
+        return [f for a in ahead.values() for f in (a.exp_avg, a.exp_avg_sq, a.param) if f is not None]
+
+
+def _wait_dropped(futures: Sequence["concurrent.futures.Future[torch.Tensor]"]) -> None:
+    """Wait for reads no one will use; their outcome does not matter."""
+    for future in futures:
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001 - unused reads
+            pass
 
 
 @dataclasses.dataclass
@@ -310,3 +387,13 @@ class _Ahead:
     exp_avg_sq: "Optional[concurrent.futures.Future[torch.Tensor]]"
     param: "Optional[concurrent.futures.Future[torch.Tensor]]"
     nbytes: int
+
+
+@dataclasses.dataclass
+class _Writing:
+    """A batch whose new values are being written: the write, what it writes (held until it is done),
+    and whether the next batch may be updated meanwhile."""
+
+    future: "concurrent.futures.Future[None]"
+    items: dict[str, torch.Tensor]
+    paired: bool

@@ -28,8 +28,9 @@ MIN_ACTIVATION_WINDOW = 4 * MiB
 #: The staging the plan keeps at least (blocks).
 MIN_STAGING_BUFFERS = 2
 #: fp32 bytes of each tensor torch's AdamW is given per call in the optimizer step (engine/optim/step.py,
-#: [Note: Chunked AdamW math]): its temporaries are at most two such chunks.
-MATH_CHUNK_BYTES = 16 * MiB
+#: [Note: Chunked AdamW math]): its temporaries are at most two such chunks, below the allocator's mmap
+#: threshold (engine/paging/allocator.py) so that they reuse heap memory instead of faulting in new pages.
+MATH_CHUNK_BYTES = 512 * 1024
 #: Staging gets at most this share of the budget (the engine's bulk transfers use aligned memory
 #: that needs none: the host tier, the buffer pool; small tensors and unaligned caller memory do).
 STAGING_SHARE = 32
@@ -393,12 +394,14 @@ def _needs(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.d
             # [Note: Updates inside backward] (engine/optim/backward_step.py): backward's working set
             # takes the step's, and step() holds nothing of its own. Beside the parameters: the moments
             # read ahead (with the parameter, for a shard backward does not materialize), at least one
-            # shard's; the batch being updated, its parameters and two moments; the fp32 gradient
-            # shards waiting for their update, at least one shard's; AdamW's temporaries.
+            # shard's; the batch being updated and the one before it being written (a shard larger than
+            # a batch alone), their parameters and two moments; the fp32 gradient shards waiting for
+            # their update, at least one shard's; AdamW's temporaries.
             ahead = max(2 * s.optimizer_group_bytes * max(1, s.optimizer_prefetch_groups), 3 * largest)
-            batch = 3 * max(s.optimizer_group_bytes, largest)
+            batch = 3 * max(2 * s.optimizer_group_bytes, largest)
             buffers_why[1:] = [f"moments read ahead {format_bytes(ahead)}",
-                               f"the batch being updated {format_bytes(batch)} (parameters and two moments)",
+                               f"the batches being updated and written {format_bytes(batch)} (parameters and two "
+                               "moments)",
                                *([f"a gradient read back to accumulate into {format_bytes(accumulate)}"]
                                  if accumulate else [])]
             ahead += batch
