@@ -370,3 +370,24 @@ def test_gradients_that_overflow_the_host_tier_point_to_updates_inside_backward(
     for quiet in (small.replace(step_in_backward=True), small.replace(max_grad_norm=1.0),
                   config(tmp_path, param_tier="nvme", optimizer_tier="nvme")):  # 64 MiB: they fit
         assert not any("step_in_backward" in w for w in engine.estimate_memory(model, quiet).warnings)
+
+
+def test_the_codec_verdict_weighs_the_codec_against_the_disk(tmp_path):
+    from engine.cli.codec_verdict import CodecVerdict, measure_codec_verdict
+
+    gb = 1e9
+    slow_disk = CodecVerdict(encode_bps=4 * gb, decode_bps=8 * gb, ratio=0.5, write_bps=0.2 * gb, read_bps=0.4 * gb,
+                             threads=2, moment_bytes=8 * 10**9)
+    fast_disk = dataclasses.replace(slow_disk, write_bps=4 * gb, read_bps=4 * gb)
+    assert slow_disk.pays and "pays here" in slow_disk.render()
+    assert not fast_disk.pays and "leave it off" in fast_disk.render()
+    assert slow_disk.raw_seconds == pytest.approx(8 * (1 / 0.2 + 1 / 0.4))
+    assert slow_disk.compressed_seconds == pytest.approx(8 / 4 + 8 / 8 + 0.5 * slow_disk.raw_seconds)
+
+    store = tiered.StoreConfig(path=str(tmp_path))
+    measured = measure_codec_verdict(str(tmp_path), 1 << 30, store, sample_bytes=1 << 20, disk_bytes=1 << 20,
+                                     repeats=1)
+    assert 0 < measured.ratio < 1 and measured.encode_bps > 0 and measured.read_bps > 0  # moments compress
+    assert list(tmp_path.iterdir()) == []  # the scratch directory is gone
+    with pytest.raises(ValueError, match="repeats"):
+        measure_codec_verdict(str(tmp_path), 1, store, repeats=0)

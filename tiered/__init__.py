@@ -1,5 +1,6 @@
 """tiered: an async key -> tensor store over device memory, host buffers and NVMe swap files."""
 
+from tiered.codecs import measure_codec
 from tiered.config import StoreConfig
 from tiered.entry import EntryInfo
 from tiered.errors import (
@@ -44,4 +45,5 @@ __all__ = [
     "TieredStore",
     "TransferError",
     "empty_aligned",
+    "measure_codec",
 ]

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="compute device: with 'cpu' materialized parameters count in "
                    "host memory, with 'cuda' in GPU memory (default: cuda when available, else cpu)")
     p.add_argument("--inference", action="store_true", help="no optimizer: parameters only")
+    p.add_argument("--measure-codec", action="store_true", help="also measure the codec on this machine's cores and "
+                   "the disk under --dir (a few seconds, a 256 MiB scratch file) and say whether compress_optimizer "
+                   "pays for this model")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON instead of a table")
     return p
 
@@ -86,14 +89,30 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
     est = estimate_memory(model, config, world_size=args.world_size, training=not args.inference)
     disk = _disk_check(est.during_step.nvme, config.store, args.dir)
     fits = est.fits and disk.room
+    verdict = None
+    if args.measure_codec:
+        from engine.cli.codec_verdict import measure_codec_verdict, moment_bytes
+
+        try:
+            verdict = measure_codec_verdict(args.dir, moment_bytes(model, args.world_size) if not args.inference
+                                            else 0, config.store)
+        except OSError as exc:
+            print(f"tiered estimate: --measure-codec could not measure the disk under {args.dir}: {exc}",
+                  file=sys.stderr)
+            return 2
     if args.json:
-        print(json.dumps({**dataclasses.asdict(est), "disk": dataclasses.asdict(disk), "fits": fits}, indent=2),
-              file=out)
+        codec = None if verdict is None else {**dataclasses.asdict(verdict), "raw_seconds": verdict.raw_seconds,
+                                              "compressed_seconds": verdict.compressed_seconds,
+                                              "pays": verdict.pays}
+        print(json.dumps({**dataclasses.asdict(est), "disk": dataclasses.asdict(disk), "fits": fits,
+                          **({"codec": codec} if codec else {})}, indent=2), file=out)
     else:
         print(est.render(), file=out)
         print(f"disk under {disk.directory}: {format_bytes(disk.free)} free; the nvme tier needs about "
               f"{format_bytes(est.during_step.nvme)} during a step, plus up to {format_bytes(disk.growth_slack)} of "
               "swap-file growth" + ("" if disk.room else " -- NOT ENOUGH"), file=out)
+        if verdict is not None:
+            print(verdict.render(), file=out)
         print(f"fits: {'yes' if fits else 'no'}", file=out)
     return 0 if fits else 1
 
