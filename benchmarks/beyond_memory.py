@@ -12,8 +12,12 @@ parameter, the nvme footprint, and the peak RSS against the host budget; beside 
 - compute floor: the same model's forward + backward + AdamW step in memory, from a 1- and a
   2-layer copy timed here (the layers beyond the first cost what the second costs).
 
-The loss must fall every step; the run exits 1 if it does not, 2 when the disk has no room for the run
-or fio is missing. Each target is judged on the steps after the first (median and range).
+With ``--device cuda`` the model computes on the GPU (the state is still sized from host RAM and
+streamed from nvme through host memory), and the compute floor is the GPU's.
+
+The loss must fall every step; the run exits 1 if it does not, 2 when the disk has no room for the
+run, fio is missing or ``--device`` names a device this machine lacks. Each target is judged on the
+steps after the first (median and range).
 
     python benchmarks/beyond_memory.py --dir /nvme/scratch --json docs/beyond_memory.json \\
         --plot docs/beyond_memory.png
@@ -25,7 +29,6 @@ import argparse
 import dataclasses
 import os
 import shutil
-import statistics
 import sys
 import threading
 import time
@@ -130,25 +133,37 @@ class Sampler:
             n += 1
 
 
-def in_memory_step_seconds(cfg: LlamaConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int) -> float:
-    """Median seconds of forward + backward + torch AdamW step of ``cfg``'s model in memory."""
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a GPU's kernels run after the call that queued them)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def in_memory_step_seconds(cfg: LlamaConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int,
+                           device: torch.device) -> float:
+    """Fewest seconds of forward + backward + torch AdamW step of ``cfg``'s model in ``device``'s memory
+    over ``reps`` steps (a floor: noise only adds to it)."""
     torch.manual_seed(0)
-    model = Llama(cfg)
+    model = Llama(cfg).to(device)
+    tokens, targets = tokens.to(device), targets.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     times = []
     for _ in range(reps + 1):  # the first builds the optimizer state: not counted
+        synchronize(device)
         start = time.perf_counter()
         model(tokens, targets).backward()
         opt.step()
         opt.zero_grad()
+        synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return min(times[1:])
 
 
-def compute_floor(cfg: LlamaConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int) -> dict[str, float]:
+def compute_floor(cfg: LlamaConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int,
+                  device: torch.device) -> dict[str, float]:
     """The in-memory step of ``cfg``'s model, extrapolated from a 1- and a 2-layer copy."""
-    one = in_memory_step_seconds(dataclasses.replace(cfg, n_layers=1), tokens, targets, reps)
-    two = in_memory_step_seconds(dataclasses.replace(cfg, n_layers=2), tokens, targets, reps)
+    one = in_memory_step_seconds(dataclasses.replace(cfg, n_layers=1), tokens, targets, reps, device)
+    two = in_memory_step_seconds(dataclasses.replace(cfg, n_layers=2), tokens, targets, reps, device)
     return {"one_layer_s": one, "two_layers_s": two, "seconds": one + (cfg.n_layers - 1) * max(two - one, 0.0)}
 
 
@@ -164,7 +179,7 @@ def train(args: argparse.Namespace, cfg: LlamaConfig, workdir: str, floors: dict
     import engine
 
     torch.manual_seed(args.seed)
-    tokens = torch.randint(0, cfg.vocab_size, (1, args.tokens + 1))
+    tokens = torch.randint(0, cfg.vocab_size, (1, args.tokens + 1)).to(args.device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     with torch.device("meta"):
         model = Llama(cfg)
@@ -204,7 +219,7 @@ def engine_config(args: argparse.Namespace, workdir: str) -> Any:
     return engine.EngineConfig(
         store=tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=int(args.host_gib * GiB)),
         param_tier="nvme", optimizer_tier="nvme", compress_optimizer=args.compress_optimizer,
-        step_in_backward=args.step_in_backward)
+        step_in_backward=args.step_in_backward, compute_device=str(args.device))
 
 
 def check_room(args: argparse.Namespace, cfg: LlamaConfig, workdir: str) -> None:
@@ -227,16 +242,21 @@ class NoRoom(RuntimeError):
 def one_step(eng: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, sampler: Sampler,
              rss_before: int) -> dict[str, Any]:
     """Forward, backward, eng.step(), zero_grad, timed and measured."""
+    device = x.device
+    synchronize(device)
     stats_before = eng.stats()
     read0, written0 = process_io()
     cpu0 = os.times()
     t0 = time.perf_counter()
     loss = model(x, y)
+    synchronize(device)
     t1 = time.perf_counter()
     loss.backward()
+    synchronize(device)
     t2 = time.perf_counter()
     eng.step()
     eng.zero_grad()
+    synchronize(device)
     t3 = time.perf_counter()
     cpu1 = os.times()
     read1, written1 = process_io()
@@ -321,13 +341,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--compress-optimizer", action="store_true", help="EngineConfig.compress_optimizer=True")
     p.add_argument("--step-in-backward", action="store_true",
                    help="EngineConfig.step_in_backward=True: the updates run inside backward, no gradient is stored")
-    p.add_argument("--floor-reps", type=int, default=2, help="in-memory steps timed per layer count")
+    p.add_argument("--floor-reps", type=int, default=3, help="in-memory steps timed per layer count (the "
+                   "fastest counts)")
+    p.add_argument("--device", default="cpu", help="compute device: cpu (default) or cuda[:N]; the state is sized "
+                   "from host RAM either way")
     add_fio_arguments(p)
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
     if args.steps < 3:
         p.error(f"--steps must be >= 3, got {args.steps}")
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError as exc:
+        p.error(f"--device {args.device!r} is not a device: {exc}")
+    if args.device.type not in ("cpu", "cuda"):
+        p.error(f"--device must be cpu or cuda, got {str(args.device)!r}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        print(f"error: --device {args.device} but torch sees no CUDA device here", file=sys.stderr)
+        return 2
     ram = ram_bytes()
     state = int(args.state_gib * GiB) if args.state_gib else int(args.ram_multiple * ram)
     cfg = LlamaConfig.for_state_bytes(state)
@@ -349,8 +381,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         torch.manual_seed(args.seed)
         sample = torch.randint(0, cfg.vocab_size, (1, args.tokens + 1))
-        compute = compute_floor(cfg, sample[:, :-1], sample[:, 1:], args.floor_reps)
-        print(f"compute floor: {compute['seconds']:.1f} s a step in memory", flush=True)
+        compute = compute_floor(cfg, sample[:, :-1], sample[:, 1:], args.floor_reps, args.device)
+        print(f"compute floor: {compute['seconds']:.1f} s a step in {args.device} memory", flush=True)
         floors = {"fio_read_bps": fio["read_bytes_per_s"], "fio_write_bps": fio["write_bytes_per_s"],
                   "compute_s": compute["seconds"]}
         run = train(args, cfg, workdir, floors)
@@ -362,6 +394,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "params": cfg.num_params, "config": dataclasses.asdict(cfg), "state_bytes": summary["state_bytes"],
         "ram_bytes": ram, "host_bytes": host_bytes, "tokens": args.tokens,
         "compress_optimizer": args.compress_optimizer, "step_in_backward": args.step_in_backward, "fio": fio,
+        "device": str(args.device), **({"gpu": torch.cuda.get_device_name(args.device)}
+                                       if args.device.type == "cuda" else {}),
         "compute": compute, "floors": floors,
         "summary": summary, **run,
     }, machine)

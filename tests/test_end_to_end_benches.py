@@ -104,3 +104,13 @@ def test_beyond_memory_refuses_a_disk_without_room_before_measuring_anything(tmp
     err = capsys.readouterr().err
     assert code == 2 and "GB free; this run needs about" in err and "fio" not in err
     assert not (tmp_path / "out.json").exists() and os.listdir(tmp_path) == []  # nothing written or left behind
+
+
+def test_beyond_memory_refuses_a_device_this_machine_lacks_before_measuring_anything(tmp_path, benchmark_script,
+                                                                                     capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    code = benchmark_script("beyond_memory").main(["--dir", str(tmp_path), "--device", "cuda",
+                                                   "--json", str(tmp_path / "out.json")])
+    assert code == 2 and "torch sees no CUDA device" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
