@@ -351,6 +351,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 3:
         p.error(f"--steps must be >= 3, got {args.steps}")
+    if args.floor_reps < 1:
+        p.error(f"--floor-reps must be >= 1, got {args.floor_reps}")
     try:
         args.device = torch.device(args.device)
     except RuntimeError as exc:
