@@ -255,6 +255,17 @@ def plan_memory(model: nn.Module, config: EngineConfig, *, world_size: int = 1, 
                       sum(p.nbytes for p in floor) + floor_host.nbytes, floor)
 
 
+def _halved(s: PlanSettings, field: str, floor: int, zero_at: int) -> list[PlanSettings]:
+    """``s`` with ``field`` halved again and again down to ``floor`` (straight to it from ``zero_at`` or
+    less), each step a setting."""
+    out = []
+    while getattr(s, field) > floor:
+        value = getattr(s, field)
+        s = dataclasses.replace(s, **{field: floor if value <= zero_at else max(floor, value // 2)})
+        out.append(s)
+    return out
+
+
 def _regrown(chosen: PlanSettings, wanted: PlanSettings, fits: "Callable[[PlanSettings], bool]") -> PlanSettings:
     """``chosen`` (the first of the shrinking settings that fits) with each piece shrunk on the way
     given back as much of its configured size as still fits, the prefetch window first: shrinking
@@ -275,24 +286,14 @@ def _regrown(chosen: PlanSettings, wanted: PlanSettings, fits: "Callable[[PlanSe
 def _shrinking(settings: PlanSettings) -> list[PlanSettings]:
     """The settings to try, from the config's own down to every piece at its floor: shared first,
     then by phase ([Note: One memory budget])."""
-    out = [settings]
-    s = dataclasses.replace(settings, optimizer_prefetch_groups=0)
-    out.append(s)
-    while s.staging_buffers > MIN_STAGING_BUFFERS:
-        s = dataclasses.replace(s, staging_buffers=max(MIN_STAGING_BUFFERS, s.staging_buffers // 2))
-        out.append(s)
-    while s.optimizer_group_bytes > SMALL_GROUP_BYTES:
-        s = dataclasses.replace(s, optimizer_group_bytes=max(SMALL_GROUP_BYTES, s.optimizer_group_bytes // 2))
-        out.append(s)
-    while s.prefetch_bytes > 0:
-        s = dataclasses.replace(s, prefetch_bytes=s.prefetch_bytes // 2 if s.prefetch_bytes > MiB else 0)
-        out.append(s)
-    while s.activation_window_bytes > MIN_ACTIVATION_WINDOW:
-        s = dataclasses.replace(s, activation_window_bytes=max(MIN_ACTIVATION_WINDOW, s.activation_window_bytes // 2))
-        out.append(s)
-    while s.optimizer_group_bytes > MIN_GROUP_BYTES:
-        s = dataclasses.replace(s, optimizer_group_bytes=max(MIN_GROUP_BYTES, s.optimizer_group_bytes // 2))
-        out.append(s)
+    out = [dataclasses.replace(settings, optimizer_prefetch_groups=0)]
+    for field, floor, zero_at in (("staging_buffers", MIN_STAGING_BUFFERS, 0),
+                                  ("optimizer_group_bytes", SMALL_GROUP_BYTES, 0), ("prefetch_bytes", 0, MiB),
+                                  ("activation_window_bytes", MIN_ACTIVATION_WINDOW, 0),
+                                  ("optimizer_group_bytes", MIN_GROUP_BYTES, 0)):
+        out += _halved(out[-1], field, floor, zero_at)
+    s = out[-1]
+    out.insert(0, settings)
     out.append(dataclasses.replace(s, codec_cache_bytes=0))
     return out + [dataclasses.replace(x, by_phase=True) for x in out]
 
