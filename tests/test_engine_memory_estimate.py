@@ -357,9 +357,29 @@ def test_updates_inside_backward_keep_the_old_parameters_during_a_step(tmp_path)
     # after backward: the gradients made durable; inside: the old parameters kept, as many bytes; and
     # one batch or group in flight either way
     assert inside.during_step.nvme == after.during_step.nvme == after.at_rest.nvme + grads + 3 * grads
-    # backward holds the step's working set: the batch being updated and the moments read ahead
-    assert any("the batches being updated and written" in p.why for p in inside.plan.pieces)
-    assert not any("the batches being updated" in p.why for p in after.plan.pieces)
+    # backward holds the step's working set: the batches being updated and the moments read ahead
+    assert any("the updates' moments and parameters" in p.why for p in inside.plan.pieces)
+    assert not any("the updates' moments" in p.why for p in after.plan.pieces)
+
+
+def test_updates_inside_backward_count_the_two_largest_shards_at_the_two_ends_once(tmp_path):
+    from engine.paging.memory_plan import plan_memory
+
+    def model(head_out: int) -> nn.Module:  # an embedding, 3 MiB of small layers, a head
+        return nn.Sequential(nn.Embedding(4096, 256), *[nn.Linear(256, 256) for _ in range(12)],
+                             nn.Linear(256, head_out, bias=False))
+
+    largest = 4096 * 256 * 4  # 4 MiB: the embedding, and the head of the first model
+    cfg = engine.EngineConfig(store=store_config(tmp_path, host_bytes=64 * MiB), param_tier="nvme",
+                              optimizer_tier="nvme", step_in_backward=True)
+    both, one = plan_memory(model(4096), cfg), plan_memory(model(64), cfg)
+    # the head is updated at backward's start and the embedding at its end: at most one of them is in
+    # flight (parameter, gradient, two moments) beside the small layers' batches and the module in use
+    assert both.minimum_bytes == one.minimum_bytes
+    # the module in use and one large shard in flight (4 x: parameter, gradient, two moments), beside
+    # batches of 1 MiB and the gradient autograd makes: under 8 x
+    (work,) = [p.nbytes for p in both.minimum_pieces if p.what == "working set"]
+    assert work < 8 * largest
 
 
 def test_gradients_that_overflow_the_host_tier_point_to_updates_inside_backward(tmp_path):

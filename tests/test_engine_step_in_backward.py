@@ -131,8 +131,8 @@ CHILD = textwrap.dedent("""
         eng.step()
         eng.zero_grad()
 
-    def kill(event, batch):
-        if event == {event!r} and batch == 2:
+    def kill(event, batch):  # batch: how many batches were written (a rename can follow two writes)
+        if event == {event!r} and batch >= 2:
             os.kill(os.getpid(), signal.SIGKILL)
 
     eng._training.on_event = kill
@@ -230,3 +230,20 @@ def test_a_failed_update_inside_backward_is_redone_by_running_the_batch_again(tm
             eng.zero_grad()
             losses.append(loss.item())
         assert losses == ref_losses
+
+
+def test_the_updates_hold_no_memory_between_steps(tmp_path):
+    """Moments and parameter copies are buffers of the store's pool (8 MiB shards: large enough to be
+    pooled); once eng.step() returns none of them is held, so the next forward starts with the memory
+    plan's whole working set free."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8192, 256), torch.nn.Linear(256, 256),
+                                torch.nn.Linear(256, 8192))
+    tokens = torch.randint(0, 8192, (4, 8))
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR),
+                      config=config_at(tmp_path).replace(optimizer_group_bytes=64 * KiB, prefetch_bytes=0))
+    with eng:
+        for _ in range(3):
+            eng.backward(model(tokens).pow(2).mean())
+            eng.step()
+            assert eng.store.stats().pool_lent_bytes == 0

@@ -30,10 +30,12 @@ on to the next batch, waiting for the write only before it starts another, when 
 or when either batch is larger than ``batch_bytes`` (a shard larger than a batch is a batch of its
 own and is never paired). A crash can then find two batches part way, each atomic on its own.
 
-Memory: the moments read ahead (at most ``window_bytes``), the gradient and parameter copies of
-shards waiting for the worker (at most ``inflight_bytes``, backward waits beyond it), one batch
-being updated (its moments and new values) and, beside a batch of at most ``batch_bytes``, the
-previous one being written.
+Memory: the moments read ahead (at most ``window_bytes``, or one shard's into an empty window), the
+gradient and parameter copies of shards waiting for the worker (at most ``inflight_bytes``, or one
+shard's; backward waits beyond it), one batch being updated (its moments and new values) and,
+beside a batch of at most ``batch_bytes``, the previous one being written. Parameter copies and
+moments are buffers of the store's pool; the memory plan (engine/paging/memory_plan.py) counts
+these bounds in [Note: Updates inside backward, in memory].
 """
 
 from __future__ import annotations
@@ -220,11 +222,7 @@ class BackwardUpdates:
                 if not batch or not self._pairs_with(batch):
                     self._finish_write()
                 if batch:
-                    paired = self._batch_nbytes(batch) <= self._batch_bytes
-                    items, codecs = self._update(batch, moments)
-                    self._release(batch)
-                    self._finish_write()
-                    self._start_write(items, codecs, paired=paired)
+                    self._update_and_write(batch, moments)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller by submit / wait
                 with self._cond:
                     self._error = self._error or exc
@@ -234,10 +232,21 @@ class BackwardUpdates:
                 except BaseException:  # noqa: BLE001 - the first error is the one reported
                     pass
             finally:
+                # Hold nothing of this batch while waiting for the next: after a step's last batch the
+                # wait lasts until the next backward, and its moments would sit beside all of forward.
+                batch, moments = [], []
                 with self._cond:
                     self._busy = self._writing is not None
                     self._top_up()
                     self._cond.notify_all()
+
+    def _update_and_write(self, batch: list[_Job], moments: list[Optional["_Ahead"]]) -> None:
+        """Update ``batch`` and start its write, once the write before it is done."""
+        paired = self._batch_nbytes(batch) <= self._batch_bytes
+        items, codecs = self._update(batch, moments)
+        self._release(batch)
+        self._finish_write()
+        self._start_write(items, codecs, paired=paired)
 
     def _take_batch(self) -> list[_Job]:
         """The next batch: queued jobs of the same hyperparameters up to ``batch_bytes`` of gradient,

@@ -477,7 +477,10 @@ class Training:
         if new_key(name) in self._store:
             return  # updated before a crash: its new value waits aside (the replay's gradient is the same)
         p = self._by_name[name]
-        master = self._io.local_shard(handle).to("cpu") if handle.state is HandleState.READY else None
+        master = None
+        if handle.state is HandleState.READY:  # a buffer of the store's pool: counted in the plan, put in place
+            master = self._store.host_buffer(handle.layout.shard_numel * 4).view(torch.float32)
+            self._io.local_shard(handle, out=master)
         state = self.record.shards[name]
         self._updates.on_event = self.on_event
         try:

@@ -48,10 +48,12 @@ STAGING_SHARE = 32
 # shard when that is a copy) and the activation window when activations go to the store. The step
 # holds its groups in flight (read i+1, update i, write i-1: three consecutive groups of gradient,
 # master and two moments, plus the new training-dtype shard) and AdamW's temporaries (two chunks:
-# engine/optim/step.py, [Note: Chunked AdamW math]). Parameters and the step's groups are buffers of
-# the store's pool (``StoreConfig.result_pool_bytes``: [Note: Result pool bound] in
-# tiered/io/results.py); gradients and temporaries are torch's allocations, which wrap has glibc give
-# back when freed (engine/paging/allocator.py, [Note: Heap retention]). Two ways to bound them:
+# engine/optim/step.py, [Note: Chunked AdamW math]). With ``step_in_backward`` backward holds the
+# updates' working set instead and the step holds none ([Note: Updates inside backward, in memory]).
+# Parameters and the step's groups are buffers of the store's pool (``StoreConfig.result_pool_bytes``:
+# [Note: Result pool bound] in tiered/io/results.py); gradients and temporaries are torch's
+# allocations, which wrap has glibc give back when freed (engine/paging/allocator.py,
+# [Note: Heap retention]). Two ways to bound them:
 #
 # - shared: the pool is the larger of the phases' buffers and the transients the larger of their
 #   allocations; a phase's freed buffers wait in the pool for the other (in fp32 training a
@@ -182,6 +184,7 @@ class _Facts:
     largest_module_name: str = ""
     largest_param: int = 0  # whole, in the training dtype (a full gradient has its size)
     shards: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # trainable fp32 shard bytes, in order
+    whole_grads: list[int] = dataclasses.field(default_factory=list)  # their whole gradients' bytes, in that order
     extra_itemsize: int = 0  # bytes per element of a new training-dtype shard when that is not fp32
     grad_shard_copies: bool = False  # the fp32 gradient shard is a new tensor, not a view of the gradient
     host_entry: int = 0  # the largest entry the config sends to the host tier
@@ -392,22 +395,15 @@ def _needs(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.d
                 accumulate = largest
                 buffers_why.append(f"a gradient read back to accumulate into {format_bytes(accumulate)}")
         if config.step_in_backward:
-            # [Note: Updates inside backward] (engine/optim/backward_step.py): backward's working set
-            # takes the step's, and step() holds nothing of its own. Beside the parameters: the moments
-            # read ahead (with the parameter, for a shard backward does not materialize), at least one
-            # shard's; the batch being updated and the one before it being written (a shard larger than
-            # a batch alone), their parameters and two moments; the fp32 gradient shards waiting for
-            # their update, at least one shard's; AdamW's temporaries.
-            ahead = max(2 * s.optimizer_group_bytes * max(1, s.optimizer_prefetch_groups), 3 * largest)
-            batch = 3 * max(2 * s.optimizer_group_bytes, largest)
-            buffers_why[1:] = [f"moments read ahead {format_bytes(ahead)}",
-                               f"the batches being updated and written {format_bytes(batch)} (parameters and two "
-                               "moments)",
+            worker, grads = _updates_inside_backward(facts, s, on_cpu)
+            buffers_why[1:] = [f"the updates' moments and parameters {format_bytes(worker)} (read ahead, being "
+                               "updated and being written)",
                                *([f"a gradient read back to accumulate into {format_bytes(accumulate)}"]
                                  if accumulate else [])]
-            ahead += batch
-            grads = max(2 * s.optimizer_group_bytes, largest) + (facts.largest_param if on_cpu else 0) + temps
-            allocations_why[:] = [f"gradients waiting for their update and AdamW's temporaries {format_bytes(grads)}"]
+            ahead = worker
+            grads += temps
+            allocations_why[:] = [f"gradients waiting for their update or being made, and AdamW's temporaries "
+                                  f"{format_bytes(grads)}"]
             step = temps = 0
             step_why = "no optimizer step: the updates run inside backward"
     activations = 2 * s.activation_window_bytes if config.activation_tier is not None else 0
@@ -419,6 +415,57 @@ def _needs(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.d
                                  f"codec_cache_bytes {format_bytes(s.codec_cache_bytes)} + payloads in flight"))
     return _Needs(tuple(fixed), params + ahead + accumulate, " + ".join(buffers_why), grads + activations,
                   " + ".join(allocations_why), step, step_why, temps, host_min, lent)
+
+
+# [Note: Updates inside backward, in memory]
+# engine/optim/backward_step.py holds these bounds. With batches of at most G =
+# ``optimizer_group_bytes`` of fp32 shards, the worker holds, as buffers: the reads ahead (a window of
+# W = 2G x ``optimizer_prefetch_groups``, or one shard's moments and parameter beyond it, read into an
+# empty window), the batch being updated and the one being written (parameter and two moments each)
+# and the parameter copies of the gradients queued for it (G); as allocations: those gradients (G)
+# and the one autograd is making. A shard larger than G is a batch of its own, never beside another:
+# while it is updated or written the worker holds its parameter, moments and gradient, the window
+# beside it and what its neighbours queue; read ahead, it sits beside the small batches in flight.
+# The gradients autograd makes while a large shard is in flight are its neighbours' (backward runs
+# the parameters' order backwards; neighbours are taken on both sides, within 2G), so a model's
+# embedding and head, at the two ends, are never counted together. Buffers and allocations are each
+# the most of any phase: the pool keeps freed buffers up to its bound, so one phase's buffers may sit
+# beside another phase's allocations.
+
+
+def _updates_inside_backward(facts: _Facts, s: PlanSettings, on_cpu: bool) -> tuple[int, int]:
+    """Host bytes of the updates inside backward beside the parameters: the store's buffers (moments
+    and parameter copies) and torch's allocations (gradients), each at its most.
+
+    See [Note: Updates inside backward, in memory]."""
+    shards = [b for _, b in facts.shards]
+    group = s.optimizer_group_bytes
+    window = 2 * group * max(1, s.optimizer_prefetch_groups)
+    making = facts.largest_param if on_cpu else 0
+    buffers = max(window, 3 * group) + 6 * group
+    allocations = group + making
+    for i, nbytes in enumerate(shards):
+        if nbytes <= group:
+            continue
+        near = _neighbours(shards, i, 2 * group)
+        read_beside = max(window, 3 * max((shards[j] for j in near), default=0))
+        buffers = max(buffers, 3 * nbytes + max(read_beside + group, 6 * group))
+        made = max((facts.whole_grads[j] for j in near), default=0) if on_cpu else 0
+        allocations = max(allocations, nbytes + made)
+    return buffers, allocations
+
+
+def _neighbours(sizes: list[int], at: int, reach: int) -> list[int]:
+    """Indices of the entries on each side of ``at``: on each side, those within ``reach`` bytes and
+    the first one past it."""
+    out = []
+    for step in (-1, 1):
+        total, j = 0, at + step
+        while 0 <= j < len(sizes) and total <= reach:
+            out.append(j)
+            total += sizes[j]
+            j += step
+    return out
 
 
 def _group_bytes(shards: list[int], group_bytes: int) -> list[int]:
@@ -467,6 +514,7 @@ def _facts(model: nn.Module, config: EngineConfig, world_size: int, training: bo
                                                                               "(param_tier='host')"))
         if training and p.requires_grad:
             facts.shards.append((name, shard_numel * 4))
+            facts.whole_grads.append(whole)
             if dtype.itemsize != 4:
                 facts.extra_itemsize = max(facts.extra_itemsize, dtype.itemsize)
             facts.grad_shard_copies |= world_size > 1 or dtype != torch.float32

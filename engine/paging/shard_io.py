@@ -89,11 +89,16 @@ class ShardIO:
         return self.store.sync.put_future(handle.key, _shard_of(handle.layout, handle.flat), self.tier,
                                           keep=self.cache)
 
-    def local_shard(self, handle: ParamHandle) -> torch.Tensor:
-        """A copy of this rank's shard of ``handle``'s materialized value (flat, on its device, padded
-        with zeros where the shard runs past the end): what :meth:`write` would put. Local."""
+    def local_shard(self, handle: ParamHandle, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A copy of this rank's shard of ``handle``'s materialized value (flat, padded with zeros
+        where the shard runs past the end): what :meth:`write` would put. Local.
+
+        ``out``: a flat tensor of the shard's size and the parameter's dtype, on any device, to copy
+        into (returned); None: a new tensor on the parameter's device."""
         flat = handle.flat
         piece = flat if handle.layout.is_whole else _shard_of(handle.layout, flat)
+        if out is not None:
+            return out.copy_(piece)
         shares = piece.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
         return piece.clone() if shares else piece
 
