@@ -77,6 +77,16 @@ def test_train_demo_with_gradient_accumulation(tmp_path):
     assert losses[-1] < losses[0]
 
 
+def test_train_demo_with_updates_inside_backward(tmp_path, capsys):
+    text = _train_small_demo(tmp_path, "--steps", "6", "--vocab", "128", "--seq", "32", "--batch", "2",
+                             "--grad-accum", "2", "--lr", "1e-2", "--step-in-backward")
+    losses = [float(line.split("loss")[1].split()[0]) for line in text.splitlines() if line.startswith("step")]
+    assert losses[-1] < losses[0]
+    with pytest.raises(SystemExit):
+        train_main(["--demo", "--dir", str(tmp_path / "d"), "--step-in-backward", "--optimizer-tier", "host"])
+    assert "--step-in-backward keeps each parameter's old value on nvme" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_train_demo_computes_on_the_gpu(tmp_path):
     text = _train_small_demo(tmp_path, "--steps", "8", "--vocab", "128", "--seq", "32", "--batch", "4",

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-tier", choices=("host", "nvme"), default="nvme")
     p.add_argument("--compress-optimizer", action="store_true", help="store master weights and Adam moments "
                    "with lossless byte-plane zstd")
+    p.add_argument("--step-in-backward", action="store_true", help="apply each AdamW update inside backward, once "
+                   "its gradient is final, and store no gradient (needs --param-tier and --optimizer-tier nvme; "
+                   "docs/training.md, 'Updates inside backward')")
     p.add_argument("--activation-tier", choices=("host", "nvme"), default=None,
                    help="move the tensors saved for backward to this tier of the store during forward "
                         "(default: keep them in memory; docs/training.md, 'Activations in the store')")
@@ -161,6 +164,9 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
     for name in ("host_mib", "device_mib", "prefetch_mib"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.step_in_backward and (args.param_tier, args.optimizer_tier) != ("nvme", "nvme"):
+        parser.error(f"--step-in-backward keeps each parameter's old value on nvme until the step commits: it needs "
+                     f"--param-tier nvme and --optimizer-tier nvme (got {args.param_tier} and {args.optimizer_tier})")
     try:
         args.device = _compute_device(args.device)
     except ValueError as exc:
@@ -223,7 +229,8 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
     config = engine.EngineConfig(store=store, compute_device=args.device, param_tier=args.param_tier,
                                  optimizer_tier=args.optimizer_tier,
                                  prefetch_bytes=args.prefetch_mib * MiB, compress_optimizer=args.compress_optimizer,
-                                 activation_tier=args.activation_tier, gradient_accumulation_steps=args.grad_accum)
+                                 activation_tier=args.activation_tier, gradient_accumulation_steps=args.grad_accum,
+                                 step_in_backward=args.step_in_backward)
     if args.beyond_memory:
         _check_room(model, config, directory)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay), config=config,
