@@ -4,8 +4,10 @@ A Llama-style model (``engine.demo.llama``) is sized from the machine's RAM so t
 training state (parameter, gradient and two AdamW moments: 16 bytes a parameter) is ``--ram-multiple``
 times the RAM (1.5 by default), built on the meta device, wrapped with everything on nvme and a
 small host budget, and trained for ``--steps`` steps on one fixed batch. Each step reports its wall
-time and where it went, the bytes the process read and wrote (``/proc/self/io``) and per
-parameter, the nvme footprint, and the peak RSS against the host budget; beside them two floors:
+time and where it went (waits for parameters and for the optimizer's I/O, AdamW's math, the store's
+checksums and staging copies, the process's CPU time), the bytes the process read and wrote
+(``/proc/self/io``) and per parameter, the nvme footprint, and the peak RSS against the host
+budget; beside them two floors:
 
 - I/O floor: the step's bytes read / fio's best read bandwidth + bytes written / fio's best write
   bandwidth, fio swept over queue depth and block size on the same directory in the same run;
@@ -205,6 +207,10 @@ def train(args: argparse.Namespace, cfg: LlamaConfig, workdir: str, floors: dict
                       f"written {r['bytes_written'] / 1e9:.1f} GB ({r['bytes_per_param']:.1f} B/param), I/O floor "
                       f"{r['io_floor_s']:.1f} s, RSS +{r['peak_rss_growth'] / GiB:.2f} GiB, disk "
                       f"{r['peak_disk_bytes'] / 1e9:.1f} GB", flush=True)
+                print(f"  where: waiting for parameters {r['param_stall_s']:.1f} s and for the optimizer's I/O "
+                      f"{r['optimizer_stall_s']:.1f} s; AdamW {r['adamw_s']:.1f} s; the store's checksums "
+                      f"{r['store_checksums_s']:.1f} s and staging copies {r['store_staging_s']:.1f} s; CPU "
+                      f"{r['cpu_user_s']:.1f} s user + {r['cpu_system_s']:.1f} s system", flush=True)
         finally:
             eng.close()
     return {"steps": results, "wrap_seconds": wrap_seconds, "rss_before_wrap": rss_before,
@@ -267,6 +273,11 @@ def one_step(eng: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
         "bytes_read": read1 - read0, "bytes_written": written1 - written0,
         "param_stall_s": stats.stall_seconds - stats_before.stall_seconds,
         "optimizer_stall_s": stats.optimizer_stall_seconds - stats_before.optimizer_stall_seconds,
+        # where the CPU went: AdamW's math, and the store's checksums and staging copies (summed over
+        # its I/O threads)
+        "adamw_s": stats.optimizer_update_seconds - stats_before.optimizer_update_seconds,
+        "store_checksums_s": stats.store.checksum_seconds - stats_before.store.checksum_seconds,
+        "store_staging_s": stats.store.staging_seconds - stats_before.store.staging_seconds,
         "cpu_user_s": cpu1.user - cpu0.user, "cpu_system_s": cpu1.system - cpu0.system,
         "peak_rss_growth": peak_rss - rss_before, "peak_disk_bytes": peak_disk,
     }

@@ -646,6 +646,7 @@ class Engine:
             optimizer_bytes_read=t.bytes_read,
             optimizer_bytes_written=t.bytes_written,
             optimizer_stall_seconds=t.stall_seconds,
+            optimizer_update_seconds=t.update_seconds,
             grad_bytes_offloaded=self._training.grads.bytes_offloaded,
             skipped_steps=self.skipped_steps,
             loss_scale=self.loss_scale,

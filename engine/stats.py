@@ -67,6 +67,8 @@ class EngineStats:
     ``optimizer_seconds`` (commit included), ``optimizer_bytes_read``/``optimizer_bytes_written``
     (logical tensor bytes the steps moved through the store, before compression),
     ``optimizer_stall_seconds`` (time the steps waited on store I/O that the pipeline did not hide),
+    ``optimizer_update_seconds`` (time in AdamW's math, inside backward too with
+    ``EngineConfig.step_in_backward``),
     ``grad_bytes_offloaded`` (fp32 gradient shard bytes put to the store by backward). With
     ``EngineConfig.loss_scaling``: ``skipped_steps`` (steps dropped for an overflowing gradient, over
     the whole run, a resumed one included) and the current ``loss_scale`` (None without scaling).
@@ -98,6 +100,7 @@ class EngineStats:
     optimizer_bytes_read: int = 0
     optimizer_bytes_written: int = 0
     optimizer_stall_seconds: float = 0.0
+    optimizer_update_seconds: float = 0.0
     grad_bytes_offloaded: int = 0
     activation_bytes_offloaded: int = 0
     activation_bytes_read: int = 0

@@ -170,3 +170,22 @@ def test_memory_is_populated_and_locked_where_permitted():
     t = tiered.empty_aligned((MiB,), torch.uint8, pin=False)
     t.fill_(3)
     assert int(t.sum()) == 3 * MiB
+
+
+async def test_the_store_counts_its_checksum_and_staging_time(nvme_config, tmp_path):
+    """stats() says where the I/O threads' CPU went: CRC-32s of every block, copies only for blocks
+    that move through staging; with checksums off, no CRC time."""
+    aligned = tiered.empty_aligned((4 * MiB // 4,), torch.float32)
+    aligned.copy_(random_tensor(aligned.shape, aligned.dtype, seed=5))
+    async with await tiered.TieredStore.open_async(nvme_config) as store:
+        await store.put("aligned", aligned, tier="nvme")
+        s = store.stats()
+        assert s.checksum_seconds > 0 and s.staging_seconds == 0  # written from the caller's memory
+        await store.put("small", random_tensor((1000,), torch.float32, seed=6), tier="nvme")
+        assert store.stats().staging_seconds > 0
+    unchecked = tiered.StoreConfig(path=str(tmp_path / "unchecked"), host_bytes=0, device_bytes=0,
+                                   block_size=256 * KiB, checksum=False)
+    async with await tiered.TieredStore.open_async(unchecked) as store:
+        await store.put("aligned", aligned, tier="nvme")
+        assert same_bytes(await store.get("aligned"), aligned)
+        assert store.stats().checksum_seconds == 0

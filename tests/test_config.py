@@ -45,6 +45,16 @@ def test_frozen_and_normalized(tmp_path):
     assert cfg.replace(host_bytes=4096).host_bytes == 4096
 
 
+def test_a_new_path_takes_default_swap_files_along(tmp_path):
+    cfg = tiered.StoreConfig(path=str(tmp_path / "a"))
+    moved = cfg.replace(path=str(tmp_path / "b"))
+    assert moved.nvme_paths == (str(tmp_path / "b"),)
+    striped = tiered.StoreConfig(path=str(tmp_path / "a"), nvme_paths=[str(tmp_path / "d1"), str(tmp_path / "d2")])
+    assert striped.replace(path=str(tmp_path / "b")).nvme_paths == striped.nvme_paths  # named: kept
+    assert cfg.replace(path=str(tmp_path / "b"), nvme_paths=[str(tmp_path / "d")]).nvme_paths == (
+        str(tmp_path / "d"),)
+
+
 def test_tier_parse():
     assert tiered.Tier.parse("host") is tiered.Tier.HOST
     assert tiered.Tier("nvme") == "nvme"

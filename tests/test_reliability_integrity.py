@@ -216,7 +216,7 @@ def test_manifest_bit_flips_never_serve_wrong_data_or_phantom_keys(tmp_path):
         if manifest_view(str(where / "manifest.sqlite")) == original_view:
             outcomes["no effect"] += 1  # the flip hit bytes SQLite never reads: the store sees what it saw
             continue
-        flipped = cfg.replace(path=str(where))
+        flipped = cfg.replace(path=str(where), nvme_paths=cfg.nvme_paths)  # the original swap files
         refused: set[str] = set()
         try:
             store = TieredStore.open(flipped)

@@ -126,7 +126,11 @@ class StoreConfig:
             raise ValueError(f"StoreConfig.device must be a device string such as 'cuda:0', got {self.device!r}")
 
     def replace(self, **changes: object) -> "StoreConfig":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). A new ``path`` takes the swap files with
+        it when they were in the old one (``nvme_paths`` left to its default) and ``nvme_paths`` is
+        not changed too: two stores never share a swap directory by accident."""
+        if "path" in changes and "nvme_paths" not in changes and self.nvme_paths == (self.path,):
+            changes["nvme_paths"] = None
         return dataclasses.replace(self, **changes)
 
 

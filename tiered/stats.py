@@ -51,7 +51,10 @@ class SwapExtent:
 @dataclasses.dataclass
 class StoreStats:
     """A snapshot of :meth:`TieredStore.stats`. ``io_wait_seconds`` is time callers spent awaiting
-    transfers; ``io_busy_seconds`` is time worker threads spent inside read/write syscalls."""
+    transfers; ``io_busy_seconds`` is time worker threads spent inside read/write syscalls,
+    ``checksum_seconds`` computing the CRC-32s of blocks written and read, and ``staging_seconds``
+    copying blocks into and out of staging buffers (with the CRC-32s of small tensors that share a
+    block, computed as they are copied). The last three are summed over the I/O threads."""
 
     tiers: dict[Tier, TierStats] = dataclasses.field(default_factory=lambda: {t: TierStats() for t in TIERS_TOP_DOWN})
     entries: int = 0
@@ -80,6 +83,8 @@ class StoreStats:
     nvme_read_bps: Optional[float] = None
     io_wait_seconds: float = 0.0
     io_busy_seconds: float = 0.0
+    checksum_seconds: float = 0.0
+    staging_seconds: float = 0.0
     #: The buffer pool of large get results and ``host_buffer``s (``StoreConfig.result_pool_bytes``):
     #: bytes lent out in tensors alive now, bytes freed and waiting for reuse, and how many takes
     #: reused a waiting buffer (hits) or mapped a new one (misses).

@@ -109,6 +109,7 @@ class TrainCounters:
     bytes_read: int = 0
     bytes_written: int = 0
     stall_seconds: float = 0.0
+    update_seconds: float = 0.0
     last: Optional[OptimStepStats] = None
 
     def add(self, stats: OptimStepStats, seconds: float) -> None:
@@ -118,6 +119,7 @@ class TrainCounters:
         self.bytes_read += stats.bytes_read
         self.bytes_written += stats.bytes_written
         self.stall_seconds += stats.io_stall_seconds
+        self.update_seconds += stats.update_seconds
         self.last = stats
 
 

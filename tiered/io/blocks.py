@@ -92,6 +92,10 @@ class IOCounters:
     #: Blocks that moved through a staging buffer (a copy) rather than straight from/to their memory.
     staged_writes: int = 0
     staged_reads: int = 0
+    #: Worker-thread seconds computing blocks' CRC-32s, and copying blocks into and out of staging
+    #: buffers (with the CRC-32s of small pieces that share a block, computed as they are copied).
+    checksum_seconds: float = 0.0
+    staging_seconds: float = 0.0
 
 
 class IOEngine:
@@ -244,17 +248,24 @@ class IOEngine:
 
     def _write_one(self, block: BlockWrite, slot: Optional[memoryview]) -> Optional[int]:
         n_io = round_up(block.length)
+        staging = checksum = 0.0
         if block.source is not None:
             views = block.source
             assert sum(len(v) for v in views) == n_io
         else:
             assert block.fill is not None and slot is not None
+            start = time.perf_counter()
             view = _room(slot, n_io)[:n_io]
             block.fill(view[: block.length])
             if n_io > block.length:
                 view[block.length : n_io] = _ZEROS[: n_io - block.length]
             views = [view]
-        crc = crc32(views, block.length) if self.checksum and block.checksum else None
+            staging = time.perf_counter() - start
+        crc = None
+        if self.checksum and block.checksum:
+            start = time.perf_counter()
+            crc = crc32(views, block.length)
+            checksum = time.perf_counter() - start
         start = time.perf_counter()
         pwrite_full(self.syscalls, block.handle, views, block.offset)
         with self._lock:
@@ -262,6 +273,8 @@ class IOEngine:
             self.counters.write_requests += 1
             self.counters.staged_writes += block.source is None
             self.counters.io_seconds += time.perf_counter() - start
+            self.counters.staging_seconds += staging
+            self.counters.checksum_seconds += checksum
         return crc
 
     def _read_one(self, block: BlockRead, slot: Optional[memoryview]) -> Optional[int]:
@@ -274,13 +287,20 @@ class IOEngine:
             views = [_room(slot, n_io)[:n_io]]
         start = time.perf_counter()
         pread_full(self.syscalls, block.handle, views, block.offset)
+        io_seconds = time.perf_counter() - start
+        crc = None
+        if (self.checksum or block.expected_crc is not None) and block.checksum:
+            start = time.perf_counter()
+            crc = crc32(views, block.length)
+            checksum = time.perf_counter() - start
+        else:
+            checksum = 0.0
         with self._lock:
             self.counters.bytes_read += n_io
             self.counters.read_requests += 1
             self.counters.staged_reads += block.dest is None
-            self.counters.io_seconds += time.perf_counter() - start
-        verify = self.checksum or block.expected_crc is not None
-        crc = crc32(views, block.length) if verify and block.checksum else None
+            self.counters.io_seconds += io_seconds
+            self.counters.checksum_seconds += checksum
         if block.expected_crc is not None and crc != block.expected_crc:
             raise ChecksumError(
                 f"checksum mismatch in {block.handle.path} at offset {block.offset} "
@@ -288,7 +308,10 @@ class IOEngine:
             )
         if block.drain is not None:
             assert block.dest is None
+            start = time.perf_counter()
             block.drain(views[0][: block.length])
+            with self._lock:
+                self.counters.staging_seconds += time.perf_counter() - start
         return crc
 
 

@@ -503,6 +503,7 @@ class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
             s.bytes_read, s.bytes_written = c.bytes_read, c.bytes_written
             s.read_requests, s.write_requests, s.syncs = c.read_requests, c.write_requests, c.syncs
             s.io_busy_seconds = c.io_seconds
+            s.checksum_seconds, s.staging_seconds = c.checksum_seconds, c.staging_seconds
         if hasattr(self, "_commits"):
             s.manifest_commits = self._commits.commits
         if hasattr(self, "_results"):
