@@ -1,6 +1,6 @@
 """tiered: an async key -> tensor store over device memory, host buffers and NVMe swap files."""
 
-from tiered.codecs import measure_codec
+from tiered.codecs import measure_codec, round_trip_seconds
 from tiered.config import StoreConfig
 from tiered.entry import EntryInfo
 from tiered.errors import (
@@ -46,4 +46,5 @@ __all__ = [
     "TransferError",
     "empty_aligned",
     "measure_codec",
+    "round_trip_seconds",
 ]

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from tiered import StoreConfig, TieredStore, measure_codec
+from tiered import StoreConfig, TieredStore, measure_codec, round_trip_seconds
 from tiered.util import format_bytes, nearest_existing_directory
 
 MiB = 1024 * 1024
@@ -45,13 +45,16 @@ class CodecVerdict:
     @property
     def raw_seconds(self) -> float:
         """Writing the moments and reading them back, raw."""
-        return self.moment_bytes * (1 / self.write_bps + 1 / self.read_bps)
+        return self._round_trip()[0]
 
     @property
     def compressed_seconds(self) -> float:
         """Encoding, writing, reading back and decoding the moments, compressed."""
-        n = self.moment_bytes
-        return n / self.encode_bps + n / self.decode_bps + self.ratio * self.raw_seconds
+        return self._round_trip()[1]
+
+    def _round_trip(self) -> tuple[float, float]:
+        return round_trip_seconds(self.moment_bytes, encode_bps=self.encode_bps, decode_bps=self.decode_bps,
+                                  write_bps=self.write_bps, read_bps=self.read_bps, ratio=self.ratio)
 
     @property
     def pays(self) -> bool:

@@ -15,7 +15,7 @@ buffer from the codec's pool before decoding it into the destination.
 from tiered.codecs.bplane import FRAME_BYTES, MIN_SAVING, BytePlaneCodec, plane_width
 from tiered.codecs.buffers import BufferPool, Encoded
 from tiered.codecs.measure import measure_codec
-from tiered.codecs.policy import CompressionPolicy, Estimates
+from tiered.codecs.policy import CompressionPolicy, Estimates, round_trip_seconds
 from tiered.codecs.registry import READABLE_CODECS, Codecs
 from tiered.codecs.zstd import ZstdCodec
 
@@ -32,4 +32,5 @@ __all__ = [
     "ZstdCodec",
     "measure_codec",
     "plane_width",
+    "round_trip_seconds",
 ]

@@ -42,6 +42,15 @@ class Estimates:
     ratio: Optional[float] = None
 
 
+def round_trip_seconds(nbytes: float, *, encode_bps: float, decode_bps: float, write_bps: float, read_bps: float,
+                       ratio: float) -> tuple[float, float]:
+    """Seconds to write ``nbytes`` to nvme and read them back, raw and compressed (the rule above):
+    codec rates in original bytes per second, disk rates in stored bytes per second, ``ratio`` the
+    compressed/original size. Returns ``(raw, compressed)``."""
+    raw = nbytes * (1 / write_bps + 1 / read_bps)
+    return raw, nbytes * (1 / encode_bps + 1 / decode_bps) + ratio * raw
+
+
 class _Rate:
     """Decayed sums of an amount and of what it is measured against; their quotient is the rate."""
 
@@ -103,10 +112,8 @@ class CompressionPolicy:
         e = self.estimates
         if e.encode_bps is None or e.ratio is None or e.write_bps is None:
             return True
-        read = e.read_bps or e.write_bps
-        decode = e.decode_bps or e.encode_bps
-        raw = 1 / e.write_bps + 1 / read
-        compressed = 1 / e.encode_bps + 1 / decode + e.ratio * raw
+        raw, compressed = round_trip_seconds(1.0, encode_bps=e.encode_bps, decode_bps=e.decode_bps or e.encode_bps,
+                                             write_bps=e.write_bps, read_bps=e.read_bps or e.write_bps, ratio=e.ratio)
         return compressed < raw
 
     def observe_encode(self, nbytes: int, stored: int, seconds: float) -> None:
