@@ -5,7 +5,8 @@ training state (parameter, gradient and two AdamW moments: 16 bytes a parameter)
 times the RAM (1.5 by default), built on the meta device, wrapped with everything on nvme and a
 small host budget, and trained for ``--steps`` steps on one fixed batch. Each step reports its wall
 time and where it went (waits for parameters and for the optimizer's I/O, AdamW's math, the store's
-checksums and staging copies, the process's CPU time), the bytes the process read and wrote
+checksums and staging copies, the process's CPU time, the seconds the disk had a request in
+flight), the bytes the process read and wrote
 (``/proc/self/io``) and per parameter, the nvme footprint, and the peak RSS against the host
 budget; beside them two floors:
 
@@ -77,6 +78,19 @@ def process_io() -> tuple[int, int]:
             key, value = line.split(":")
             fields[key] = int(value)
     return fields["read_bytes"], fields["write_bytes"]
+
+
+def disk_ticks(directory: str) -> Optional[tuple[float, float]]:
+    """Seconds the disk holding ``directory`` has had I/O in flight, and the same weighted by the
+    requests in flight, since boot (``/proc/diskstats``); None where the filesystem is not on a
+    block device listed there (tmpfs, overlay)."""
+    dev = os.stat(directory).st_dev
+    with open("/proc/diskstats") as f:
+        for line in f:
+            fields = line.split()
+            if (int(fields[0]), int(fields[1])) == (os.major(dev), os.minor(dev)):
+                return int(fields[12]) / 1000, int(fields[13]) / 1000
+    return None
 
 
 def rss_bytes() -> int:
@@ -210,7 +224,9 @@ def train(args: argparse.Namespace, cfg: LlamaConfig, workdir: str, floors: dict
                 print(f"  where: waiting for parameters {r['param_stall_s']:.1f} s and for the optimizer's I/O "
                       f"{r['optimizer_stall_s']:.1f} s; AdamW {r['adamw_s']:.1f} s; the store's checksums "
                       f"{r['store_checksums_s']:.1f} s and staging copies {r['store_staging_s']:.1f} s; CPU "
-                      f"{r['cpu_user_s']:.1f} s user + {r['cpu_system_s']:.1f} s system", flush=True)
+                      f"{r['cpu_user_s']:.1f} s user + {r['cpu_system_s']:.1f} s system"
+                      + (f"; the disk busy {r['disk_busy_s']:.1f} s, {r['disk_queue']:.1f} requests in flight "
+                         "on average" if "disk_busy_s" in r else ""), flush=True)
         finally:
             eng.close()
     return {"steps": results, "wrap_seconds": wrap_seconds, "rss_before_wrap": rss_before,
@@ -252,6 +268,7 @@ def one_step(eng: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     synchronize(device)
     stats_before = eng.stats()
     read0, written0 = process_io()
+    disk0 = disk_ticks(sampler.directory)
     cpu0 = os.times()
     t0 = time.perf_counter()
     loss = model(x, y)
@@ -266,6 +283,7 @@ def one_step(eng: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     t3 = time.perf_counter()
     cpu1 = os.times()
     read1, written1 = process_io()
+    disk1 = disk_ticks(sampler.directory)
     stats = eng.stats()
     peak_rss, peak_disk = sampler.mark()
     return {
@@ -280,6 +298,9 @@ def one_step(eng: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
         "store_staging_s": stats.store.staging_seconds - stats_before.store.staging_seconds,
         "cpu_user_s": cpu1.user - cpu0.user, "cpu_system_s": cpu1.system - cpu0.system,
         "peak_rss_growth": peak_rss - rss_before, "peak_disk_bytes": peak_disk,
+        # the disk's view: seconds with a request in flight, and the mean requests in flight then
+        **({"disk_busy_s": disk1[0] - disk0[0],
+            "disk_queue": (disk1[1] - disk0[1]) / max(disk1[0] - disk0[0], 1e-3)} if disk0 and disk1 else {}),
     }
 
 

@@ -106,6 +106,15 @@ def test_beyond_memory_refuses_a_disk_without_room_before_measuring_anything(tmp
     assert not (tmp_path / "out.json").exists() and os.listdir(tmp_path) == []  # nothing written or left behind
 
 
+def test_beyond_memory_reads_the_busy_time_of_the_disk_under_its_directory(tmp_path, benchmark_script):
+    ticks = benchmark_script("beyond_memory").disk_ticks
+    assert ticks("/proc") is None  # no block device: no line in /proc/diskstats
+    found = ticks(str(tmp_path))
+    if found is not None:  # a filesystem on a block device: busy seconds, at most the request-weighted ones
+        busy, weighted = found
+        assert 0 <= busy <= weighted
+
+
 def test_beyond_memory_refuses_a_device_this_machine_lacks_before_measuring_anything(tmp_path, benchmark_script,
                                                                                      capsys):
     if torch.cuda.is_available():
