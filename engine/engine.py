@@ -118,7 +118,8 @@ class Engine:
                 from engine.optim.training import Training
 
                 self._training = Training(
-                    model, self._by_id, optimizer, shard_io, self._pager, config  # type: ignore[arg-type]
+                    model, self._by_id, optimizer, shard_io, self._pager, config,  # type: ignore[arg-type]
+                    updates_buffer_bytes=memory_plan.updates_buffer_bytes if memory_plan is not None else 0,
                 )
                 if shard_io.collectives is not None:  # global-norm clipping sums squares over ranks
                     self._training.all_reduce = shard_io.all_reduce_sum

@@ -248,3 +248,44 @@ def test_the_updates_hold_no_memory_between_steps(tmp_path):
             eng.step()
             assert eng.store.stats().pool_lent_bytes == 0
         assert eng.stats().optimizer_update_seconds > 0  # AdamW's math, timed inside backward
+
+
+def test_a_large_batch_is_updated_while_the_one_before_is_written_where_the_plan_leaves_room(tmp_path):
+    """Shards larger than optimizer_group_bytes (each a batch of its own) in the middle of a model
+    whose wide head sets the plan's bound: each may be updated while the one before it is written
+    (two "renamed" events with no "written" between them), the losses and parameters still equal
+    torch's bit for bit, and the store's pool stays within the plan's bound throughout."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 128), *[torch.nn.Linear(128, 128, bias=False) for _ in range(4)],
+                                torch.nn.Linear(128, 4096, bias=False))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    tokens = torch.randint(0, 64, (2, 8))
+    cfg = config_at(tmp_path).replace(host_budget="total", optimizer_group_bytes=32 * KiB)
+    cfg = cfg.replace(store=cfg.store.replace(host_bytes=32 << 20, durable=True))
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=cfg)
+    plan = eng.memory_plan
+    assert plan.updates_buffer_bytes >= 3 * 4096 * 128 * 4  # the head, updated alone
+    events: list[str] = []
+
+    def on_event(event: str, _batch: int) -> None:
+        events.append(event)
+        stats = eng.store.stats()
+        assert stats.pool_lent_bytes + stats.pool_waiting_bytes <= plan.pool_bytes
+
+    eng._training.on_event = on_event
+    with eng:
+        for _ in range(3):
+            loss = model(tokens).pow(2).mean()
+            eng.backward(loss)
+            eng.step()
+            ref_loss = ref(tokens).pow(2).mean()
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert loss.item() == ref_loss.item()
+        eng.unwrap()
+    paired = sum(a == b == "renamed" for a, b in zip(events, events[1:]))
+    assert paired > 0, events
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name

@@ -28,14 +28,15 @@ parameters and the moments, 16 bytes per parameter at the end of backward.
 The write of one batch overlaps the update of the next: the worker starts the ``put_many`` and goes
 on to the next batch, waiting for the write only before it starts another, when nothing is queued,
 or when either batch is larger than ``batch_bytes`` (a shard larger than a batch is a batch of its
-own and is never paired). A crash can then find two batches part way, each atomic on its own.
+own and pairs only where the memory plan leaves room: [Note: Using the room the plan leaves]). A
+crash can then find two batches part way, each atomic on its own.
 
 Memory: the moments read ahead (at most ``window_bytes``, or one shard's into an empty window), the
 gradient and parameter copies of shards waiting for the worker (at most ``inflight_bytes``, or one
 shard's; backward waits beyond it), one batch being updated (its moments and new values) and,
-beside a batch of at most ``batch_bytes``, the previous one being written. Parameter copies and
-moments are buffers of the store's pool; the memory plan (engine/paging/memory_plan.py) counts
-these bounds in [Note: Updates inside backward, in memory].
+beside a batch of at most ``batch_bytes`` or where the plan's bound leaves room, the previous one
+being written. Parameter copies and moments are buffers of the store's pool; the memory plan
+(engine/paging/memory_plan.py) counts these bounds in [Note: Updates inside backward, in memory].
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ from engine.optim.step import update_in_memory
 from engine.optim.types import AdamHyper, OptimShard
 from engine.paging.layout import kept_key
 from tiered import TieredStore
+
+# [Note: Using the room the plan leaves]
+# The memory plan counts the worker's buffers at the worst point of backward, usually where a model's
+# largest shard (an embedding, a head) is updated alone: three times its bytes beside its neighbours'
+# reads. Elsewhere most of that room is free, and a shard larger than ``batch_bytes`` updated only
+# after the previous write is done leaves the disk idle during its AdamW math. So a batch of any size
+# is updated while the previous one is written when the reads ahead, both batches (parameter and two
+# moments each) and the parameter copies backward may queue (the larger of ``inflight_bytes`` and
+# what waits) stay within the plan's bound (``MemoryPlan.updates_buffer_bytes``). Reads ahead are
+# started only between batches, so none lands beside such a pair after the check; while one is in
+# hand, backward queues a shard larger than ``inflight_bytes`` only once the pair is done.
 
 
 @dataclasses.dataclass
@@ -98,13 +110,18 @@ class BackwardUpdates:
     """The worker that applies the updates inside backward (see [Note: Updates inside backward])."""
 
     def __init__(self, store: TieredStore, *, compress: bool, batch_bytes: int, inflight_bytes: int,
-                 window_bytes: int, keep: Optional[str] = None) -> None:
+                 window_bytes: int, keep: Optional[str] = None, hold_bytes: int = 0) -> None:
+        """``hold_bytes``: what the memory plan lets the worker's buffers take at most; where what it
+        holds leaves room, batches larger than ``batch_bytes`` are updated while the one before them
+        is written ([Note: Using the room the plan leaves]). 0: only small batches pair."""
         self._store = store
         self._keep = keep  # where the store may keep the new parameters for the next forward
         self._compress = compress
         self._batch_bytes = batch_bytes
         self._inflight_limit = inflight_bytes
         self._window_limit = window_bytes
+        self._hold_limit = hold_bytes
+        self._large_pair = False  # a pair only the plan's bound allows is in hand
         self._cond = threading.Condition()
         self._queue: "collections.deque[_Job]" = collections.deque()
         self._inflight = 0
@@ -150,7 +167,8 @@ class BackwardUpdates:
         job = _Job(shard, grad, master, steps, hypers)
         with self._cond:
             self._raise_error()
-            while self._inflight and self._inflight + job.nbytes > self._inflight_limit and self._error is None:
+            while ((self._inflight or self._large_pair) and self._inflight + job.nbytes > self._inflight_limit
+                   and self._error is None):
                 self._cond.wait()
             self._raise_error()
             if self.counters.first_update is None:
@@ -217,9 +235,11 @@ class BackwardUpdates:
                 elif self._queue:
                     batch = self._take_batch()
                 moments = [self._take_ahead(job.shard) for job in batch]
+                pairs = bool(batch) and self._pairs_with(batch)
+                self._large_pair = pairs and self._writing is not None and not self._small(batch, self._writing)
                 self._busy = True
             try:
-                if not batch or not self._pairs_with(batch):
+                if not pairs:
                     self._finish_write()
                 if batch:
                     self._update_and_write(batch, moments)
@@ -236,17 +256,18 @@ class BackwardUpdates:
                 # wait lasts until the next backward, and its moments would sit beside all of forward.
                 batch, moments = [], []
                 with self._cond:
+                    self._large_pair = False
                     self._busy = self._writing is not None
                     self._top_up()
                     self._cond.notify_all()
 
     def _update_and_write(self, batch: list[_Job], moments: list[Optional["_Ahead"]]) -> None:
         """Update ``batch`` and start its write, once the write before it is done."""
-        paired = self._batch_nbytes(batch) <= self._batch_bytes
+        nbytes = self._batch_nbytes(batch)
         items, codecs = self._update(batch, moments)
         self._release(batch)
         self._finish_write()
-        self._start_write(items, codecs, paired=paired)
+        self._start_write(items, codecs, nbytes)
 
     def _take_batch(self) -> list[_Job]:
         """The next batch: queued jobs of the same hyperparameters up to ``batch_bytes`` of gradient,
@@ -264,9 +285,16 @@ class BackwardUpdates:
         return sum(job.grad.numel() * 4 for job in batch)
 
     def _pairs_with(self, batch: list[_Job]) -> bool:
-        """Whether ``batch`` may be updated while the previous batch is still being written."""
+        """Whether ``batch`` may be updated while the previous batch is still being written (lock held)."""
         writing = self._writing
-        return writing is None or (writing.paired and self._batch_nbytes(batch) <= self._batch_bytes)
+        if writing is None or self._small(batch, writing):
+            return True
+        held = self._ahead_bytes + 3 * (writing.nbytes + self._batch_nbytes(batch))
+        return held + max(self._inflight, self._inflight_limit) <= self._hold_limit
+
+    def _small(self, batch: list[_Job], writing: "_Writing") -> bool:
+        """Whether ``batch`` and the one being written are both within ``batch_bytes``."""
+        return max(writing.nbytes, self._batch_nbytes(batch)) <= self._batch_bytes
 
     def _release(self, batch: list[_Job]) -> None:
         """The jobs of ``batch`` no longer hold their gradients: let backward queue more."""
@@ -319,10 +347,11 @@ class BackwardUpdates:
         counters.shards += len(batch)
         return items, codecs
 
-    def _start_write(self, items: dict[str, torch.Tensor], codecs: dict[str, Optional[bool]], *, paired: bool) -> None:
-        """Start writing a batch's new values atomically; :meth:`_finish_write` waits for it."""
+    def _start_write(self, items: dict[str, torch.Tensor], codecs: dict[str, Optional[bool]], nbytes: int) -> None:
+        """Start writing a batch's new values atomically (``nbytes``: its fp32 shards' bytes);
+        :meth:`_finish_write` waits for it."""
         future = self._store.sync.put_many_future(items, "nvme", codecs, atomic=True, keep=self._keep)
-        writing = _Writing(future, items, paired)
+        writing = _Writing(future, items, nbytes)
         with self._cond:
             self._writing = writing
         future.add_done_callback(lambda _: self._notify())
@@ -401,8 +430,8 @@ class _Ahead:
 @dataclasses.dataclass
 class _Writing:
     """A batch whose new values are being written: the write, what it writes (held until it is done),
-    and whether the next batch may be updated meanwhile."""
+    and its fp32 shards' bytes."""
 
     future: "concurrent.futures.Future[None]"
     items: dict[str, torch.Tensor]
-    paired: bool
+    nbytes: int

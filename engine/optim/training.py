@@ -176,7 +176,11 @@ class Training:
         shard_io: ShardIO,
         pager: Pager,
         config: EngineConfig,
+        *,
+        updates_buffer_bytes: int = 0,
     ) -> None:
+        """``updates_buffer_bytes``: the memory plan's bound on the buffers of the updates inside backward
+        (``MemoryPlan.updates_buffer_bytes``; 0 keeps them to the settings' sizes)."""
         if optimizer.bound:
             raise ValueError("this engine.AdamW is already bound to a model; create one optimizer per engine.wrap")
         self._store: TieredStore = shard_io.store
@@ -213,6 +217,7 @@ class Training:
             self._updates = BackwardUpdates(
                 self._store, compress=config.compress_optimizer, batch_bytes=group, inflight_bytes=2 * group,
                 window_bytes=2 * group * max(1, config.optimizer_prefetch_groups), keep=config.cache_tier,
+                hold_bytes=updates_buffer_bytes,
             )
         self._io = shard_io
         #: Shards updated inside backward (or whose update a crash left set aside) in this step, in the

@@ -136,6 +136,9 @@ class MemoryPlan:
     #: The least ``host_bytes`` this model needs under this config ("total" mode), and its parts.
     minimum_bytes: int
     minimum_pieces: tuple[MemoryPiece, ...]
+    #: With ``step_in_backward``: the most the updates' worker may hold in buffers (moments and
+    #: parameters read ahead, being updated and being written), as counted in the working set; else 0.
+    updates_buffer_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -237,7 +240,8 @@ def plan_memory(model: nn.Module, config: EngineConfig, *, world_size: int = 1, 
         floor, _, _, floor_host = _plan_at(config, facts, _shrinking(settings)[-1], device, training)
         pool = waiting + _params_bytes(facts, settings, device)
         return MemoryPlan("host_tier", budget, settings, pieces, pool, pool, budget, host_min,
-                          sum(p.nbytes for p in floor) + floor_host.nbytes, floor)
+                          sum(p.nbytes for p in floor) + floor_host.nbytes, floor,
+                          _updates_buffer_bytes(config, facts, settings, device))
     cap = max(MIN_STAGING_BUFFERS, budget // STAGING_SHARE // store.block_size)
     settings = dataclasses.replace(settings, staging_buffers=min(settings.staging_buffers, cap))
     candidates = _shrinking(settings)
@@ -255,7 +259,8 @@ def plan_memory(model: nn.Module, config: EngineConfig, *, world_size: int = 1, 
     floor, _, _, floor_host = _plan_at(config, facts, candidates[-1], device, training, budget)
     host_tier = max(budget - sum(p.nbytes for p in pieces), 0)
     return MemoryPlan("total", budget, settings, pieces, pool, step_pool, host_tier, floor_host,
-                      sum(p.nbytes for p in floor) + floor_host.nbytes, floor)
+                      sum(p.nbytes for p in floor) + floor_host.nbytes, floor,
+                      _updates_buffer_bytes(config, facts, settings, device))
 
 
 def _halved(s: PlanSettings, field: str, floor: int, zero_at: int) -> list[PlanSettings]:
@@ -423,14 +428,17 @@ def _needs(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.d
 # W = 2G x ``optimizer_prefetch_groups``, or one shard's moments and parameter beyond it, read into an
 # empty window), the batch being updated and the one being written (parameter and two moments each)
 # and the parameter copies of the gradients queued for it (G); as allocations: those gradients (G)
-# and the one autograd is making. A shard larger than G is a batch of its own, never beside another:
-# while it is updated or written the worker holds its parameter, moments and gradient, the window
-# beside it and what its neighbours queue; read ahead, it sits beside the small batches in flight.
+# and the one autograd is making. A shard larger than G is a batch of its own, counted alone (the
+# worker pairs it only within the bound this count sets): while it is updated or written the worker
+# holds its parameter, moments and gradient, the window beside it and what its neighbours queue;
+# read ahead, it sits beside the small batches in flight.
 # The gradients autograd makes while a large shard is in flight are its neighbours' (backward runs
 # the parameters' order backwards; neighbours are taken on both sides, within 2G), so a model's
 # embedding and head, at the two ends, are never counted together. Buffers and allocations are each
 # the most of any phase: the pool keeps freed buffers up to its bound, so one phase's buffers may sit
-# beside another phase's allocations.
+# beside another phase's allocations. The most of the buffers is the worker's bound
+# (``MemoryPlan.updates_buffer_bytes``); where it holds less, it uses the room to pair large batches:
+# [Note: Using the room the plan leaves] in engine/optim/backward_step.py.
 
 
 def _updates_inside_backward(facts: _Facts, s: PlanSettings, on_cpu: bool) -> tuple[int, int]:
@@ -453,6 +461,13 @@ def _updates_inside_backward(facts: _Facts, s: PlanSettings, on_cpu: bool) -> tu
         made = max((facts.whole_grads[j] for j in near), default=0) if on_cpu else 0
         allocations = max(allocations, nbytes + made)
     return buffers, allocations
+
+
+def _updates_buffer_bytes(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.device) -> int:
+    """:attr:`MemoryPlan.updates_buffer_bytes` at settings ``s``."""
+    if not config.step_in_backward:
+        return 0
+    return _updates_inside_backward(facts, s, device.type == "cpu")[0]
 
 
 def _neighbours(sizes: list[int], at: int, reach: int) -> list[int]:
