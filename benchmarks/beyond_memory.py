@@ -6,9 +6,8 @@ times the RAM (1.5 by default), built on the meta device, wrapped with everythin
 small host budget, and trained for ``--steps`` steps on one fixed batch. Each step reports its wall
 time and where it went (waits for parameters and for the optimizer's I/O, AdamW's math, the store's
 checksums and staging copies, the process's CPU time, the seconds the disk had a request in
-flight), the bytes the process read and wrote
-(``/proc/self/io``) and per parameter, the nvme footprint, and the peak RSS against the host
-budget; beside them two floors:
+flight), the bytes the process read and wrote (``/proc/self/io``) and per parameter, the nvme
+footprint, and the peak RSS against the host budget; beside them two floors:
 
 - I/O floor: the step's bytes read / fio's best read bandwidth + bytes written / fio's best write
   bandwidth, fio swept over queue depth and block size on the same directory in the same run;
