@@ -155,13 +155,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def in_memory_step_seconds(cfg: LlamaConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int,
-                           device: torch.device) -> float:
-    """Fewest seconds of forward + backward + torch AdamW step of ``cfg``'s model in ``device``'s memory
-    over ``reps`` steps (a floor: noise only adds to it)."""
+                           device: torch.device, fused: bool = False) -> float:
+    """Fewest seconds of forward + backward + torch AdamW step (``fused``: its fused kernel) of
+    ``cfg``'s model in ``device``'s memory over ``reps`` steps (a floor: noise only adds to it)."""
     torch.manual_seed(0)
     model = Llama(cfg).to(device)
     tokens, targets = tokens.to(device), targets.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused or None)
     times = []
     for _ in range(reps + 1):  # the first builds the optimizer state: not counted
         synchronize(device)
@@ -175,10 +175,10 @@ def in_memory_step_seconds(cfg: LlamaConfig, tokens: torch.Tensor, targets: torc
 
 
 def compute_floor(cfg: LlamaConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int,
-                  device: torch.device) -> dict[str, float]:
+                  device: torch.device, fused: bool = False) -> dict[str, float]:
     """The in-memory step of ``cfg``'s model, extrapolated from a 1- and a 2-layer copy."""
-    one = in_memory_step_seconds(dataclasses.replace(cfg, n_layers=1), tokens, targets, reps, device)
-    two = in_memory_step_seconds(dataclasses.replace(cfg, n_layers=2), tokens, targets, reps, device)
+    one = in_memory_step_seconds(dataclasses.replace(cfg, n_layers=1), tokens, targets, reps, device, fused)
+    two = in_memory_step_seconds(dataclasses.replace(cfg, n_layers=2), tokens, targets, reps, device, fused)
     return {"one_layer_s": one, "two_layers_s": two, "seconds": one + (cfg.n_layers - 1) * max(two - one, 0.0)}
 
 
@@ -203,8 +203,8 @@ def train(args: argparse.Namespace, cfg: LlamaConfig, workdir: str, floors: dict
     results: list[dict[str, Any]] = []
     with Sampler(workdir) as sampler:
         started = time.perf_counter()
-        eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=0.0), config=config,
-                          init_fn=init_weights)
+        eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=0.0, fused=args.fused or None),
+                          config=config, init_fn=init_weights)
         wrap_seconds = time.perf_counter() - started
         sampler.mark()
         try:
@@ -372,6 +372,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--compress-optimizer", action="store_true", help="EngineConfig.compress_optimizer=True")
     p.add_argument("--step-in-backward", action="store_true",
                    help="EngineConfig.step_in_backward=True: the updates run inside backward, no gradient is stored")
+    p.add_argument("--fused", action="store_true", help="engine.AdamW(fused=True), and torch's fused AdamW "
+                   "in the compute floor")
     p.add_argument("--floor-reps", type=int, default=3, help="in-memory steps timed per layer count (the "
                    "fastest counts)")
     p.add_argument("--device", default="cpu", help="compute device: cpu (default) or cuda[:N]; the state is sized "
@@ -414,7 +416,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         torch.manual_seed(args.seed)
         sample = torch.randint(0, cfg.vocab_size, (1, args.tokens + 1))
-        compute = compute_floor(cfg, sample[:, :-1], sample[:, 1:], args.floor_reps, args.device)
+        compute = compute_floor(cfg, sample[:, :-1], sample[:, 1:], args.floor_reps, args.device, args.fused)
         print(f"compute floor: {compute['seconds']:.1f} s a step in {args.device} memory", flush=True)
         floors = {"fio_read_bps": fio["read_bytes_per_s"], "fio_write_bps": fio["write_bytes_per_s"],
                   "compute_s": compute["seconds"]}
@@ -426,7 +428,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = with_machine({
         "params": cfg.num_params, "config": dataclasses.asdict(cfg), "state_bytes": summary["state_bytes"],
         "ram_bytes": ram, "host_bytes": host_bytes, "tokens": args.tokens,
-        "compress_optimizer": args.compress_optimizer, "step_in_backward": args.step_in_backward, "fio": fio,
+        "compress_optimizer": args.compress_optimizer, "step_in_backward": args.step_in_backward,
+        "fused": args.fused, "fio": fio,
         "device": str(args.device), **({"gpu": torch.cuda.get_device_name(args.device)}
                                        if args.device.type == "cuda" else {}),
         "compute": compute, "floors": floors,
