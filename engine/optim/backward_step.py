@@ -235,8 +235,10 @@ class BackwardUpdates:
                 elif self._queue:
                     batch = self._take_batch()
                 moments = [self._take_ahead(job.shard) for job in batch]
-                pairs = bool(batch) and self._pairs_with(batch)
-                self._large_pair = pairs and self._writing is not None and not self._small(batch, self._writing)
+                # May the batch be updated while the previous one is still being written?
+                small = self._writing is None or self._small(batch, self._writing)
+                pairs = bool(batch) and (small or self._room_beside_write(batch))
+                self._large_pair = pairs and not small
                 self._busy = True
             try:
                 if not pairs:
@@ -284,12 +286,11 @@ class BackwardUpdates:
     def _batch_nbytes(batch: list[_Job]) -> int:
         return sum(job.grad.numel() * 4 for job in batch)
 
-    def _pairs_with(self, batch: list[_Job]) -> bool:
-        """Whether ``batch`` may be updated while the previous batch is still being written (lock held)."""
-        writing = self._writing
-        if writing is None or self._small(batch, writing):
-            return True
-        held = self._ahead_bytes + 3 * (writing.nbytes + self._batch_nbytes(batch))
+    def _room_beside_write(self, batch: list[_Job]) -> bool:
+        """Whether the plan's bound holds ``batch`` updated beside the batch being written, with the
+        reads ahead and what backward may queue (lock held; a write in flight)."""
+        assert self._writing is not None
+        held = self._ahead_bytes + 3 * (self._writing.nbytes + self._batch_nbytes(batch))
         return held + max(self._inflight, self._inflight_limit) <= self._hold_limit
 
     def _small(self, batch: list[_Job], writing: "_Writing") -> bool:

@@ -288,13 +288,11 @@ class IOEngine:
         start = time.perf_counter()
         pread_full(self.syscalls, block.handle, views, block.offset)
         io_seconds = time.perf_counter() - start
-        crc = None
+        crc, checksum = None, 0.0
         if (self.checksum or block.expected_crc is not None) and block.checksum:
             start = time.perf_counter()
             crc = crc32(views, block.length)
             checksum = time.perf_counter() - start
-        else:
-            checksum = 0.0
         with self._lock:
             self.counters.bytes_read += n_io
             self.counters.read_requests += 1
