@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -49,6 +50,9 @@ from tiered import StoreStats, TieredStore
 
 if TYPE_CHECKING:
     from engine.optim.training import Training
+
+
+_log = logging.getLogger("engine")
 
 
 class Engine:
@@ -266,6 +270,13 @@ class Engine:
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     @property
+    def step_mode(self) -> str:
+        """Which way the next ``engine.AdamW`` step runs, and why: its updates inside backward, or the
+        step after backward (``EngineConfig.step_in_backward``; docs/training.md). One line; wrap logs
+        it (logger "engine") and ``tiered train`` prints it. "no engine.AdamW" without one."""
+        return self._training.step_mode if self._training is not None else "no engine.AdamW"
+
+    @property
     def completed_steps(self) -> int:
         """Optimizer steps of ``engine.AdamW`` completed on this store, including those of the run a
         resumed engine continues (0 without an engine optimizer)."""
@@ -339,6 +350,8 @@ class Engine:
         accumulation = self._accumulation
         if not accumulation.is_boundary():
             accumulation.count_step()
+            if self._training is not None:
+                self._training.end_micro_batch()
             return False
         skipped = self.skipped_steps
         self._optimizer.step()
@@ -378,6 +391,8 @@ class Engine:
             raise TypeError(f"writeback must be a bool, got {type(writeback).__name__}")
         check_modifier_rank(modifier_rank, self._io.world)
         handles = select_handles(params, self._by_id, self._handles)
+        if self._training is not None:  # the block reads (or writes) the last committed step's parameters
+            self._training.complete_pending("write" if writeback or modifier_rank is not None else "read")
         return gathered_block(
             handles, self._pager, self._io, writeback=writeback, modifier_rank=modifier_rank,
             after_write=self._refresh_masters,
@@ -428,7 +443,7 @@ class Engine:
         handle = self._handle_of(param)
         full_state.check_value(handle, value)
         parts = self._full_state_parts()
-        checkpoint.check_between_steps(parts, "set a parameter's fp32 weights")
+        checkpoint.check_between_steps(parts, "set a parameter's fp32 weights", intent="write")
 
         def exact_master(_: list[ParamHandle]) -> None:  # in place of gathered's master from the cast values
             full_state.set_full_fp32_param(parts, handle, value)
@@ -488,7 +503,7 @@ class Engine:
         finished first (docs/training.md, "The optimizer step")."""
         self._check_open()
         if self._training is not None:
-            self._training.complete_pending()
+            self._training.complete_pending("read")
         return checkpoint.consolidated_state_dict(self._model, self._handles, self._io,
                                                   exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -657,6 +672,8 @@ class Engine:
     def unwrap(self) -> nn.Module:
         """Materialize every parameter, remove every hook, close the store; return the plain model."""
         self._check_open()
+        if self._training is not None:  # the model comes out as the last committed step left it
+            self._training.complete_pending("discard")
         with self._pager.lock:
             self._settle()
             self._pager.materialize(self._handles)
@@ -700,10 +717,7 @@ class Engine:
         if self._optimizer is not None:
             self._accumulation.check_final_grad()
         if self._training is not None:
-            if self._training.step_in_backward and self._accumulation.is_boundary():
-                self._training.update_in_backward(handle)  # the window's last backward: its update, now
-            else:
-                self._training.grads.offload(handle)  # to the store as an fp32 shard; param.grad = None
+            self._training.on_final_grad(handle, self._accumulation.is_boundary())
         elif handle.param.grad is not None:  # no engine optimizer: param.grad is the mean over ranks, as with DDP
             self._io.average_grad(handle.param.grad)
         self._pager.end_backward_hold(handle)
@@ -854,11 +868,11 @@ def wrap(
             sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
                 if p.device.type != "meta")
         )
-        from engine.optim.training import check_resumable, discard_training_state, return_kept_parameters
+        from engine.optim.training import check_resumable, discard_training_state, roll_back_interrupted_step
 
         if config.resume:
             check_resumable(store)
-            return_kept_parameters(store)  # what an update inside backward had set aside when a crash came
+            roll_back_interrupted_step(store)  # updates inside backward a crash came in the middle of
         else:
             discard_training_state(store)  # this wrap's parameters replace the earlier run's
         discard_activations(store)
@@ -884,6 +898,8 @@ def wrap(
             except BaseException:
                 engine._remove_hooks()
                 raise
+            _log.info("engine.wrap: %s parameters in %s; optimizer steps: %s",
+                      f"{sum(h.layout.numel for h in engine._handles):,}", store.config.path, engine.step_mode)
             return engine
         except BaseException:
             _restore(placement, shard_io, meter)

@@ -166,7 +166,9 @@ def test_zero_grad_inside_a_window_is_refused(tmp_path):
 
 def test_without_accumulation_every_step_steps_and_keeps_zero_grad_to_the_loop(tmp_path):
     model = TinyGPT()
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=training_config(tmp_path))
+    # the step after backward, which keeps the gradients it used until zero_grad
+    config = training_config(tmp_path).replace(step_in_backward=False)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config)
     try:
         for i in range(2):
             assert eng.is_gradient_accumulation_boundary() is True

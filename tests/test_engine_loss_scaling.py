@@ -340,24 +340,26 @@ def test_deepspeed_fp16_section_maps_to_loss_scaling(tmp_path):
 ITERATIONS = 8
 
 
-def _run_iterations(path: str, *, resume: bool, kill_at: Optional[int] = None) -> dict:
+def _run_iterations(path: str, *, resume: bool, kill_at: Optional[int] = None, inside: bool = False) -> dict:
     """Train iterations up to ITERATIONS (a skipped step is an iteration too: the data index is
     completed + skipped steps), from the store's record when ``resume``. With ``kill_at``, SIGKILL
-    this process inside the step of that iteration, after its first group's writes started."""
+    this process inside the step of that iteration: after its first group's writes started (the
+    step after backward), or, with ``inside``, once updates inside backward wrote their second batch."""
     import os
     import pathlib
     import signal
 
     torch.manual_seed(6)
     model = TinyGPT()
-    config = scaled_config(pathlib.Path(path)).replace(resume=resume)
+    config = scaled_config(pathlib.Path(path)).replace(resume=resume, step_in_backward=inside)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1), config=config)
     first = eng.completed_steps + eng.stats().skipped_steps
     losses = []
+    event, at = ("written", 1) if inside else ("write", 1)
     for i in range(first, ITERATIONS):
         if i == kill_at:
-            eng._training.on_event = lambda event, group: (
-                os.kill(os.getpid(), signal.SIGKILL) if event == "write" and group == 1 else None)
+            eng._training.on_event = lambda name, group: (
+                os.kill(os.getpid(), signal.SIGKILL) if name == event and group == at else None)
         loss = gpt_loss(model, i)
         eng.backward(loss)
         eng.step()
@@ -369,22 +371,24 @@ def _run_iterations(path: str, *, resume: bool, kill_at: Optional[int] = None) -
     return result
 
 
-def test_sigkill_in_a_step_resumes_with_the_same_scale_and_values(tmp_path):
+@pytest.mark.parametrize("inside", [False, True])
+def test_sigkill_in_a_step_resumes_with_the_same_scale_and_values(tmp_path, inside):
     import multiprocessing
 
-    whole = _run_iterations(str(tmp_path / "whole"), resume=False)
+    whole = _run_iterations(str(tmp_path / "whole"), resume=False, inside=inside)
     assert whole["skipped"] > 0
     # A kill in an iteration after the first overflows: the record the resume reads carries the scale.
     kill_at = whole["skipped"] + 2
     ctx = multiprocessing.get_context("spawn")
     child = ctx.Process(target=_run_iterations, args=(str(tmp_path / "crashed"),),
-                        kwargs={"resume": False, "kill_at": kill_at})
+                        kwargs={"resume": False, "kill_at": kill_at, "inside": inside})
     child.start()
     child.join(120)
     assert child.exitcode == -9, child.exitcode
-    resumed = _run_iterations(str(tmp_path / "crashed"), resume=True)
-    # The killed step had committed a group: the resume finished it, with the scale it recorded.
-    assert resumed["first"] == kill_at + 1
-    assert resumed["losses"] == whole["losses"][kill_at + 1:]
+    resumed = _run_iterations(str(tmp_path / "crashed"), resume=True, inside=inside)
+    # After backward, the killed step had committed a group: the resume finished it, with the scale it
+    # recorded. Inside backward, the step had not committed: the resume rolled it back, and it runs again.
+    assert resumed["first"] == kill_at + (0 if inside else 1)
+    assert resumed["losses"] == whole["losses"][resumed["first"]:]
     assert (resumed["scale"], resumed["skipped"]) == (whole["scale"], whole["skipped"])
     assert all(torch.equal(resumed["state"][k], v) for k, v in whole["state"].items())

@@ -26,6 +26,7 @@ def config(tmp_path, groups: int, name: str = "store") -> engine.EngineConfig:
     return engine.EngineConfig(host_budget="host_tier",
         store=store_config(tmp_path / name), param_tier="nvme", optimizer_tier="nvme", grad_tier="host",
         optimizer_group_bytes=8 * KiB, prefetch_bytes=16 * KiB, optimizer_prefetch_groups=groups,
+        step_in_backward=False,  # the step after backward, whose state these tests read ahead
     )
 
 

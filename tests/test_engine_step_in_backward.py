@@ -1,27 +1,34 @@
-"""EngineConfig(step_in_backward=True): each shard's AdamW update runs inside backward, the moment its
-gradient is final, and eng.step() commits. Losses and parameters equal torch.optim.AdamW's bit for
-bit; what cannot be exact is refused; a crash inside backward's updates resumes by replaying the
-step's batch."""
+"""Updates inside backward (EngineConfig.step_in_backward): each shard's AdamW update runs the moment its
+gradient is final, and eng.step() validates it against the global norm, an overflow and the
+hyperparameters, then commits, rolls back or redoes it ([Note: Speculative updates]). The oracle is
+plain torch: the model in its training dtype, fp32 master copies, clip_grad_norm_ on the masters,
+GradScaler's unscale and skip for fp16, torch.optim.AdamW. Losses, loss scales and masters compare
+bit for bit, in fp32, bf16 and fp16, clipped or not, binding or not, with gradient accumulation; a
+SIGKILL anywhere in a step resumes from the last committed step."""
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import pytest
 import torch
 from engine_models import TinyGPT, gpt_tokens, store_config
 
 import engine
-import tiered
 from engine.optim.step_record import StepRecord
 
 KiB = 1024
 LR = 1e-2
+STEPS = 6
+#: GradScaler's starting scale: large enough that the first fp16 steps overflow and are skipped.
+INITIAL_SCALE = 2.0**15
 
 
 def config_at(path, **kw) -> engine.EngineConfig:
@@ -30,185 +37,384 @@ def config_at(path, **kw) -> engine.EngineConfig:
 
     return engine.EngineConfig(host_budget="host_tier", store=store_config(Path(path), host_bytes=64 * KiB),
                                param_tier="nvme", optimizer_tier="nvme", grad_tier="nvme",
-                               optimizer_group_bytes=8 * KiB, prefetch_bytes=16 * KiB, step_in_backward=True, **kw)
+                               optimizer_group_bytes=8 * KiB, prefetch_bytes=16 * KiB, **kw)
 
 
 def loss_of(model: torch.nn.Module, step: int, micro: int = 0) -> torch.Tensor:
     return model(gpt_tokens(seed=100 * step + micro)).float().pow(2).mean()
 
 
-@pytest.mark.parametrize("accum,compress", [(1, False), (2, True)])
-def test_updates_inside_backward_equal_torch_adamw(tmp_path, accum, compress):
-    """Two parameter groups, an LR schedule, gradient accumulation counted by the engine: the same
-    losses and parameters as torch; a step reads only the moments and writes parameter and moments."""
+class Reference:
+    """Plain torch: the model in ``dtype`` with fp32 masters (fp32: the parameters themselves),
+    gradients accumulated in fp32 over ``accum`` micro-batches of ``loss / accum``, GradScaler for
+    fp16, clip_grad_norm_ to ``max_norm``, torch.optim.AdamW."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, accum: int, max_norm: Optional[float]) -> None:
+        self.model = copy.deepcopy(model).to(dtype)
+        self.fp32 = dtype == torch.float32
+        self.masters = list(self.model.parameters()) if self.fp32 else [
+            p.detach().float().clone().requires_grad_() for p in self.model.parameters()]
+        self.opt = torch.optim.AdamW(self.masters, lr=LR, weight_decay=0.1)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=INITIAL_SCALE, growth_interval=2) \
+            if dtype == torch.float16 else None
+        self.accum, self.max_norm = accum, max_norm
+        self.norms: list[float] = []
+
+    def step(self, step: int) -> list[float]:
+        losses = []
+        for micro in range(self.accum):
+            loss = loss_of(self.model, step, micro)
+            losses.append(loss.item())
+            scaled = loss / self.accum
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            if not self.fp32:
+                for master, p in zip(self.masters, self.model.parameters()):
+                    master.grad = p.grad.float() if master.grad is None else master.grad + p.grad.float()
+                    p.grad = None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        self.norms.append(torch.nn.utils.clip_grad_norm_(self.masters, self.max_norm or math.inf).item())
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad()
+        if not self.fp32:
+            with torch.no_grad():
+                for master, p in zip(self.masters, self.model.parameters()):
+                    p.copy_(master)
+        return losses
+
+    def assert_masters_equal(self, eng: engine.Engine) -> None:
+        live = {s.name: s for s in eng._training.live_shards()}
+        for (name, _), master in zip(self.model.named_parameters(), self.masters):
+            assert torch.equal(eng.store.sync.get(live[name].master_key), master.detach().reshape(-1)), name
+
+
+def clip_norm(dtype: torch.dtype, accum: int, where: str) -> Optional[float]:
+    """A clip norm for the unclipped reference's gradient norms: "never" binds; "half" (their median)
+    binds on about half the steps; "late" binds on the first step only when its last gradients come
+    in, so that step's updates run inside backward and are redone."""
+    if where == "never":
+        return 1e4
+    torch.manual_seed(0)
+    ref = Reference(TinyGPT(), dtype, accum, None)
+    for step in range(STEPS):
+        ref.step(step)
+    finite = sorted(n for n in ref.norms if math.isfinite(n))
+    return finite[len(finite) // 2] if where == "half" else ref.norms[0] * 0.999
+
+
+CASES = {
+    # name: (train dtype, EngineConfig.step_in_backward, clipping (None, or how it binds, and "call" for
+    # clip_grad_norm_ in place of max_grad_norm), accumulation)
+    "fp32 default": (torch.float32, None, None, 1),
+    "fp32 clip binds half, accumulation": (torch.float32, True, "half", 2),
+    "fp32 clip binds late: redone": (torch.float32, True, "late", 1),
+    "fp32 clip never binds": (torch.float32, True, "never", 1),
+    "bf16 default, clip binds half": (torch.bfloat16, None, "half", 1),
+    "bf16 default, clip_grad_norm_ binds late": (torch.bfloat16, None, "late call", 1),
+    "bf16 accumulation": (torch.bfloat16, True, None, 2),
+    "bf16 clip binds late: redone": (torch.bfloat16, True, "late", 1),
+    "fp16 scaled, clip binds half": (torch.float16, True, "half", 1),
+    "fp16 scaled default, accumulation": (torch.float16, None, None, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_updates_inside_backward_equal_torch(tmp_path, case):
+    dtype, setting, clip, accum = CASES[case]
+    call = clip is not None and clip.endswith(" call")
+    max_norm = clip_norm(dtype, accum, clip.split()[0]) if clip else None
     torch.manual_seed(0)
     model = TinyGPT()
-    ref = copy.deepcopy(model)
-
-    def groups(m: torch.nn.Module) -> list[dict]:
-        decay = [p for p in m.parameters() if p.ndim > 1]
-        return [{"params": decay, "weight_decay": 0.1}, {"params": [p for p in m.parameters() if p.ndim == 1],
-                                                          "weight_decay": 0.0}]
-
-    ref_opt = torch.optim.AdamW(groups(ref), lr=LR)
-    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 2, gamma=0.5)
-    eng = engine.wrap(model, optimizer=engine.AdamW(groups(model), lr=LR),
-                      config=config_at(tmp_path, gradient_accumulation_steps=accum, compress_optimizer=compress))
-    sched = torch.optim.lr_scheduler.StepLR(eng.optimizer, 2, gamma=0.5)
-    numel = sum(p.numel() for p in model.parameters())
+    ref = Reference(model, dtype, accum, max_norm)
+    name = {torch.float32: None, torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    scaling = engine.LossScaling(initial_scale=INITIAL_SCALE, growth_interval=2, hysteresis=1) \
+        if dtype == torch.float16 else None
+    config = config_at(tmp_path, train_dtype=name, loss_scaling=scaling, step_in_backward=setting,
+                       gradient_accumulation_steps=accum, max_grad_norm=None if call else max_norm)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1), config=config)
+    inside = redone = 0
     with eng:
-        for step in range(5):
-            losses, ref_losses = [], []
+        for step in range(STEPS):
+            losses = []
             for micro in range(accum):
                 loss = loss_of(model, step, micro)
                 eng.backward(loss)
-                applied = eng.step()
                 losses.append(loss.item())
-                ref_loss = loss_of(ref, step, micro) / accum
-                ref_loss.backward()
-                ref_losses.append(loss_of(ref, step, micro).item())
+                if micro == accum - 1 and call:
+                    eng.clip_grad_norm_(max_norm)
+                eng.step()
+            assert losses == ref.step(step), step
+            assert eng.get_global_grad_norm() == ref.norms[-1] or not math.isfinite(ref.norms[-1]), step
+            if ref.scaler is not None:
+                assert eng.loss_scale == ref.scaler.get_scale(), step
+            counters = eng._training.counters
+            inside, redone = counters.steps_inside, counters.steps_redone
+        ref.assert_masters_equal(eng)
+        assert not any("/before/" in k or "/after/" in k for k in eng.store.keys())
+        state = eng.state_dict()
+    for (name, _), p in zip(ref.model.named_parameters(), ref.model.parameters()):
+        assert torch.equal(state[name], p.detach()), name
+    # the updates ran inside backward where asked for, from the second step on by default (skipped
+    # steps aside), and a step whose clip bound late was redone after backward
+    skipped = eng.stats().skipped_steps
+    assert inside >= (STEPS - 1 - skipped if clip in (None, "never") else 1), (inside, redone)
+    if setting and clip == "late":
+        assert redone >= 1
+
+
+def test_bytes_of_a_step_inside_backward(tmp_path):
+    """fp32 without clipping: 12 bytes a parameter written (parameter, two moments) and only the moments
+    read by the update; with clipping the gradient is kept too (4 more written); bf16 with clipping:
+    the parameter (2), its master (4), the moments (8) and the gradient in bf16 (2), and backward reads
+    the master instead of the parameter, so the update reads only the moments."""
+    torch.manual_seed(0)
+    for dtype, clip, written in ((None, None, 12), (None, 1e4, 16), ("bfloat16", 1e4, 16)):
+        model = TinyGPT()
+        numel = sum(p.numel() for p in model.parameters())
+        eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(
+            tmp_path / f"{dtype}{clip}", train_dtype=dtype, max_grad_norm=clip, step_in_backward=True))
+        with eng:
+            for step in range(3):
+                eng.backward(loss_of(model, step))
+                eng.step()
+            last = eng._training.counters.last
+            kept = eng._training.grads.bytes_offloaded
+            stats = eng.stats()
+            # the moments, and the masters of the parameters backward did not need (biases, embeddings)
+            assert 8 * numel <= last.bytes_read < 12 * numel, (dtype, clip)
+            assert last.bytes_written + (kept // 3 if clip else 0) == written * numel, (dtype, clip)
+            assert stats.optimizer_update_seconds > 0
+
+
+def test_the_default_watches_the_first_step_and_a_loop_that_adds_backwards_up_stays_after_backward(tmp_path):
+    """By default the first step runs after backward; a loop that calls backward twice per step itself
+    (no gradient_accumulation_steps) then keeps every step after backward, and trains as torch does."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path))
+    assert eng._training.step_mode.startswith("the step after backward for the first step")
+    with eng:
+        for step in range(3):
+            for micro in range(2):
+                (loss_of(model, step, micro) / 2).backward()
+                (loss_of(ref, step, micro) / 2).backward()
+            eng.step()
+            eng.zero_grad()
             ref_opt.step()
             ref_opt.zero_grad()
-            ref_sched.step()
-            if applied:
-                sched.step()
-            assert losses == ref_losses, step
-            assert eng.completed_steps == step + 1
-            last = eng._training.counters.last
-            assert last.bytes_written == 12 * numel and last.shards_updated == len(list(model.parameters()))
-        assert not any(k.startswith(("grad/", "optim/")) and k.endswith(("/kept", "/new")) for k in eng.store.keys())
-        assert eng.get_global_grad_norm() is not None
+        assert eng._training.counters.steps_inside == 0
+        assert "two backwards" in eng._training.step_mode
+        eng.unwrap()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_calls_between_backward_and_step_see_the_last_committed_step(tmp_path):
+    """With the updates already run inside backward: an evaluation forward, state_dict and full_grad
+    between backward and step see what torch shows there (the parameters before the step); zero_grad
+    drops the step; an LR changed before the step is redone with the new LR; a second backward with
+    gradients kept is added up and redone after backward (and later steps run after backward).
+    Everything equals torch."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR),
+                      config=config_at(tmp_path, step_in_backward=True, max_grad_norm=1e4))
+    probe = gpt_tokens(seed=5)
+    with eng:
+        for step in range(6):
+            loss_of(model, step).backward()
+            loss_of(ref, step).backward()
+            if step == 1:  # an evaluation forward and a state_dict before the step
+                with torch.no_grad():
+                    assert torch.equal(model(probe), ref(probe))
+                state = eng.state_dict()
+                for name, p in ref.named_parameters():
+                    assert torch.equal(state[name], p.detach()), name
+                full = eng.full_grad(model.wte.weight)
+                assert torch.equal(full, ref.wte.weight.grad)
+            if step == 2:  # zero_grad drops the step
+                eng.zero_grad()
+                ref_opt.zero_grad()
+                continue
+            if step == 3:  # the LR changes between backward and step
+                for group in (*eng.optimizer.param_groups, *ref_opt.param_groups):
+                    group["lr"] = LR / 2
+            if step == 4:  # a second backward before the step adds up
+                loss_of(model, 10).backward()
+                loss_of(ref, 10).backward()
+            eng.step()
+            eng.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert eng._training.counters.steps_redone >= 2
+        assert not any("/before/" in k or "/after/" in k for k in eng.store.keys())
         eng.unwrap()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
 
 
-def test_what_cannot_be_exact_is_refused(tmp_path):
-    store = store_config(tmp_path / "cfg")
-    for kw, match in (({"max_grad_norm": 1.0}, "cannot clip"), ({"loss_scaling": engine.LossScaling()}, "overflow"),
-                      ({"param_tier": "host"}, "param_tier='nvme'"), ({"train_dtype": "bfloat16"}, "fp32"),
-                      ({"step_in_backward": 1}, "True or False")):
-        with pytest.raises(ValueError, match=match):
-            engine.EngineConfig(store=store, **{"step_in_backward": True, **kw})
+def test_what_cannot_be_redone_without_kept_gradients_is_refused_and_changes_nothing(tmp_path):
+    """Updates that ran without keeping gradients (step_in_backward=True, no clipping configured): a
+    gradient read or set, or a second backward, between backward and step is refused by name; the
+    step still takes the first backward's updates; a clip_grad_norm_ that binds rolls the step back
+    and says to run it again; from then on the gradients are kept."""
     torch.manual_seed(1)
     model = TinyGPT()
-    with pytest.raises(ValueError, match="engine.AdamW"):
-        engine.wrap(TinyGPT(), optimizer=torch.optim.AdamW(model.parameters()), config=config_at(tmp_path / "t"))
-    with engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path / "e")) as eng:
+    with engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path, step_in_backward=True)) as eng:
         loss_of(model, 0).backward()
-        for call, match in ((lambda: eng.clip_grad_norm_(1.0), "cannot clip"),
-                            (lambda: eng.full_grad(model.wte.weight), "no gradient"),
-                            (lambda: eng.set_full_grad(model.wte.weight, torch.zeros(model.wte.weight.shape)),
-                             "no gradient"),
-                            (lambda: eng.zero_grad(), "call eng.step\\(\\) first"),
-                            (lambda: loss_of(model, 1), "call eng.step\\(\\) first"),
-                            (lambda: eng.save_checkpoint(tmp_path / "ckpt"), "call eng.step\\(\\) first")):
-            with pytest.raises(RuntimeError, match=match):
+        for call in (lambda: eng.full_grad(model.wte.weight),
+                     lambda: eng.set_full_grad(model.wte.weight, torch.zeros(model.wte.weight.shape))):
+            with pytest.raises(RuntimeError, match="kept no gradient"):
                 call()
-        eng.step()
         loss = loss_of(model, 1)
-        loss.backward(retain_graph=True)
         with pytest.raises(RuntimeError, match="second backward"):
             loss.backward()
-        with pytest.raises(RuntimeError, match="call eng.step\\(\\) first"):
-            loss_of(model, 2)  # releases what the failed backward held, and refuses to run
+        with torch.no_grad():
+            model(gpt_tokens(seed=3))  # a forward lets go of what the failed backward held
         eng.step()  # the first backward's updates
-        assert eng.completed_steps == 2
+        assert eng.completed_steps == 1
+        assert "two backwards" in eng._training.step_mode  # later steps run after backward
+    model = TinyGPT()
+    with engine.wrap(model, optimizer=engine.AdamW(lr=LR),
+                     config=config_at(tmp_path / "clip", step_in_backward=True)) as eng:
+        loss_of(model, 2).backward()
+        eng.clip_grad_norm_(1e-6)
+        with pytest.raises(RuntimeError, match="was not applied"):
+            eng.step()
+        assert eng.completed_steps == 0
+        assert not any("/before/" in k for k in eng.store.keys())
+        loss_of(model, 2).backward()  # run again: the gradients are kept now, so the clip redoes it
+        eng.clip_grad_norm_(1e-6)
+        eng.step()
+        assert eng.completed_steps == 1 and eng._training.counters.steps_redone == 1
+    with pytest.raises(ValueError, match="param_tier='nvme'"):
+        engine.EngineConfig(store=store_config(tmp_path / "cfg"), step_in_backward=True, param_tier="host")
+    with pytest.raises(ValueError, match="None, True or False"):
+        engine.EngineConfig(store=store_config(tmp_path / "cfg"), step_in_backward=1)
+    with pytest.raises(ValueError, match="engine.AdamW"):
+        engine.wrap(TinyGPT(), optimizer=torch.optim.AdamW(TinyGPT().parameters()),
+                    config=config_at(tmp_path / "t", step_in_backward=True))
+
+
+def test_a_second_step_with_no_backward_applies_the_same_gradients_or_is_refused(tmp_path):
+    """torch applies the same gradients again when step() runs twice: so does a step whose updates ran
+    inside backward and kept the gradients (clipping configured); one that kept none refuses, changing
+    nothing, unless zero_grad came between (then, as in torch, the step changes nothing)."""
+    for clip in (1e4, None):
+        torch.manual_seed(4)
+        model = TinyGPT()
+        ref = copy.deepcopy(model)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR),
+                          config=config_at(tmp_path / str(clip), step_in_backward=True, max_grad_norm=clip))
+        with eng:
+            for m, step, zero in ((model, eng.step, eng.zero_grad), (ref, ref_opt.step, ref_opt.zero_grad)):
+                loss_of(m, 0).backward()
+                step()
+                if clip is None:
+                    if m is model:
+                        with pytest.raises(RuntimeError, match="no backward since step 1"):
+                            step()
+                        assert eng.completed_steps == 1
+                    zero()
+                step()  # the same gradients again, or (after zero_grad) none: nothing changes
+            assert eng.completed_steps == 2
+            eng.unwrap()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p, q), clip
 
 
 CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     import torch, engine
-    from engine_models import TinyGPT
+    from engine_models import TinyGPT, gpt_tokens
     from test_engine_step_in_backward import config_at, loss_of
 
     torch.manual_seed(0)
     model = TinyGPT()
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr={lr!r}, weight_decay=0.1), config=config_at({path!r}))
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr={lr!r}, weight_decay=0.1),
+                      config=config_at({path!r}, step_in_backward=True, train_dtype={dtype!r}, max_grad_norm={clip!r}))
     for step in range(2):
-        loss_of(model, step).backward()
+        eng.backward(loss_of(model, step))
         eng.step()
-        eng.zero_grad()
 
-    def kill(event, batch):  # batch: how many batches were written (a rename can follow two writes)
-        if event == {event!r} and batch >= 2:
+    def kill(event, batch):
+        if event == {event!r} and batch >= {batch!r}:
             os.kill(os.getpid(), signal.SIGKILL)
 
     eng._training.on_event = kill
-    loss_of(model, 2).backward()
+    eng.backward(loss_of(model, 2))
+    {between}
     eng.step()
     print("not killed", flush=True)
 """)
 
-
-def reference(steps: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    torch.manual_seed(0)
-    model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    losses, params = [], [{n: p.detach().clone() for n, p in model.named_parameters()}]
-    for step in range(steps):
-        loss = loss_of(model, step)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return losses, params
+KILLS = {
+    # name: (train dtype, clip norm, event, batch, what runs between backward and step)
+    "fp32, keeping aside": (None, None, "renamed", 2, ""),
+    "bf16, clip binds, redoing": ("bfloat16", 1e-3, "write", 1, ""),
+    "bf16, written": ("bfloat16", None, "written", 2, ""),
+    "fp32 clipped, set aside for a forward": (None, 1e4, "set aside", 0, "model(gpt_tokens(seed=5))"),
+}
 
 
-@pytest.mark.parametrize("event", ["renamed", "written"])
-def test_a_kill_inside_backwards_updates_resumes_by_replaying_the_batch(tmp_path, event):
-    """Killed after two update batches committed and a third kept its old values aside (or wrote its
-    new ones): the resume puts the old parameters back, the replayed batch gives the same gradients,
-    the shards already updated are not updated twice, and training equals torch; a batch other than
-    the one recorded is refused."""
+@pytest.mark.parametrize("case", list(KILLS))
+def test_a_kill_in_a_step_inside_backward_resumes_from_the_last_committed_step(tmp_path, case):
+    """SIGKILL while updates inside backward keep values aside, write, are redone after backward, or wait
+    set aside for a forward: the resume rolls the step back (or finishes a redo the record says is
+    under way), nothing is left aside, and training continues equal to torch."""
+    dtype, clip, event, batch, between = KILLS[case]
     path = str(tmp_path / "store")
-    code = CHILD.format(tests=os.path.dirname(__file__), lr=LR, path=path, event=event)
+    code = CHILD.format(tests=os.path.dirname(__file__), lr=LR, path=path, event=event, batch=batch, dtype=dtype,
+                        clip=clip, between=between)
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
-    ref_losses, ref_params = reference(5)
-    with tiered.TieredStore.open(config_at(path).store) as store:
-        record = StepRecord.read(store)
-        assert record.step == 2 and record.in_backward is not None and record.in_backward.step == 3
-        assert any(k.endswith("/kept") for k in store.keys())
-        assert not any(k.startswith("grad/") for k in store.keys())  # no gradient is ever stored
-    for attempt in ("wrong batch", "replay"):
-        torch.manual_seed(99)
-        model = TinyGPT()
-        eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1),
-                          config=config_at(path).replace(resume=True))
-        try:
-            assert eng.completed_steps == 2
-            assert not any(k.endswith("/kept") for k in eng.store.keys())
-            state = eng.state_dict()
-            for name, value in ref_params[2].items():
-                assert torch.equal(state[name], value), name  # the last completed step's values
-            if attempt == "wrong batch":
-                with pytest.raises(RuntimeError, match="Replay step 3's batch"):
-                    loss_of(model, 7).backward()
-                continue
-            losses = []
-            for step in range(2, 5):
-                loss = loss_of(model, step)
-                loss.backward()
-                eng.step()
-                eng.zero_grad()
-                losses.append(loss.item())
-            assert losses == ref_losses[2:]
-            assert not any(k.endswith(("/kept", "/new")) for k in eng.store.keys())
-        finally:
-            eng.close()
+    torch.manual_seed(0)
+    ref = Reference(TinyGPT(), torch.bfloat16 if dtype else torch.float32, 1, clip)
+    ref_losses = [ref.step(step)[0] for step in range(2)]
+    torch.manual_seed(99)
+    model = TinyGPT()
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1),
+                      config=config_at(path, step_in_backward=True, train_dtype=dtype, max_grad_norm=clip,
+                                       resume=True))
+    with eng:
+        first = eng.completed_steps
+        assert first in (2, 3)  # rolled back, or a redo under way finished
+        assert not any("/before/" in k or "/after/" in k for k in eng.store.keys())
+        assert StepRecord.read(eng.store).in_backward is None
+        if first == 3:
+            ref_losses.append(ref.step(2)[0])
+        losses = []
+        for step in range(first, 5):
+            loss = loss_of(model, step)
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+            ref_losses.append(ref.step(step)[0])
+        assert losses == ref_losses[first:]
+        ref.assert_masters_equal(eng)
 
 
 def test_a_failed_update_inside_backward_is_redone_by_running_the_batch_again(tmp_path):
     """An update that fails (an error after the third batch committed): the backward raises and says
     to run the batch again; its forward puts the last completed step's parameters back, and the
     step equals torch's, with no shard updated twice."""
-    ref_losses, ref_params = reference(4)
+    torch.manual_seed(0)
+    ref = Reference(TinyGPT(), torch.float32, 1, None)
+    ref_losses = [ref.step(step)[0] for step in range(4)]
     torch.manual_seed(0)
     model = TinyGPT()
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1), config=config_at(tmp_path))
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1),
+                      config=config_at(tmp_path, step_in_backward=True))
 
     def fail(event: str, batch: int) -> None:
         if event == "written" and batch == 2:
@@ -240,8 +446,8 @@ def test_the_updates_hold_no_memory_between_steps(tmp_path):
     model = torch.nn.Sequential(torch.nn.Embedding(8192, 256), torch.nn.Linear(256, 256),
                                 torch.nn.Linear(256, 8192))
     tokens = torch.randint(0, 8192, (4, 8))
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR),
-                      config=config_at(tmp_path).replace(optimizer_group_bytes=64 * KiB, prefetch_bytes=0))
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path, step_in_backward=True).replace(
+        optimizer_group_bytes=64 * KiB, prefetch_bytes=0))
     with eng:
         for _ in range(3):
             eng.backward(model(tokens).pow(2).mean())
@@ -261,7 +467,7 @@ def test_a_large_batch_is_updated_while_the_one_before_is_written_where_the_plan
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     tokens = torch.randint(0, 64, (2, 8))
-    cfg = config_at(tmp_path).replace(host_budget="total", optimizer_group_bytes=32 * KiB)
+    cfg = config_at(tmp_path, step_in_backward=True).replace(host_budget="total", optimizer_group_bytes=32 * KiB)
     cfg = cfg.replace(store=cfg.store.replace(host_bytes=32 << 20, durable=True))
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=cfg)
     plan = eng.memory_plan

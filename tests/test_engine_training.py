@@ -363,7 +363,9 @@ def test_model_zero_grad_after_a_step_clears_what_the_step_used(tmp_path):
     torch.manual_seed(4)
     model = TinyGPT()
     ref = copy.deepcopy(model)
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1), config=training_config(tmp_path))
+    # (updates inside backward keep no gradient for a second step: tests/test_engine_step_in_backward.py)
+    config = training_config(tmp_path).replace(step_in_backward=False)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1), config=config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
     losses = {}
     for m, step in ((model, eng.step), (ref, ref_opt.step)):
@@ -385,9 +387,9 @@ def test_step_stats_count_the_bytes_of_every_shard(tmp_path):
     torch.manual_seed(8)
     model = TinyGPT()
     numel = sum(p.numel() for p in model.parameters())
-    _, _, eng, _ = train_both(model, training_config(tmp_path), steps=3)
+    _, _, eng, _ = train_both(model, training_config(tmp_path).replace(step_in_backward=False), steps=3)
     stats = eng.stats()
-    # The parameter is its own master. The first step reads the gradient and the parameter (its
+    # The step after backward (inside backward: tests/test_engine_step_in_backward.py). The parameter is its own master. The first step reads the gradient and the parameter (its
     # moments are zeros); the later ones the gradient, the parameter and two moments. Each writes
     # the parameter and two moments once (and a small progress entry per group).
     assert stats.optimizer_bytes_read == (8 + 16 + 16) * numel
@@ -445,7 +447,7 @@ def test_a_failed_step_is_finished_or_rolled_back(tmp_path, state):
     model = TinyGPT()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    config = training_config(tmp_path)
+    config = training_config(tmp_path).replace(step_in_backward=False)  # the step after backward
     if state != "nvme":
         config = config.replace(optimizer_tier="host", optimizer_in_place=False)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config)

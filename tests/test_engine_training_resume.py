@@ -65,7 +65,7 @@ def config_at(path: str, optimizer_tier: str = "nvme") -> engine.EngineConfig:
     return engine.EngineConfig(host_budget="host_tier", store=store_config(Path(path), host_bytes=4096 * KiB),
                                param_tier="nvme",
                                optimizer_tier=optimizer_tier, grad_tier="nvme", optimizer_group_bytes=8 * KiB,
-                               prefetch_bytes=16 * KiB)
+                               prefetch_bytes=16 * KiB, step_in_backward=False)
 
 
 def run_child(path: str, mode: str, optimizer_tier: str = "nvme") -> None:

@@ -33,11 +33,11 @@ KiB = 1024
 LR = 1e-2
 
 
-def config_at(tmp_path, **store_kw) -> engine.EngineConfig:
+def config_at(tmp_path, step_in_backward: Optional[bool] = None, **store_kw) -> engine.EngineConfig:
     return engine.EngineConfig(host_budget="host_tier", store=store_config(tmp_path,
                                host_bytes=64 * KiB).replace(**store_kw), param_tier="nvme",
                                optimizer_tier="nvme", grad_tier="nvme", optimizer_group_bytes=8 * KiB,
-                               prefetch_bytes=16 * KiB)
+                               prefetch_bytes=16 * KiB, step_in_backward=step_in_backward)
 
 
 def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
@@ -119,10 +119,11 @@ def train_with_a_fault(eng: engine.Engine, model: torch.nn.Module, fail_at: int,
 def test_a_write_fault_in_step_is_finished_by_the_next_step(tmp_path, fail_at, ok, part_way, err, error, match):
     """Writes fail after ``ok`` succeeded, persistently until healed: with none, the step's first
     write (its record) fails and nothing changes; with some, a few groups commit and the rest fail,
-    and the next step() finishes the step from its gradients with the values it recorded."""
+    and the next step() finishes the step from its gradients with the values it recorded (the step after
+    backward; inside backward: the next test)."""
     torch.manual_seed(3)
     model = TinyGPT()
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path))
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path, step_in_backward=False))
     real = eng.store._io.syscalls
 
     def inject() -> None:
@@ -143,7 +144,7 @@ def test_a_transient_eio_in_step_is_finished_without_healing(tmp_path):
     finishes it with nothing healed."""
     torch.manual_seed(4)
     model = TinyGPT()
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path))
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path, step_in_backward=False))
     real = eng.store._io.syscalls
 
     def inject() -> None:
@@ -161,6 +162,47 @@ def test_a_transient_eio_in_step_is_finished_without_healing(tmp_path):
 
     try:
         train_with_a_fault(eng, model, 2, 4, inject, lambda: None, TransferError, "Input/output error", True)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("err, error", [(errno.ENOSPC, CapacityError), (errno.EIO, TransferError)])
+def test_a_write_fault_inside_backward_leaves_the_last_step_and_the_batch_runs_again(tmp_path, err, error):
+    """Writes fail in the middle of a step's updates inside backward (after two batches wrote): the
+    backward raises and says to run the batch again; once healed, the forward puts the last committed
+    step's values back, the batch runs again, and training equals torch's."""
+    torch.manual_seed(5)
+    model = TinyGPT()
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path, step_in_backward=True))
+    real = eng.store._io.syscalls
+    failing = Injected(real.pwritev, 2**62, err, None)
+
+    def arm(event: str, batch: int) -> None:
+        if event == "renamed" and batch == 2 and failing.ok == 2**62:
+            failing.ok = failing.calls  # every write from here on fails, until healed
+
+    try:
+        for step in range(4):
+            if step == 2:
+                eng._training.on_event = arm
+                eng.store._io.syscalls = Syscalls(pwritev=failing, preadv=real.preadv, fdatasync=real.fdatasync)
+                with pytest.raises(RuntimeError, match="update inside backward failed") as failure:
+                    loss_of(model, step).backward()
+                assert isinstance(failure.value.__cause__, error)
+                assert "run its batch again" in "".join(failure.value.__notes__)
+                eng.store._io.syscalls = real
+                eng._training.on_event = None
+                assert eng.completed_steps == 2
+            loss, ref_loss = loss_of(model, step), loss_of(ref_model, step)
+            assert loss.item() == ref_loss.item(), step
+            loss.backward()
+            ref_loss.backward()
+            eng.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert_same(snapshot(eng), {k: v.detach() for k, v in ref_model.state_dict().items()})
     finally:
         eng.close()
 

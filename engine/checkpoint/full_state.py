@@ -41,7 +41,8 @@ def full_grad(parts: EngineParts, handle: ParamHandle) -> Optional[torch.Tensor]
     """The fp32 gradient the next step will use (accumulated, averaged over ranks, without the loss
     scale), or None when there is none (a frozen parameter, or none since the last step or
     ``zero_grad``)."""
-    _check_gradients_kept(parts)
+    if parts.training is not None:
+        parts.training.gradients_readable("read a parameter's gradient")
     check_between_steps(parts, "read a parameter's gradient")
     if parts.training is None:
         grad = handle.param.grad
@@ -49,7 +50,7 @@ def full_grad(parts: EngineParts, handle: ParamHandle) -> Optional[torch.Tensor]
     grads = parts.training.grads
     if not handle.trainable or not grads.current(handle.name):
         return None
-    grad = parts.io.read_copy(handle, grad_key(handle.name), torch.float32)
+    grad = parts.io.read_copy(handle, grad_key(handle.name), torch.float32).float()
     scaler = parts.training.scaler
     return grad.div_(scaler.scale) if scaler is not None else grad
 
@@ -85,8 +86,9 @@ def set_full_fp32_param(parts: EngineParts, handle: ParamHandle, value: torch.Te
 def set_full_grad(parts: EngineParts, handle: ParamHandle, value: torch.Tensor) -> None:
     """Make ``value`` (the parameter's shape) the gradient the next step uses, as
     ``param.grad.copy_(value)`` before a plain step; a later backward adds to it."""
-    _check_gradients_kept(parts)
-    check_between_steps(parts, "set a parameter's gradient")
+    if parts.training is not None:
+        parts.training.gradients_readable("set a parameter's gradient")
+    check_between_steps(parts, "set a parameter's gradient", intent="write")
     check_value(handle, value)
     _check_trainable(handle, "a gradient")
     if parts.training is None:
@@ -101,7 +103,7 @@ def set_full_grad(parts: EngineParts, handle: ParamHandle, value: torch.Tensor) 
 def set_full_optimizer_state(parts: EngineParts, handle: ParamHandle, value: torch.Tensor, key: str) -> None:
     """Make ``value`` (the parameter's shape) the optimizer's state ``key`` of the parameter. With
     ``engine.AdamW`` the state exists once the parameter has taken a step (RuntimeError before)."""
-    check_between_steps(parts, "set a parameter's optimizer state")
+    check_between_steps(parts, "set a parameter's optimizer state", intent="write")
     check_value(handle, value)
     _check_trainable(handle, "optimizer state")
     if parts.training is None:
@@ -147,15 +149,6 @@ def _state_keys(parts: EngineParts, handle: ParamHandle) -> dict[str, str]:
 
 def _compress(parts: EngineParts) -> Optional[bool]:
     return True if parts.config.compress_optimizer else None
-
-
-def _check_gradients_kept(parts: EngineParts) -> None:
-    """RuntimeError when the updates run inside backward: the gradients are used up there."""
-    if parts.training is not None and parts.training.step_in_backward:
-        raise RuntimeError(
-            "EngineConfig.step_in_backward applies each gradient inside backward and keeps none, so there is no "
-            "gradient to read or set between backward and step; turn step_in_backward off to do that"
-        )
 
 
 def _check_adam_key(key: str) -> None:

@@ -356,7 +356,7 @@ def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_
 
     def check() -> None:
         nonlocal files
-        check_between_steps(parts, "load a checkpoint")
+        check_between_steps(parts, "load a checkpoint", intent="discard")
         if tag is None:
             _recover_interrupted_overwrite(root)
         directory = resolve_checkpoint(root, tag)
@@ -604,9 +604,10 @@ def _restore_hyperparameters(optimizer: Any, saved: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- helpers
 
 
-def check_between_steps(parts: EngineParts, what: str) -> None:
+def check_between_steps(parts: EngineParts, what: str, *, intent: str = "read") -> None:
     """RuntimeError naming ``what`` if a parameter is in use (the model's forward or backward runs);
-    then finish an optimizer step that stopped part way, so what follows sees one step's state."""
+    then finish an optimizer step that stopped part way, so what follows sees one step's state
+    (``intent``: what ``what`` does with it, for ``Training.complete_pending``)."""
     with parts.pager.lock:
         busy = [h.name for h in parts.handles if h.held]
         if busy:
@@ -614,7 +615,7 @@ def check_between_steps(parts: EngineParts, what: str) -> None:
                 f"cannot {what} while the model is running (parameters in use: {busy[:3]}); call it between steps"
             )
     if parts.training is not None:
-        parts.training.complete_pending()
+        parts.training.complete_pending(intent)
 
 
 def _live_state_keys(parts: EngineParts, exclude_frozen: bool = False) -> dict[str, tuple[str, str, str]]:

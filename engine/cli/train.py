@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-tier", choices=("host", "nvme"), default="nvme")
     p.add_argument("--compress-optimizer", action="store_true", help="store master weights and Adam moments "
                    "with lossless byte-plane zstd")
-    p.add_argument("--step-in-backward", action="store_true", help="apply each AdamW update inside backward, once "
-                   "its gradient is final, and store no gradient (needs --param-tier and --optimizer-tier nvme; "
+    p.add_argument("--step-in-backward", action="store_true", help="apply each AdamW update inside backward from "
+                   "the first step (by default from the second, where --param-tier and --optimizer-tier are nvme; "
                    "docs/training.md, 'Updates inside backward')")
     p.add_argument("--activation-tier", choices=("host", "nvme"), default=None,
                    help="move the tensors saved for backward to this tier of the store during forward "
@@ -230,11 +230,12 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
                                  optimizer_tier=args.optimizer_tier,
                                  prefetch_bytes=args.prefetch_mib * MiB, compress_optimizer=args.compress_optimizer,
                                  activation_tier=args.activation_tier, gradient_accumulation_steps=args.grad_accum,
-                                 step_in_backward=args.step_in_backward)
+                                 step_in_backward=True if args.step_in_backward else None)
     if args.beyond_memory:
         _check_room(model, config, directory)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay), config=config,
                       init_fn=init_fn)
+    print(f"optimizer steps: {eng.step_mode}", file=out)
     data = BigramStream(vocab, args.seq, args.batch, seed=args.seed)
     tty = out.isatty() if hasattr(out, "isatty") else False
     losses: list[float] = []

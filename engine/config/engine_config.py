@@ -99,12 +99,13 @@ class EngineConfig:
     #: (FSDP2's ``cast_forward_inputs``; DeepSpeed's ``fp16.auto_cast`` maps here). Needs ``train_dtype``.
     cast_forward_inputs: bool = False
     #: Apply each parameter's AdamW update inside backward, the moment its gradient is final (after
-    #: the accumulation window's last micro-batch), instead of in ``eng.step()``, which then commits:
-    #: gradients are never written or read (docs/training.md, "Updates inside backward"). Off by
-    #: default since it changes what a loop sees between backward and step: no clipping, no loss
-    #: scaling, no gradient reads or writes there; needs engine.AdamW, fp32 training and the
-    #: parameters and optimizer state on nvme.
-    step_in_backward: bool = False
+    #: the accumulation window's last micro-batch); ``eng.step()`` then validates it against the global
+    #: gradient norm (clipping), an overflow (loss scaling) and the hyperparameters, and commits it, or
+    #: rolls it back and redoes it (docs/training.md, "Updates inside backward"). Results equal the
+    #: step after backward's bit for bit. None (default): wherever that is possible (``engine.AdamW``,
+    #: parameters and optimizer state on nvme), from the second step on, once the first has shown the
+    #: loop; True: from the first step (needs those too); False: never.
+    step_in_backward: Optional[bool] = None
     #: Resume from the store's own state at ``store.path`` (after a crash, or a clean close):
     #: parameters, fp32 master weights, Adam moments and step counts of the last completed
     #: ``engine.AdamW`` step. False starts afresh, discarding any training state the store holds.
@@ -163,10 +164,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.progress must be True or False, got {self.progress!r}")
         if not isinstance(self.resume, bool):
             raise ValueError(f"EngineConfig.resume must be True or False, got {self.resume!r}")
-        if not isinstance(self.step_in_backward, bool):
-            raise ValueError(f"EngineConfig.step_in_backward must be True or False, got {self.step_in_backward!r}")
-        if self.step_in_backward:
-            _check_step_in_backward(self)
+        if self.step_in_backward is not None and not isinstance(self.step_in_backward, bool):
+            raise ValueError(
+                f"EngineConfig.step_in_backward must be None, True or False, got {self.step_in_backward!r}"
+            )
+        if self.step_in_backward and updates_in_backward_ruled_out(self) is not None:
+            raise ValueError(f"EngineConfig.step_in_backward=True: {updates_in_backward_ruled_out(self)}")
 
     @property
     def cache_tier(self) -> Optional[str]:
@@ -177,9 +180,10 @@ class EngineConfig:
 
     @property
     def stores_gradients(self) -> bool:
-        """Whether gradient shards go to the store (``grad_tier``): always, except with
-        ``step_in_backward`` and no accumulation, where each update consumes its gradient."""
-        return not self.step_in_backward or self.gradient_accumulation_steps > 1
+        """Whether gradient shards go to the store's ``grad_tier``: always, except with
+        ``step_in_backward=True`` and no accumulation, where each update takes its gradient (or keeps
+        it on nvme for a redo)."""
+        return self.step_in_backward is not True or self.gradient_accumulation_steps > 1
 
     @property
     def updates_in_place(self) -> bool:
@@ -206,28 +210,14 @@ class EngineConfig:
         return config_from_deepspeed(cls, ds_config, store=store, **overrides)
 
 
-def _check_step_in_backward(config: EngineConfig) -> None:
-    """ValueError naming what ``step_in_backward`` cannot do exactly, or without nvme."""
-    if config.max_grad_norm is not None:
-        raise ValueError(
-            f"EngineConfig.step_in_backward applies each update as its gradient becomes final, before the global "
-            f"norm is known, so it cannot clip (max_grad_norm={config.max_grad_norm!r}): drop one of the two"
-        )
-    if config.loss_scaling is not None:
-        raise ValueError(
-            "EngineConfig.step_in_backward cannot skip a step whose gradients overflow, which fp16 loss scaling "
-            "needs (loss_scaling is set): drop one of the two"
-        )
+def updates_in_backward_ruled_out(config: EngineConfig) -> Optional[str]:
+    """Why ``config`` rules updates inside backward out (``step_in_backward``), or None: they keep the
+    values from before the step aside on nvme until it commits, so the parameters and the optimizer
+    state must live there."""
     if config.param_tier != "nvme" or config.optimizer_tier != "nvme":
-        raise ValueError(
-            f"EngineConfig.step_in_backward keeps a parameter's old value on nvme until the step commits, and needs "
-            f"param_tier='nvme' and optimizer_tier='nvme' (got {config.param_tier!r} and {config.optimizer_tier!r})"
-        )
-    if config.train_dtype not in (None, "float32"):
-        raise ValueError(
-            f"EngineConfig.step_in_backward updates fp32 parameters that are their own masters; train_dtype is "
-            f"{config.train_dtype!r}"
-        )
+        return (f"updates inside backward keep the values from before the step on nvme, and need param_tier='nvme' "
+                f"and optimizer_tier='nvme' (got {config.param_tier!r} and {config.optimizer_tier!r})")
+    return None
 
 
 def _check_choice(name: str, value: object, choices: tuple[Optional[str], ...]) -> None:

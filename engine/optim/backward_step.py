@@ -1,29 +1,20 @@
-"""BackwardUpdates: AdamW applied to each shard inside backward, the moment its gradient is final
-(``EngineConfig.step_in_backward``), so gradients are never written or read.
+"""BackwardUpdates: AdamW applied to each shard inside backward, the moment its gradient is final, on a
+worker thread ([Note: Speculative updates] in engine/optim/speculation.py says how the step validates it).
 
 [Note: Updates inside backward]
-With ``step_in_backward`` the engine hands each fp32 shard whose gradient is final (after the
-accumulation window's last micro-batch) to a worker thread, with the gradient shard and a copy of
-the parameter shard backward has just used (it is the master, [Note: One copy of fp32 weights]).
-Per batch of shards (up to ``optimizer_group_bytes``) the worker renames each ``param/<name>`` to
-``optim/<name>/kept`` (no I/O: the old value stays where it is), runs torch's AdamW math with the
-hyperparameters the groups have at that moment, and writes the new parameter and both moments with
-one ``put_many(atomic=True)``: per parameter and step 12 bytes are written and only the moments (8)
-are read beside forward's and backward's reads, which the worker prefetches along the order in which
-gradients became final in the previous step. ``eng.step()`` waits for the worker, commits the step
-record and then deletes the kept values.
-
-A crash before that commit: the record holds an ``in_backward`` section (written before the first
-rename) with a CRC-32 of the step's forward inputs. A shard is done when its kept value and its new
-parameter both exist; the resume moves each done shard's new value to ``optim/<name>/new`` and puts
-every kept value back under ``param/<name>``, so the model is the last completed step's again. The
-training loop replays that step's batch (it must anyway to continue the loss curve): the same
-forward gives the same gradients, shards with a new value set aside take no update (their moments
-are already new), the others are updated as usual, and the commit renames the set-aside values into
-place. A replay whose inputs differ from the CRC is refused, since the done shards' updates came from
-the recorded batch. The cleanup after a commit (renames of set-aside values, deletes of kept ones)
-is finished by the next resume when a crash interrupts it. Footprint: the parameters, the kept old
-parameters and the moments, 16 bytes per parameter at the end of backward.
+The engine hands each shard whose gradient is final (after the accumulation window's last
+micro-batch) to a worker thread, with the gradient shard (fp32) and the fp32 master backward has just
+read: for an fp32 parameter that is its own master, a copy of the parameter; for a bf16 or fp16 one,
+the master backward's fetch read in place of the parameter ([Note: Masters read in backward] in
+engine/paging/pager.py). Per batch of shards (up to ``optimizer_group_bytes``) the worker renames
+each shard's live entries (parameter, its master when it has its own, both moments) to their
+``before`` keys (no I/O), runs torch's AdamW math with the hyperparameters and loss scale the step
+started with, and writes the new parameter (cast to its training dtype), master and moments with one
+``put_many(atomic=True)``: per parameter and step 12 bytes are written in fp32 (14 in bf16) and only
+the moments (8) are read beside backward's reads, which the worker starts ahead along the order in
+which gradients became final in the previous such step. A shard whose master backward did not read
+(no backward need: an embedding, a bias; a first step, when the master is the parameter upcast) has
+it read by the worker. ``eng.step()`` waits for the worker, then commits, rolls back or redoes.
 
 The write of one batch overlaps the update of the next: the worker starts the ``put_many`` and goes
 on to the next batch, waiting for the write only before it starts another, when nothing is queued,
@@ -32,10 +23,10 @@ own and pairs only where the memory plan leaves room: [Note: Using the room the 
 crash can then find two batches part way, each atomic on its own.
 
 Memory: the moments read ahead (at most ``window_bytes``, or one shard's into an empty window), the
-gradient and parameter copies of shards waiting for the worker (at most ``inflight_bytes``, or one
+gradient and master copies of shards waiting for the worker (at most ``inflight_bytes``, or one
 shard's; backward waits beyond it), one batch being updated (its moments and new values) and,
 beside a batch of at most ``batch_bytes`` or where the plan's bound leaves room, the previous one
-being written. Parameter copies and moments are buffers of the store's pool; the memory plan
+being written. Master copies and moments are buffers of the store's pool; the memory plan
 (engine/paging/memory_plan.py) counts these bounds in [Note: Updates inside backward, in memory].
 """
 
@@ -46,15 +37,14 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-import zlib
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.utils._pytree
 
 from engine.optim.step import update_in_memory
 from engine.optim.types import AdamHyper, OptimShard
-from engine.paging.layout import kept_key
+from engine.optim.speculation import entries_of, keep_before
+from engine.paging.layout import before_key
 from tiered import TieredStore
 
 # [Note: Using the room the plan leaves]
@@ -73,10 +63,12 @@ from tiered import TieredStore
 class _Job:
     shard: OptimShard
     grad: torch.Tensor
-    master: Optional[torch.Tensor]  # None: read the parameter from the store
+    master: Optional[torch.Tensor]  # the fp32 master backward read; None: read it from the store
     steps: int
     hypers: tuple[AdamHyper, ...]
-    nbytes: int = 0  # what it holds while it waits: the gradient and the parameter copy
+    grad_scale: float = 1.0  # 1 / loss scale
+    grad_shared: bool = False  # the gradient is also being stored: read it, never change it
+    nbytes: int = 0  # what it holds while it waits: the gradient and the master copy
 
     def __post_init__(self) -> None:
         self.nbytes = self.grad.numel() * 4 * (2 if self.master is not None else 1)
@@ -93,17 +85,6 @@ class BackwardCounters:
     update_seconds: float = 0.0
     stall_seconds: float = 0.0
     first_update: Optional[float] = None
-
-
-def inputs_crc(inputs: object, crc: int = 0) -> int:
-    """CRC-32 of every tensor among ``inputs`` (any nesting of tuples, lists and dicts): dtype, shape
-    and bytes, chained onto ``crc``."""
-    for leaf in torch.utils._pytree.tree_leaves(inputs):
-        if isinstance(leaf, torch.Tensor):
-            t = leaf.detach().cpu().contiguous()
-            crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
-            crc = zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()), crc)
-    return crc
 
 
 class BackwardUpdates:
@@ -136,7 +117,7 @@ class BackwardUpdates:
         self._ahead_bytes = 0
         self._order: list[tuple[OptimShard, bool, bool]] = []  # (shard, read moments, read parameter)
         self._cursor = 0
-        self._read_params: set[str] = set()  # shards whose update read its parameter this step
+        self._read_masters: set[str] = set()  # shards whose update read its master this step
         self.counters = BackwardCounters()
         #: Tracing hook, called on the worker as ``on_event(event, batch)`` with "renamed" (old values
         #: kept aside) and "written" (the batch committed); tests stop a process there.
@@ -146,25 +127,26 @@ class BackwardUpdates:
 
     def read_ahead(self, order: Sequence[OptimShard], has_moments: Callable[[str], bool]) -> None:
         """Start reading the moments of the shards of ``order`` (the order in which the last step's
-        gradients became final) that have some, and the parameters of those whose update had to read
-        its parameter, within the window; topped up as updates use them."""
+        gradients became final) that have some, and the masters of those whose update had to read its
+        master, within the window; topped up as updates use them."""
         with self._cond:
             dropped = self._drop_ahead()
         _wait_dropped(dropped)
         with self._cond:
-            read_param = self._read_params
-            self._read_params = set()
-            self._order = [(s, has_moments(s.name), s.name in read_param) for s in order]
+            read_master = self._read_masters
+            self._read_masters = set()
+            self._order = [(s, has_moments(s.name), s.name in read_master) for s in order]
             self._order = [entry for entry in self._order if entry[1] or entry[2]]
             self._cursor = 0
             self._top_up()
 
     def submit(self, shard: OptimShard, grad: torch.Tensor, master: Optional[torch.Tensor], steps: int,
-               hypers: tuple[AdamHyper, ...]) -> None:
-        """Queue the update of ``shard`` (its fp32 gradient shard; its parameter shard in fp32, or None
-        to read it; ``steps`` it has taken). Blocks while too many bytes wait; raises the first error
-        an earlier update had (RuntimeError, the error as its cause)."""
-        job = _Job(shard, grad, master, steps, hypers)
+               hypers: tuple[AdamHyper, ...], *, grad_scale: float = 1.0, grad_shared: bool = False) -> None:
+        """Queue the update of ``shard``: its fp32 gradient shard (multiplied by ``grad_scale`` first; not
+        changed when ``grad_shared``), its fp32 master as backward read it (None: read it from the store),
+        ``steps`` it has taken. Blocks while too many bytes wait; raises the first error an earlier
+        update had (RuntimeError, the error as its cause)."""
+        job = _Job(shard, grad, master, steps, hypers, grad_scale, grad_shared)
         with self._cond:
             self._raise_error()
             while ((self._inflight or self._large_pair) and self._inflight + job.nbytes > self._inflight_limit
@@ -277,7 +259,7 @@ class BackwardUpdates:
         batch = [self._queue.popleft()]
         size = self._batch_nbytes(batch)
         while (self._queue and size + self._queue[0].grad.numel() * 4 <= self._batch_bytes
-               and self._queue[0].hypers == batch[0].hypers):
+               and self._queue[0].hypers == batch[0].hypers and self._queue[0].grad_scale == batch[0].grad_scale):
             size += self._queue[0].grad.numel() * 4
             batch.append(self._queue.popleft())
         return batch
@@ -310,20 +292,23 @@ class BackwardUpdates:
 
     def _update(self, batch: list[_Job], ahead: list[Optional["_Ahead"]]
                 ) -> tuple[dict[str, torch.Tensor], dict[str, Optional[bool]]]:
-        """Keep each shard's old parameter aside and update: the new parameters and moments to write."""
+        """Keep each shard's entries aside under their ``before`` keys and update: the new parameters,
+        masters and moments to write ([Note: Speculative updates])."""
         store, counters = self._store, self.counters
-        # A read of a parameter started before its rename reads the same (old) bytes.
-        reads = [a.param if a is not None and a.param is not None else None for a in ahead]
-        store.sync.rename_many([(job.shard.param_key, kept_key(job.shard.name)) for job in batch])
+        # A read started before the renames reads the same (old) bytes.
+        reads = [a.master if a is not None else None for a in ahead]
+        keep_before(store, [job.shard for job in batch])
         if self.on_event is not None:
             self.on_event("renamed", counters.batches)
         masters = []
         for job, read in zip(batch, reads):
-            if job.master is None:  # backward did not need the parameter (an embedding, a bias)
-                read = read if read is not None else store.sync.get_future(kept_key(job.shard.name))
-                job.master = read.result().view(-1)
-                counters.bytes_read += job.master.numel() * 4
-                self._read_params.add(job.shard.name)
+            if job.master is None:  # backward did not read the master (an embedding, a bias, a first step)
+                source = _master_source(job.shard, job.steps)
+                read = read if read is not None else store.sync.get_future(before_key(job.shard.name, source))
+                value = read.result().view(-1)
+                counters.bytes_read += value.numel() * value.element_size()
+                job.master = value if value.dtype == torch.float32 else value.float()
+                self._read_masters.add(job.shard.name)
             masters.append(job.master)
         pairs: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []
         for job, a in zip(batch, ahead):
@@ -331,20 +316,26 @@ class BackwardUpdates:
                 pairs.append(None)
                 continue
             futures = (a.exp_avg, a.exp_avg_sq) if a is not None and a.exp_avg is not None else tuple(
-                store.sync.get_future(k) for k in (job.shard.exp_avg_key, job.shard.exp_avg_sq_key))
+                store.sync.get_future(before_key(job.shard.name, role)) for role in ("exp_avg", "exp_avg_sq"))
             pairs.append((futures[0].result().view(-1), futures[1].result().view(-1)))  # type: ignore[union-attr]
             counters.bytes_read += 2 * job.shard.numel * 4
         started = time.perf_counter()
         updated = update_in_memory([j.shard for j in batch], [j.grad for j in batch], masters, pairs,
-                                   [j.steps for j in batch], batch[0].hypers)
+                                   [j.steps for j in batch], batch[0].hypers, grad_scale=batch[0].grad_scale,
+                                   grads_shared=[j.grad_shared for j in batch])
         counters.update_seconds += time.perf_counter() - started
         items: dict[str, torch.Tensor] = {}
         codecs: dict[str, Optional[bool]] = {}
+        moment = True if self._compress else None
         for job, master, (exp_avg, exp_avg_sq) in zip(batch, masters, updated):
             s = job.shard
-            items.update({s.param_key: master, s.exp_avg_key: exp_avg, s.exp_avg_sq_key: exp_avg_sq})
-            moment = True if self._compress else None
-            codecs.update({s.param_key: None, s.exp_avg_key: moment, s.exp_avg_sq_key: moment})
+            items.update({s.exp_avg_key: exp_avg, s.exp_avg_sq_key: exp_avg_sq})
+            codecs.update({s.exp_avg_key: moment, s.exp_avg_sq_key: moment})
+            if s.master_is_param:
+                items[s.param_key], codecs[s.param_key] = master, None
+            else:
+                items[s.master_key], codecs[s.master_key] = master, moment
+                items[s.param_key], codecs[s.param_key] = master.to(s.train_dtype), None  # as torch's copy_
         counters.shards += len(batch)
         return items, codecs
 
@@ -388,8 +379,8 @@ class BackwardUpdates:
         """Read ahead along the order while the window has room, at least one shard (lock held)."""
         get = self._store.sync.get_future
         while self._cursor < len(self._order) and not self._closed:
-            shard, moments, param = self._order[self._cursor]
-            nbytes = (2 * moments + param) * shard.numel * 4
+            shard, moments, master = self._order[self._cursor]
+            nbytes = (2 * moments + master) * shard.numel * 4
             if self._ahead and self._ahead_bytes + nbytes > self._window_limit:
                 return
             self._cursor += 1
@@ -397,7 +388,7 @@ class BackwardUpdates:
                 continue
             self._ahead[shard.name] = _Ahead(
                 get(shard.exp_avg_key) if moments else None, get(shard.exp_avg_sq_key) if moments else None,
-                get(shard.param_key) if param else None, nbytes)
+                get(entries_of(shard)[1][_master_source(shard, moments)]) if master else None, nbytes)
             self._ahead_bytes += nbytes
 
     def _drop_ahead(self) -> list["concurrent.futures.Future[torch.Tensor]"]:
@@ -406,7 +397,13 @@ class BackwardUpdates:
         ahead, self._ahead = self._ahead, {}
         self._ahead_bytes = 0
         self._order, self._cursor = [], 0
-        return [f for a in ahead.values() for f in (a.exp_avg, a.exp_avg_sq, a.param) if f is not None]
+        return [f for a in ahead.values() for f in (a.exp_avg, a.exp_avg_sq, a.master) if f is not None]
+
+
+def _master_source(shard: OptimShard, has_state: "bool | int") -> str:
+    """The role of the entry that holds ``shard``'s fp32 master before its update: the parameter when it
+    is its own master, or when the shard has no state yet (its master is the parameter upcast)."""
+    return "master" if has_state and not shard.master_is_param else "param"
 
 
 def _wait_dropped(futures: Sequence["concurrent.futures.Future[torch.Tensor]"]) -> None:
@@ -420,11 +417,12 @@ def _wait_dropped(futures: Sequence["concurrent.futures.Future[torch.Tensor]"]) 
 
 @dataclasses.dataclass
 class _Ahead:
-    """Reads started ahead for one shard: its moments and, when its update needs it, its parameter."""
+    """Reads started ahead for one shard: its moments and, when its update needs it, its master (or
+    the parameter it is made from)."""
 
     exp_avg: "Optional[concurrent.futures.Future[torch.Tensor]]"
     exp_avg_sq: "Optional[concurrent.futures.Future[torch.Tensor]]"
-    param: "Optional[concurrent.futures.Future[torch.Tensor]]"
+    master: "Optional[concurrent.futures.Future[torch.Tensor]]"
     nbytes: int
 
 

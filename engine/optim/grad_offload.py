@@ -5,8 +5,11 @@ Called from the post-accumulate-grad hook (``Engine._on_grad_final``): the shard
 put to ``grad/<name>`` in the gradient tier without waiting, and ``param.grad`` is set to None at
 once, so the full gradient's memory goes as soon as the put has copied it.
 
-Gradient accumulation (several backward passes before a step) adds into the stored shard:
-get + add + put, in fp32, ``old + new`` as torch's ``param.grad += new`` does. Puts in flight are
+A shard is stored in the narrowest dtype that holds it exactly: the training dtype (bf16, fp16) when
+autograd made the gradient in that dtype at world size 1 and nothing was added to it, else fp32; it
+reads back as the same fp32 values. Gradient accumulation (several backward passes before a step)
+adds into the stored shard: get + add + put, in fp32, ``old + new`` as torch's ``param.grad += new``
+does. Puts in flight are
 bounded by ``inflight_bytes`` (at least one shard): past that the oldest is waited for, so the
 gradients held in memory by unfinished puts never exceed the bound plus one shard.
 
@@ -78,16 +81,35 @@ class GradOffload:
             if self._consumed:  # the first gradient after a step: the step's gradients are done with
                 self._drop_locked()
             self._wait(key)
-            if key in self._store:  # accumulation: the earlier micro-batches' sum is in the store
-                shard = self._store.sync.get(key, shard.device).add_(shard)
-            self.norms[handle.name] = shard_norms([shard])[0]
-            nbytes = shard.numel() * shard.element_size()
-            while self._pending and self._inflight + nbytes > self._inflight_limit:
-                self._wait(next(iter(self._pending)))
-            self._pending[key] = (self._store.sync.put_future(key, shard, self._tier), nbytes)
-            self._inflight += nbytes
-            self.names[handle.name] = None
-            self.bytes_offloaded += nbytes
+            accumulated = key in self._store
+            if accumulated:  # accumulation: the earlier micro-batches' sum is in the store
+                shard = self._store.sync.get(key, shard.device).float().add_(shard)
+            norm = shard_norms([shard])[0]
+            self._put_locked(handle.name, shard, exact_dtype(handle, accumulated, self._io.world), norm, self._tier)
+
+    def keep(self, name: str, shard: torch.Tensor, dtype: torch.dtype, norm: torch.Tensor) -> None:
+        """Store ``shard``, the final fp32 gradient shard of ``name`` an update inside backward takes, on
+        nvme as ``dtype`` (it must hold it exactly: :func:`exact_dtype`), so the step can redo the
+        update from it ([Note: Speculative updates]); ``norm`` is its 2-norm. Does not wait; ``shard``
+        must not change until the put is done."""
+        with self._lock:
+            if self._consumed:
+                self._drop_locked()
+            self._wait(grad_key(name))
+            self._put_locked(name, shard, dtype, norm, "nvme")
+
+    def _put_locked(self, name: str, shard: torch.Tensor, dtype: torch.dtype, norm: torch.Tensor, tier: str) -> None:
+        """Start the put of ``name``'s shard as ``dtype`` (lock held), within the bytes allowed in flight."""
+        key = grad_key(name)
+        self.norms[name] = norm
+        stored = shard if shard.dtype == dtype else shard.to(dtype)
+        nbytes = stored.numel() * stored.element_size()
+        while self._pending and self._inflight + nbytes > self._inflight_limit:
+            self._wait(next(iter(self._pending)))
+        self._pending[key] = (self._store.sync.put_future(key, stored, tier), nbytes)
+        self._inflight += nbytes
+        self.names[name] = None
+        self.bytes_offloaded += nbytes
 
     def flush(self) -> None:
         """Wait for every put in flight; raise the first error any of them (or an earlier one) had."""
@@ -97,6 +119,12 @@ class GradOffload:
             error, self._error = self._error, None
         if error is not None:
             raise RuntimeError("a gradient shard could not be written to the store; its gradient is lost") from error
+
+    def drop_consumed(self) -> None:
+        """Delete the gradients a step used, now (rather than at the next backward's first gradient)."""
+        with self._lock:
+            if self._consumed:
+                self._drop_locked()
 
     def mark_consumed(self) -> None:
         """A step used the stored gradients: the next backward starts from none (see the module docstring)."""
@@ -173,3 +201,12 @@ class GradOffload:
             future.result()
         except BaseException as exc:  # noqa: BLE001 - kept and raised by flush(), outside the autograd hook
             self._error = self._error or exc
+
+
+def exact_dtype(handle: ParamHandle, accumulated: bool, world: int) -> torch.dtype:
+    """The narrowest dtype that holds ``handle``'s fp32 gradient shard exactly: its training dtype when
+    autograd made the gradient in that dtype at world size 1 and nothing was added to it, else fp32."""
+    dtype = handle.layout.dtype
+    if world == 1 and not accumulated and dtype in (torch.bfloat16, torch.float16):
+        return dtype
+    return torch.float32

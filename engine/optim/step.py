@@ -289,14 +289,16 @@ init_state = blocking(init_state_async)
 def update_in_memory(
     shards: Sequence[OptimShard], grads: Sequence[torch.Tensor], masters: Sequence[torch.Tensor],
     moments: Sequence[Optional[tuple[torch.Tensor, torch.Tensor]]], steps: Sequence[int],
-    hypers: Sequence[AdamHyper],
+    hypers: Sequence[AdamHyper], *, grad_scale: float = 1.0, grads_shared: Optional[Sequence[bool]] = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """torch's AdamW math on shards held in memory (the updates inside backward,
     ``engine/optim/backward_step.py``), as the pipelined step computes it: ``masters`` (flat fp32)
     are updated in place; returns each shard's new (exp_avg, exp_avg_sq), its ``moments`` pair
     updated in place, or new ones made from zeros at a shard's first step (None), as torch makes
     them. ``steps[i]`` is the updates shard i has taken so far; ``hypers`` holds the
-    hyperparameters of every parameter group. ValueError for mismatched lengths or sizes."""
+    hyperparameters of every parameter group. The gradients are multiplied by ``grad_scale`` first
+    (1 / loss scale, as ``GradScaler.unscale_``), in place unless ``grads_shared[i]`` says another
+    user still reads gradient i. ValueError for mismatched lengths or sizes."""
     if not len(shards) == len(grads) == len(masters) == len(moments) == len(steps):
         raise ValueError("update_in_memory takes one gradient, master, moments pair and step count per shard")
     loaded = []
@@ -308,7 +310,9 @@ def update_in_memory(
                                  f"torch.float32 with {shard.numel}")
         loaded.append(_Loaded(shard, _flat_grad(shard, grad), torch.tensor(float(count), dtype=torch.float32),
                               master.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)))
-    _update(loaded, list(hypers), 1.0, None, None, -1, MATH_CHUNK_BYTES // 4)
+    for item, shared in zip(loaded, grads_shared or ()):
+        item.grad_lent = shared
+    _update(loaded, list(hypers), grad_scale, None, None, -1, MATH_CHUNK_BYTES // 4)
     return [(item.exp_avg, item.exp_avg_sq) for item in loaded]  # type: ignore[misc]
 
 

@@ -4,8 +4,8 @@ The record is a small JSON entry put to the nvme tier (durable and atomic when t
 It names the completed step, each trainable shard's step count and the key set (slot) of its
 moments, and, while a step is being applied, everything needed to finish it after a crash: the
 step's :class:`Applying` section ([Note: Rolling a step forward], engine/optim/training.py). With
-``EngineConfig.step_in_backward`` the updates run inside backward; its :class:`InBackward` section
-says so ([Note: Updates inside backward], engine/optim/backward_step.py).
+updates inside backward its :class:`InBackward` section says a step's updates may have run, to be
+rolled back after a crash ([Note: Speculative updates], engine/optim/speculation.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from tiered import TieredStore
 
 #: The store key of the record.
 STEP_RECORD_KEY = "engine/step"
-#: Version of the record's JSON layout (1: a second key set per step, no sections).
-RECORD_FORMAT = 2
+#: Version of the record's JSON layout (1: a second key set per step, no sections; 2: updates inside
+#: backward overwrote the moments, and a crash inside backward was replayed from the recorded batch).
+RECORD_FORMAT = 3
 #: The formats this version reads.
-READABLE_FORMATS = (1, 2)
+READABLE_FORMATS = (1, 2, 3)
 #: Slot of a shard that has no optimizer state yet (it never took a step).
 NO_STATE = -1
 
@@ -64,6 +65,8 @@ class Applying:
     clip_coef: Optional[float]
     #: The loss scaler's state once the step is done (None without loss scaling).
     loss_scale: Optional[Mapping[str, Any]] = None
+    #: Shards whose update ran inside backward and stands: counted by the step, not updated again.
+    inside: tuple[str, ...] = ()
 
     def clip_tensor(self) -> Optional[torch.Tensor]:
         """The clip coefficient as the step multiplies by it (a 0-dim fp32 tensor), or None."""
@@ -75,6 +78,7 @@ class Applying:
             "step": self.step, "shards": list(self.shards), "hypers": [_hyper_doc(h) for h in self.hypers],
             "grad_scale": self.grad_scale, "clip_coef": self.clip_coef,
             "loss_scale": None if self.loss_scale is None else dict(self.loss_scale),
+            **({"inside": list(self.inside)} if self.inside else {}),
         }
 
     @classmethod
@@ -83,26 +87,25 @@ class Applying:
         coef = doc["clip_coef"]
         return cls(int(doc["step"]), tuple(str(n) for n in doc["shards"]),
                    tuple(_hyper_of(h) for h in doc["hypers"]), float(doc["grad_scale"]),
-                   None if coef is None else float(coef), doc.get("loss_scale"))
+                   None if coef is None else float(coef), doc.get("loss_scale"),
+                   tuple(str(n) for n in doc.get("inside", ())))
 
 
 @dataclasses.dataclass(frozen=True)
 class InBackward:
-    """Updates of step ``step`` run inside backward (``EngineConfig.step_in_backward``): the shards
-    that took theirs keep their old parameter aside until the step commits. ``inputs_crc`` is the
-    CRC-32 of the step's forward inputs, which a replay after a crash must match."""
+    """Updates of step ``step`` may have run inside backward: the shards that took theirs keep the
+    values from before the step aside until it commits, and a resume rolls them back."""
 
     step: int
-    inputs_crc: int
 
     def encode(self) -> dict[str, Any]:
         """The section as JSON-ready values."""
-        return {"step": self.step, "inputs_crc": self.inputs_crc}
+        return {"step": self.step}
 
     @classmethod
     def decode(cls, doc: Mapping[str, Any]) -> "InBackward":
         """Parse :meth:`encode`'s output."""
-        return cls(int(doc["step"]), int(doc["inputs_crc"]))
+        return cls(int(doc["step"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +170,12 @@ class StepRecord:
                 raise StepRecordError(f"{STEP_RECORD_KEY!r} has a loss_scale that is not an object: {loss_scale!r}")
             applying = doc.get("applying")
             in_backward = doc.get("in_backward")
+            if in_backward is not None and doc["format"] < 3:
+                raise StepRecordError(
+                    f"step {in_backward.get('step')} stopped inside backward under an earlier layout of the updates "
+                    "inside backward, which this version cannot roll back: resume with the version that wrote it "
+                    "(it replays that step's batch), or load a checkpoint"
+                )
             return cls(int(doc["step"]), shards, loss_scale, bool(doc.get("master_in_param", False)),
                        Applying.decode(applying) if applying is not None else None,
                        InBackward.decode(in_backward) if in_backward is not None else None)

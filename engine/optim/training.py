@@ -39,26 +39,34 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.config.engine_config import updates_in_backward_ruled_out
 from engine.errors import StepRecordError
 from engine.optim.adamw import AdamW
-from engine.optim.backward_step import BackwardUpdates, inputs_crc
+from engine.optim.backward_step import BackwardUpdates
 from engine.optim.clip import AllReduceSum, clip_coefficient, shard_norms, total_norm
-from engine.optim.grad_offload import GradOffload
+from engine.optim.grad_offload import GradOffload, exact_dtype
 from engine.optim.loss_scaler import LossScaler
 from engine.optim.prefetch import StatePrefetch
 from engine.optim.step import EventHook, init_state
 from engine.optim.step_io import gather_all, plan_groups, run_sync
 from engine.optim.step_progress import PROGRESS_KEY_PREFIX, done_shards, progress_entry, progress_keys
+from engine.optim.speculation import (
+    StepInBackward,
+    StepModePolicy,
+    discard_kept,
+    entries_named,
+    entries_of,
+    put_back,
+    roll_back,
+    set_aside,
+)
 from engine.optim.step_record import NO_STATE, STEP_RECORD_KEY, Applying, InBackward, ShardState, StepRecord
 from engine.optim.types import OptimShard, OptimStepStats
 from engine.paging.handle import HandleState, ParamHandle
 from engine.paging.layout import (
     GRAD_KEY_PREFIX,
     OPTIM_KEY_PREFIX,
-    PARAM_KEY_PREFIX,
     grad_key,
-    kept_key,
-    new_key,
     optim_keys,
     staged_key,
 )
@@ -110,6 +118,11 @@ class TrainCounters:
     bytes_written: int = 0
     stall_seconds: float = 0.0
     update_seconds: float = 0.0
+    #: Steps whose updates ran inside backward and stood ([Note: Speculative updates]).
+    steps_inside: int = 0
+    #: Steps whose updates ran inside backward and were redone after it (the clip norm bound, or the
+    #: hyperparameters changed, or the loop added a backward).
+    steps_redone: int = 0
     last: Optional[OptimStepStats] = None
 
     def add(self, stats: OptimStepStats, seconds: float) -> None:
@@ -152,17 +165,20 @@ def check_resumable(store: TieredStore) -> None:
         )
 
 
-def return_kept_parameters(store: TieredStore) -> None:
-    """Put back under ``param/<name>`` every old parameter value an update inside backward had kept
-    aside when a crash came before it wrote the new one (the parameter's key is then empty), so the
-    store holds a value for every parameter before a resume adopts them ([Note: Updates inside
-    backward]). Renames only; nothing else changes."""
-    suffix = "/kept"
-    pairs = [(k, PARAM_KEY_PREFIX + k[len(OPTIM_KEY_PREFIX):-len(suffix)]) for k in store.keys()
-             if k.startswith(OPTIM_KEY_PREFIX) and k.endswith(suffix)]
-    pairs = [(kept, param) for kept, param in pairs if param not in store]
-    if pairs:
-        store.sync.rename_many(pairs)
+def roll_back_interrupted_step(store: TieredStore) -> None:
+    """When the store's record says a step's updates inside backward were under way (a crash came
+    before its commit), roll them back: the store then holds the last committed step, every parameter
+    under its key, before a resume adopts them ([Note: Speculative updates] in
+    engine/optim/speculation.py). Renames and deletes only."""
+    try:
+        record = StepRecord.read(store)
+    except (StepRecordError, ChecksumError):
+        return  # Training.start reports it, with the way out
+    if record is None or record.in_backward is None:
+        return
+    fresh = {name for name, state in record.shards.items() if state.slot == NO_STATE}
+    roll_back(store, [entries_named(name) for name in record.shards], fresh)
+    record.replace(in_backward=None).write(store)
 
 
 class Training:
@@ -203,16 +219,13 @@ class Training:
         #: fp32 shards are their own masters ([Note: One copy of fp32 weights]).
         self._master_in_param = config.param_tier == config.optimizer_tier and (
             self._durable or config.updates_in_place)
-        #: Updates inside backward ([Note: Updates inside backward]); None without step_in_backward.
+        #: Which way each step runs ([Note: Speculative updates] in engine/optim/speculation.py).
+        self._policy = StepModePolicy(config.step_in_backward, updates_in_backward_ruled_out(config),
+                                      clipping=config.max_grad_norm is not None)
+        #: The worker of the updates inside backward ([Note: Updates inside backward]); None when no step
+        #: of this run can take them.
         self._updates: Optional[BackwardUpdates] = None
-        if config.step_in_backward:
-            other = [p.name for p in self._params if p.dtype != torch.float32]
-            if other:
-                raise ValueError(
-                    f"EngineConfig.step_in_backward updates fp32 parameters that are their own masters, but "
-                    f"{other[:3]} train in {self._by_name[other[0]].dtype}: train in fp32 (train_dtype=None or "
-                    "'float32') or leave step_in_backward off"
-                )
+        if self._policy.inside:
             group = config.optimizer_group_bytes
             self._updates = BackwardUpdates(
                 self._store, compress=config.compress_optimizer, batch_bytes=group, inflight_bytes=2 * group,
@@ -220,15 +233,21 @@ class Training:
                 hold_bytes=updates_buffer_bytes,
             )
         self._io = shard_io
-        #: Shards updated inside backward (or whose update a crash left set aside) in this step, in the
-        #: order their gradients became final, with their gradients' 2-norms.
-        self._stepped: dict[str, torch.Tensor] = {}
-        self._inputs_crc = 0  # CRC-32 of the step's forward inputs so far
-        self._replay_crc: Optional[int] = None  # the inputs a resumed step must replay
+        if self._updates is not None and any(p.dtype != torch.float32 for p in self._params):
+            pager.master_source = self._master_for_backward
+        #: The step whose updates run inside backward (None: none under way).
+        self._inside: Optional[StepInBackward] = None
+        #: Whether the step under way runs inside backward (None: not decided until its first final gradient).
+        self._inside_this_step: Optional[bool] = None
         self._backward_failed = False  # an update inside backward failed: the step must be run again
-        # State updated in place is read by nobody: the step works on the store's memory directly;
-        # updates inside backward read theirs along the order gradients become final.
-        prefetch_groups = 0 if config.updates_in_place or config.step_in_backward else config.optimizer_prefetch_groups
+        self._micro_batch: set[str] = set()  # shards with a final gradient since the last eng.step() call
+        self._step_hypers: Optional[tuple] = None  # hyperparameters at the step's first final gradient
+        self._ahead_order: list[str] = []  # the order the last step inside backward took its gradients in
+        #: The last step's updates ran inside backward and kept no gradient, and no gradient came since:
+        #: a step or a gradient read now cannot see what torch would (that step's gradients, again).
+        self._used_up = False
+        # State updated in place is read by nobody: the step works on the store's memory directly.
+        prefetch_groups = 0 if config.updates_in_place else config.optimizer_prefetch_groups
         self._prefetch = StatePrefetch(self._store, prefetch_groups, config.optimizer_group_bytes)
         #: The running loss scale (None without ``EngineConfig.loss_scaling``).
         self.scaler: Optional[LossScaler] = (
@@ -311,15 +330,8 @@ class Training:
                 f"{missing[:5]} that the record lacks and the record has {extra[:5]} that the model lacks"
             )
         self.record = record.replace(shards={n: record.shards[n] for n in names})
-        if record.in_backward is not None:
-            if self._updates is None:
-                raise StepRecordError(
-                    f"step {record.in_backward.step} stopped inside backward, where EngineConfig.step_in_backward "
-                    "applied some of its updates: resume with step_in_backward=True and replay that step's batch"
-                )
-            self._recover_in_backward()
-        else:
-            self._finish_backward_leftovers()
+        if record.applying is None:
+            discard_kept(self._store, self._entries(self.live_shards()))  # what a crash after a commit left
         for p in self._params:
             state = self.record.shards[p.name]
             if state.slot != NO_STATE:
@@ -347,8 +359,14 @@ class Training:
 
     def close(self) -> None:
         """Wait for gradient puts still in flight (errors are dropped: the engine is closing); later
-        steps raise and zero_grad does nothing more than torch's. A step left part way is finished
-        by the next resume."""
+        steps raise and zero_grad does nothing more than torch's. Updates inside backward that no
+        ``eng.step()`` took are rolled back (as the gradients of a step never taken are lost); a step
+        after backward left part way is finished by the next resume."""
+        try:
+            if self._inside is not None or self._backward_failed:
+                self._roll_back_in_backward()
+        except Exception:  # noqa: BLE001 - the engine is closing: the next resume rolls it back instead
+            pass
         self._closed = True
         try:
             self.grads.flush()
@@ -358,6 +376,7 @@ class Training:
             self._prefetch.discard()
             if self._updates is not None:
                 self._updates.close()
+            self._inside = None
 
     # ------------------------------------------------------------------ queries
 
@@ -429,74 +448,147 @@ class Training:
         self._restore_params()
         self._delete_inactive()  # the replaced state, and anything staged for a shard left without state
 
-    def complete_pending(self) -> None:
-        """Finish a step that stopped part way, if any ([Note: Rolling a step forward]); called before
-        anything reads the parameters or the optimizer state. Raises what the finishing raises, and
-        RuntimeError while updates applied inside backward wait for ``eng.step()``."""
+    def complete_pending(self, intent: str = "read") -> None:
+        """Bring the store to one step's state before a call between steps: finish a step that stopped
+        part way ([Note: Rolling a step forward]), and deal with updates inside backward waiting for
+        ``eng.step()`` ([Note: Speculative updates]) as ``intent`` needs: "read" (a forward, a save,
+        a ``full_*`` read) sets them aside so the call sees the last committed step; "write" (a load,
+        a ``set_full_*``) rolls them back so that ``eng.step()`` redoes them from the stored gradients,
+        or raises RuntimeError (changing nothing) where no gradient was kept; "discard"
+        (``zero_grad``) rolls them back and drops the step."""
         if self._closed:
             return
-        if self._stepped and not self._backward_failed:
-            raise RuntimeError(
-                f"step {self.record.step + 1} was applied inside backward (EngineConfig.step_in_backward) and is "
-                "not committed yet: call eng.step() first (its parameters are a mix of two steps until then)"
-            )
+        inside = self._inside
+        if inside is not None and not self._backward_failed:
+            if intent == "read":
+                if not inside.set_aside:
+                    self._wait_for_updates()
+                    set_aside(self._store, self._entries(self._updated_shards()))
+                    inside.set_aside = True
+                    self._pager.drop_prefetched()
+                    if self.on_event is not None:
+                        self.on_event("set aside", 0)
+            elif intent == "discard":
+                self._roll_back_in_backward()
+            elif intent == "write":
+                if inside.updated and not inside.keeps_grads:
+                    raise RuntimeError(
+                        f"step {inside.step}'s updates ran inside backward without keeping their gradients, so they "
+                        "cannot be redone once this changes the state: call it after eng.step(), or before backward "
+                        "(EngineConfig.step_in_backward=False runs every step after backward)"
+                    )
+                self._policy.keep_grads()
+                self._redo_after_backward()
+            else:
+                raise ValueError(f"complete_pending: intent must be 'read', 'write' or 'discard', got {intent!r}")
         if self.record.applying is not None:
             self._pager.drop_prefetched()
             self._finish_applying(first_attempt=False)
 
     @property
     def step_in_backward(self) -> bool:
-        """True when the updates run inside backward (``EngineConfig.step_in_backward``)."""
+        """True when updates inside backward may run in this engine (``EngineConfig.step_in_backward``
+        True, or None where the configuration allows them)."""
         return self._updates is not None
+
+    @property
+    def step_mode(self) -> str:
+        """Which way the next step runs, and why (one line, for logs and ``tiered train``)."""
+        self._policy.decide()
+        return self._policy.reason
+
+    def gradients_readable(self, what: str) -> None:
+        """Before ``full_grad`` / ``set_full_grad`` (``what``): RuntimeError when updates inside backward
+        used the step's gradients without keeping them; else notes that this loop reads gradients
+        between backward and step, so later steps keep them."""
+        inside = self._inside
+        self._policy.keep_grads()
+        if inside is not None and inside.updated and not inside.keeps_grads:
+            raise RuntimeError(
+                f"cannot {what}: step {inside.step}'s updates ran inside backward and kept no gradient (none is "
+                "needed unless something reads them); later steps keep them now. Call it before backward or "
+                "after eng.step(), or set EngineConfig.step_in_backward=False"
+            )
+        if self._used_up:
+            raise RuntimeError(
+                f"cannot {what}: step {self.record.step}'s updates ran inside backward and kept no gradient; later "
+                "steps keep them now. Call it after a backward, or set EngineConfig.step_in_backward=False"
+            )
 
     def on_forward(self, inputs: tuple) -> None:
         """The wrapped model's forward starts (outside backward) with ``inputs``, its ``(args, kwargs)``."""
         if self._backward_failed:
-            self._recover_in_backward()
-        self.complete_pending()
-        if self._updates is not None and torch.is_grad_enabled():
-            self._inputs_crc = inputs_crc(inputs, self._inputs_crc)
+            self._roll_back_in_backward()
+        self.complete_pending("read")
+        if torch.is_grad_enabled() and self._inside_this_step is None and self._updates is not None:
+            # Decided before the step's first fetch: backward then reads masters ([Note: Masters read in
+            # backward] in engine/paging/pager.py).
+            self._inside_this_step = self._policy.decide()
+            if self._inside_this_step and self._ahead_order:
+                # Read now, not when the last step committed: anything between the steps (a step after
+                # backward, a load, a set_full_*) may have changed the state.
+                self._updates.read_ahead(self._shards_of(self._ahead_order), self.has_state)
+
+    def end_micro_batch(self) -> None:
+        """An ``eng.step()`` call ended a micro-batch: the next backward's gradients are another's."""
+        self._micro_batch.clear()
+
+    def on_final_grad(self, handle: ParamHandle, boundary: bool) -> None:
+        """``handle``'s gradient is final for this backward (``boundary``: the accumulation window's last):
+        its update runs now, inside backward, or its shard goes to the store for the step."""
+        if handle.param.grad is None:
+            return
+        if handle.name in self._micro_batch:
+            self._policy.second_backward()  # the loop adds up backwards by itself
+        self._micro_batch.add(handle.name)
+        self._used_up = False
+        if boundary and self._inside_this_step is None and not self._backward_failed:
+            self._inside_this_step = self._updates is not None and self._policy.decide()
+        if boundary and self._inside_this_step:
+            self.update_in_backward(handle)
+        else:
+            self.grads.offload(handle)  # to the store as an fp32 shard; param.grad = None
 
     def update_in_backward(self, handle: ParamHandle) -> None:
         """``handle``'s gradient is final for the step (the window's last backward): hand its update to
         the worker ([Note: Updates inside backward]); ``param.grad`` is None afterwards."""
         assert self._updates is not None
-        grad = handle.param.grad
-        if grad is None:
-            return
-        self._on_offload()
+        self._check_backward()
+        inside = self._inside if self._inside is not None else self._begin_in_backward()
         name = handle.name
-        if name in self._stepped:
-            raise RuntimeError(
-                f"a second backward reached {name!r} before eng.step(): with EngineConfig.step_in_backward each "
-                "backward that ends an accumulation window applies the update, so call eng.step() after it (or set "
-                "EngineConfig.gradient_accumulation_steps and call eng.backward / eng.step per micro-batch)"
-            )
+        if inside.seen(name) or inside.set_aside:
+            self._second_backward(name)
+            self.grads.offload(handle)
+            return
+        grad = handle.param.grad
+        master = handle.take_master_copy()  # read by backward's fetch, or None
         shard = self._io.grad_shard(handle, grad).to("cpu")
         handle.param.grad = None
         del grad
         if self.grads.current(name):  # the window's earlier micro-batches: their sum is in the store
-            shard = self._store.sync.get(grad_key(name)).add_(shard)
+            shard = self._store.sync.get(grad_key(name)).float().add_(shard)
+            accumulated = True
+        else:
+            accumulated = False
         norm = shard_norms([shard])[0]
-        if not self._stepped:
-            self._begin_in_backward()
-        self._stepped[name] = norm
-        if new_key(name) in self._store:
-            return  # updated before a crash: its new value waits aside (the replay's gradient is the same)
+        run_now = inside.admit(name, norm)
+        if inside.keeps_grads and not inside.overflow:
+            self.grads.keep(name, shard, exact_dtype(handle, accumulated, self._io.world), norm)
+        if not run_now:
+            return
         p = self._by_name[name]
-        master = None
-        if handle.state is HandleState.READY:  # a buffer of the store's pool: counted in the plan, put in place
+        if master is None and handle.state is HandleState.READY and self._one_copy(p):
             master = self._store.host_buffer(handle.layout.shard_numel * 4).view(torch.float32)
-            self._io.local_shard(handle, out=master)
+            self._io.local_shard(handle, out=master)  # backward's copy of the parameter is the master
         state = self.record.shards[name]
         self._updates.on_event = self.on_event
         try:
-            self._updates.submit(self._shard(p, max(state.slot, 0)), shard, master, state.steps,
-                                 tuple(self._optimizer.hyperparameters()))
+            self._updates.submit(self._shard(p, max(state.slot, 0)), shard, master, state.steps, inside.hypers,
+                                 grad_scale=inside.grad_scale, grad_shared=inside.keeps_grads)
         except BaseException as exc:
             self._backward_failed = True
-            exc.add_note(f"step {self.record.step + 1} was not applied: run its batch again (forward and backward; "
-                         "the forward puts the last completed step's parameters back), then eng.step()")
+            exc.add_note(f"step {inside.step} was not applied: run its batch again (forward and backward; the "
+                         "forward puts the last completed step's parameters back), then eng.step()")
             raise
 
     # ------------------------------------------------------------------ the step (AdamW.step -> here)
@@ -512,12 +604,9 @@ class Training:
         no clipping), as ``clip_grad_norm_`` right before a plain model's step; returns
         :meth:`pending_grad_norm`. Asked twice, the step clips to the smaller norm, as two clips in
         a row would. A backward adding gradients before that step is refused, since the clipping
-        would then cover gradients that did not exist when it was asked for."""
-        if self._updates is not None:
-            raise RuntimeError(
-                "clip_grad_norm_ cannot clip gradients that EngineConfig.step_in_backward already applied inside "
-                "backward; turn step_in_backward off to clip"
-            )
+        would then cover gradients that did not exist when it was asked for. Updates that ran inside
+        backward are validated against it by the step ([Note: Speculative updates])."""
+        self._policy.keep_grads()
         norm = self.pending_grad_norm()
         if not math.isinf(max_norm):
             self._clip_to = float(max_norm) if self._clip_to is None else min(self._clip_to, float(max_norm))
@@ -525,14 +614,13 @@ class Training:
 
     def _stored_grad_norm(self) -> torch.Tensor:
         """The stored (loss-scaled) gradients' global norm, summed in parameter order over every
-        rank, once every gradient shard has reached the store (with the updates inside backward: the
-        norm of the gradients they used)."""
-        if self._updates is not None:
-            return total_norm([self._stepped[p.name] for p in self._params if p.name in self._stepped],
-                              self.all_reduce)
+        rank, once every gradient shard has reached the store (with updates inside backward, the
+        norms of the final gradients they took count too)."""
         self.grads.flush()
         # Norms taken on the compute device (CUDA) join the step's CPU math as CPU scalars.
         norms = {n: t.cpu() for n, t in self.grads.norms.items()} if self.grads.norms else {}
+        if self._inside is not None:
+            norms.update(self._inside.norms())
         return total_norm([norms[p.name] for p in self._params if p.name in norms], self.all_reduce)
 
     def _step(self) -> None:
@@ -553,9 +641,20 @@ class Training:
         if self.record.applying is not None:  # the step that failed part way: this call finishes it
             self._finish_applying(first_attempt=False, started=started)
             return
-        if self._updates is not None:
+        self._micro_batch.clear()
+        self._inside_this_step = None
+        if self._inside is not None:
             self._commit_in_backward(started)
             return
+        if self._used_up:
+            self._policy.keep_grads()
+            raise RuntimeError(
+                f"eng.step() again with no backward since step {self.record.step}, whose updates ran inside "
+                "backward and kept no gradient: a torch optimizer would apply the same gradients again, which "
+                "are gone. Call eng.zero_grad() (a step then changes nothing, as in torch) or run a backward "
+                "first; later steps keep their gradients for this"
+            )
+        self._check_hyperparameters_kept()
         if self._restore_pending:
             self._restore_params()
             self._restore_pending = False
@@ -619,16 +718,23 @@ class Training:
             delete_keys(self._store, [k for name in updated for k in optim_keys(name, previous.shards[name].slot)])
         self.counters.add(stats, time.perf_counter() - started)
 
-    def _start_applying(self, with_grad: list["_Param"], stored_norm: torch.Tensor, grad_scale: float,
-                        started: float) -> None:
-        """The step with the state on nvme: durable gradients, the ``applying`` record, then the groups
-        ([Note: Rolling a step forward])."""
+    def _clip_norm(self) -> Optional[float]:
+        """The norm the next step clips to: the smaller of ``max_grad_norm`` and ``clip_grad_norm_``'s, or None."""
         max_norm = self._config.max_grad_norm
         if self._clip_to is not None:
             max_norm = self._clip_to if max_norm is None else min(self._clip_to, max_norm)
+        return max_norm
+
+    def _start_applying(self, with_grad: list["_Param"], stored_norm: torch.Tensor, grad_scale: float,
+                        started: float, inside: tuple[str, ...] = ()) -> None:
+        """The step with the state on nvme: durable gradients, the ``applying`` record, then the groups
+        ([Note: Rolling a step forward]). ``inside``: shards whose update already ran inside backward
+        and stands ([Note: Speculative updates]); the step counts them and updates the others."""
+        max_norm = self._clip_norm()
         # A power-of-two scale scales the norm exactly: this is the norm of the unscaled gradients.
         norm = stored_norm * grad_scale if grad_scale != 1.0 else stored_norm
         coef = clip_coefficient(norm, max_norm) if max_norm is not None else None
+        self._policy.after_step(inside=False, bound=coef is not None and float(coef) < 1.0)
         self._store.sync.flush([grad_key(p.name) for p in with_grad])
         scaler_after = None
         if self.scaler is not None:
@@ -638,10 +744,10 @@ class Training:
             scaler_after = after.state_dict()
         applying = Applying(
             self.record.step + 1, tuple(p.name for p in with_grad), tuple(self._optimizer.hyperparameters()),
-            float(grad_scale), None if coef is None else float(coef), scaler_after,
+            float(grad_scale), None if coef is None else float(coef), scaler_after, inside,
         )
         delete_keys(self._store, progress_keys(self._store))  # leftovers of no step in flight
-        record = self.record.replace(applying=applying)
+        record = self.record.replace(applying=applying, in_backward=None)
         record.write(self._store)  # from here on the step is finished, never undone
         self.record = record
         self._clip_to = None
@@ -654,8 +760,9 @@ class Training:
         applying = self.record.applying
         assert applying is not None
         started = time.perf_counter() if started is None else started
-        stepping = set(applying.shards)
+        stepping = set(applying.shards) | set(applying.inside)
         done = done_shards(self._store, applying.step) if not first_attempt else set()
+        done |= set(applying.inside)
         todo = [p for p in self._params if p.name in stepping and p.name not in done]
         lost = [p.name for p in todo if grad_key(p.name) not in self._store]
         if lost:
@@ -696,36 +803,166 @@ class Training:
         if not first_attempt:  # a separate master's parameter may lag behind it: rewrite those
             self._restore_params([p for p in self._params if p.name in stepping])
         delete_keys(self._store, progress_keys(self._store))
+        discard_kept(self._store, self._entries(self._shards_of(applying.inside)))
         self.grads.mark_consumed()
         self.counters.add(stats, time.perf_counter() - started)
 
-    def _begin_in_backward(self) -> None:
-        """The step's first update inside backward: record it (with the forward inputs' CRC), or, for
-        a step a resume is replaying, check that the inputs are the ones recorded."""
-        if self._replay_crc is not None:
-            if self._inputs_crc != self._replay_crc:
-                raise RuntimeError(
-                    f"step {self.record.step + 1} stopped inside backward before a crash, after some of its updates "
-                    "(EngineConfig.step_in_backward); the batch run since the resume is not that step's (its forward "
-                    "inputs differ), and the updates already made came from that batch. Replay step "
-                    f"{self.record.step + 1}'s batch (eng.completed_steps gives where to resume), or load a checkpoint"
-                )
-            self._replay_crc = None
-            return
-        record = self.record.replace(in_backward=InBackward(self.record.step + 1, self._inputs_crc))
-        record.write(self._store)  # before the first rename: a crash from here on is recovered by a replay
+    # ------------------------------------------------------------------ updates inside backward
+
+    def _begin_in_backward(self) -> StepInBackward:
+        """The step's first final gradient, with its updates inside backward: record that a step is under
+        way (a crash from here on is rolled back at resume, [Note: Speculative updates])."""
+        self.grads.drop_consumed()  # the last step's, which no update inside backward would delete
+        record = self.record.replace(in_backward=InBackward(self.record.step + 1))
+        record.write(self._store)
         self.record = record
+        scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        self._inside = StepInBackward(
+            step=record.step + 1, keeps_grads=self._policy.keeps_grads, max_norm=self._clip_norm(),
+            grad_scale=scale, hypers=tuple(self._optimizer.hyperparameters()),
+        )
+        return self._inside
 
     def _commit_in_backward(self, started: float) -> None:
-        """``eng.step()`` with the updates inside backward: wait for them, commit, drop the old values."""
-        assert self._updates is not None
+        """``eng.step()`` after updates inside backward: wait for them, validate them against the global
+        norm, an overflow and the hyperparameters, and commit, roll back or redo ([Note: Speculative
+        updates])."""
+        inside = self._inside
+        assert inside is not None and self._updates is not None
         if self._backward_failed:
-            self._recover_in_backward()
+            self._roll_back_in_backward()
             raise RuntimeError(
-                f"an optimizer update inside backward of step {self.record.step + 1} failed, so the step was not "
-                "applied: the parameters are back at the last completed step. Run that step's batch again "
-                "(forward and backward), then eng.step()"
+                f"an optimizer update inside backward of step {inside.step} failed, so the step was not applied: "
+                "the parameters are back at the last completed step. Run that step's batch again (forward and "
+                "backward), then eng.step()"
             )
+        self._wait_for_updates()
+        if inside.set_aside:
+            put_back(self._store, self._entries(self._updated_shards()))
+            inside.set_aside = False
+            self._pager.drop_prefetched()
+        for p in self._params:  # a gradient from an earlier micro-batch only: its update waits for the step
+            if not inside.seen(p.name) and self.grads.current(p.name):
+                inside.waiting[p.name] = self.grads.norms[p.name]
+        stored_norm = self._stored_grad_norm()
+        if self.scaler is not None and not bool(torch.isfinite(stored_norm)):
+            self.last_grad_norm = float(stored_norm)
+            self._roll_back_in_backward()
+            self._skip_step()
+            return
+        max_norm = self._clip_norm()
+        norm = stored_norm * inside.grad_scale if inside.grad_scale != 1.0 else stored_norm
+        binds = max_norm is not None and float(clip_coefficient(norm, max_norm)) < 1.0
+        changed = tuple(self._optimizer.hyperparameters()) != inside.hypers
+        if (binds or changed) and inside.updated:
+            if not inside.keeps_grads:
+                self._roll_back_in_backward()
+                self._policy.keep_grads()
+                self._clip_to = None
+                self.grads.zero(set_to_none=True)
+                raise RuntimeError(
+                    f"step {inside.step} was not applied: its updates ran inside backward before "
+                    + ("clip_grad_norm_ asked for clipping that binds" if binds else
+                       "the hyperparameters changed (an LR scheduler stepped before the optimizer?)")
+                    + ", and no gradient was kept to redo them. The parameters are back at the last completed step; "
+                    "run that step's batch again (forward and backward), then eng.step(). Later steps keep the "
+                    "gradients a redo needs"
+                )
+            self._redo_after_backward()
+            self._step()
+            return
+        waiting = [p for p in self._params if p.name in inside.waiting]
+        if waiting:  # the running norm stopped the updates, as it turned out without need
+            self._inside = None
+            self._start_applying(waiting, stored_norm, inside.grad_scale, started, tuple(inside.updated))
+            self.counters.steps_inside += bool(inside.updated)
+            self._end_step_in_backward(inside, started)
+            return
+        counts = {n: s.steps + 1 if n in inside.updated else s.steps for n, s in self.record.shards.items()}
+        record = StepRecord(self.record.step + 1, {
+            n: ShardState(counts[n], max(s.slot, 0)) if n in inside.updated else s for n, s in self.record.shards.items()
+        }, self._scaler_state(), self.record.master_in_param)
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+            record = record.replace(loss_scale=self._scaler_state())
+        record.write(self._store)  # the commit point
+        self.record = record
+        self._inside = None
+        self._clip_to = None
+        self._optimizer._set_shard_steps(counts)
+        discard_kept(self._store, self._entries(self._shards_of(inside.updated)))
+        self.grads.mark_consumed()
+        self.last_grad_norm = float(norm)
+        self._policy.after_step(inside=True, bound=False)
+        self.counters.steps_inside += 1
+        self._used_up = not inside.keeps_grads
+        self._end_step_in_backward(inside, started)
+
+    def _end_step_in_backward(self, inside: StepInBackward, started: float) -> None:
+        """After a step with updates inside backward committed: remember the order its gradients became
+        final in (the next such step reads ahead along it), count it."""
+        assert self._updates is not None
+        self._ahead_order = list(inside.norms())
+        c = self._updates.take_counters()
+        seconds = time.perf_counter() - (c.first_update if c.first_update is not None else started)
+        self.counters.add(OptimStepStats(
+            seconds=seconds, bytes_read=c.bytes_read, bytes_written=c.bytes_written, io_stall_seconds=c.stall_seconds,
+            update_seconds=c.update_seconds, groups=c.batches, shards_updated=len(inside.updated),
+            shards_skipped=len(self._params) - len(inside.updated), grad_norm=self.last_grad_norm, clip_coef=None,
+            step_counts=self._optimizer.shard_steps,
+        ), time.perf_counter() - started)
+
+    def _roll_back_in_backward(self) -> None:
+        """Undo the updates inside backward of the step under way (or a crash left): the store holds the
+        last committed step again, and the record says no step is under way ([Note: Speculative updates])."""
+        if self._updates is not None:
+            try:
+                self._updates.wait()
+            except RuntimeError:
+                pass  # the failure that brought us here
+            self._updates.take_counters()
+        fresh = {p.name for p in self._params if self.record.shards[p.name].slot == NO_STATE}
+        roll_back(self._store, self._entries(self.live_shards()), fresh)
+        self._pager.drop_prefetched()
+        self._inside = None
+        self._inside_this_step = None
+        self._backward_failed = False
+        if self.record.in_backward is not None:
+            record = self.record.replace(in_backward=None)
+            record.write(self._store)
+            self.record = record
+
+    def _redo_after_backward(self) -> None:
+        """Roll the updates inside backward back and leave the step to run after backward from the stored
+        gradients (every final gradient was kept)."""
+        inside = self._inside
+        assert inside is not None and inside.keeps_grads
+        self._wait_for_updates()
+        self._roll_back_in_backward()
+        if inside.updated:
+            self.counters.steps_redone += 1
+        self._inside_this_step = False  # the rest of this step's gradients go to the store
+
+    def _second_backward(self, name: str) -> None:
+        """A gradient reached ``name`` again before ``eng.step()``: the loop adds backwards up by itself.
+        Redo the step after backward when the gradients were kept; else refuse (the updates used only
+        the first)."""
+        self._policy.second_backward()
+        inside = self._inside
+        assert inside is not None
+        if inside.keeps_grads:
+            self._redo_after_backward()
+            return
+        raise RuntimeError(
+            f"a second backward reached {name!r} before eng.step(), but step {inside.step}'s updates already ran "
+            "inside backward with the first backward's gradients alone: call eng.step() after each backward, or "
+            "set EngineConfig.gradient_accumulation_steps and call eng.backward / eng.step per micro-batch (later "
+            "steps of this run go after backward)"
+        )
+
+    def _wait_for_updates(self) -> None:
+        """Wait for the worker; on a failed update, roll the step back and raise."""
+        assert self._updates is not None
         try:
             self._updates.wait()
         except BaseException as exc:
@@ -733,75 +970,37 @@ class Training:
             exc.add_note(f"step {self.record.step + 1} was not applied; the next forward puts the last completed "
                          "step's parameters back: run that step's batch again (forward and backward), then eng.step()")
             raise
-        set_aside = {p.name for p in self._params if new_key(p.name) in self._store}
-        if self._replay_crc is not None and set_aside:
-            raise RuntimeError(
-                f"step {self.record.step + 1} stopped inside backward before a crash and its batch has not been "
-                "replayed since the resume: run that step's batch (forward and backward), then eng.step()"
-            )
-        norm = self._stored_grad_norm()
-        stepped = set(self._stepped) | set_aside
-        counts = {n: s.steps + 1 if n in stepped else s.steps for n, s in self.record.shards.items()}
-        record = StepRecord(self.record.step + 1, {
-            n: ShardState(counts[n], max(s.slot, 0)) if n in stepped else s for n, s in self.record.shards.items()
-        }, self._scaler_state(), self.record.master_in_param)
-        record.write(self._store)  # the commit point
-        self.record = record
-        self._optimizer._set_shard_steps(counts)
-        order = [self.live_shard(n) for n in self._stepped]
-        self._stepped = {}
-        self._inputs_crc = 0
-        self._finish_backward_leftovers()
-        self.grads.mark_consumed()
-        self.last_grad_norm = float(norm)
-        self._updates.read_ahead(order, self.has_state)
-        c = self._updates.take_counters()
-        seconds = time.perf_counter() - (c.first_update if c.first_update is not None else started)
-        self.counters.add(OptimStepStats(
-            seconds=seconds, bytes_read=c.bytes_read, bytes_written=c.bytes_written, io_stall_seconds=c.stall_seconds,
-            update_seconds=c.update_seconds, groups=c.batches, shards_updated=len(stepped),
-            shards_skipped=len(self._params) - len(stepped), grad_norm=float(norm), clip_coef=None,
-            step_counts=counts,
-        ), time.perf_counter() - started)
 
-    def _recover_in_backward(self) -> None:
-        """After a crash (or a failed update) inside backward: set each done shard's new value aside and
-        put every kept old value back, so the model is the last completed step's and its batch can be
-        replayed ([Note: Updates inside backward])."""
-        if self._updates is not None:
-            try:
-                self._updates.wait()
-            except RuntimeError:
-                pass  # the failure that brought us here
-        store = self._store
-        done = [(p.param_key, new_key(p.name)) for p in self._params
-                if kept_key(p.name) in store and p.param_key in store]
-        if done:
-            store.sync.rename_many(done)
-        back = [(kept_key(p.name), p.param_key) for p in self._params if kept_key(p.name) in store]
-        if back:
-            store.sync.rename_many(back)
-        self._pager.drop_prefetched()
-        self._stepped = {}
-        self._inputs_crc = 0
-        self._backward_failed = False
-        in_backward = self.record.in_backward
-        self._replay_crc = in_backward.inputs_crc if in_backward is not None else None
+    def _master_for_backward(self, handle: ParamHandle) -> Optional[str]:
+        """The store key of ``handle``'s fp32 master for backward's last fetch of it to read, when this
+        step's updates run inside backward and it has a master of its own ([Note: Masters read in
+        backward] in engine/paging/pager.py); else None."""
+        p = self._by_name.get(handle.name)
+        if not self._inside_this_step or p is None or self._one_copy(p) or not self.has_state(p.name):
+            return None
+        if self._inside is not None and (self._inside.set_aside or self._inside.binds or self._inside.overflow):
+            return None  # its update will wait for the step
+        return self.live_shard(p.name).master_key
 
-    def _finish_backward_leftovers(self) -> None:
-        """After a committed step with updates inside backward: values set aside become the parameters
-        and kept old values go (also what a crash after the commit left undone)."""
-        store = self._store
-        aside = [(new_key(p.name), p.param_key) for p in self._params if new_key(p.name) in store]
-        if aside:
-            store.sync.rename_many(aside)
-            self._pager.drop_prefetched()
-        delete_keys(store, [kept_key(p.name) for p in self._params])
+    def _updated_shards(self) -> list[OptimShard]:
+        inside = self._inside
+        return self._shards_of(inside.updated) if inside is not None else []
+
+    def _shards_of(self, names: "Mapping[str, object] | Sequence[str]") -> list[OptimShard]:
+        return [self.live_shard(n) for n in names]
+
+    @staticmethod
+    def _entries(shards: Sequence[OptimShard]) -> list:
+        return [entries_of(s) for s in shards]
 
     def _zero_grad(self, set_to_none: bool) -> None:
         self._clip_to = None
+        self._used_up = False
+        self._step_hypers = None
+        self._micro_batch.clear()
         if not self._closed:
-            self.complete_pending()  # its gradients are still needed
+            self.complete_pending("discard")  # a step stopped part way still needs its gradients
+            self._inside_this_step = None
             self.grads.zero(set_to_none)
 
     def _skip_step(self) -> None:
@@ -829,7 +1028,21 @@ class Training:
             self.scaler.load_state_dict(state)
 
     def _on_offload(self) -> None:
-        """A gradient is final (called from backward, before it is stored)."""
+        """A gradient is final and goes to the store for a step after backward (called from backward)."""
+        self._check_backward()
+        if self._step_hypers is None:
+            self._step_hypers = tuple(self._optimizer.hyperparameters())
+        self._start_prefetch()
+
+    def _check_hyperparameters_kept(self) -> None:
+        """A step after backward: when the hyperparameters changed since its first gradient, later
+        steps with updates inside backward keep the gradients a redo needs."""
+        if self._step_hypers is not None and self._step_hypers != tuple(self._optimizer.hyperparameters()):
+            self._policy.keep_grads()
+        self._step_hypers = None
+
+    def _check_backward(self) -> None:
+        """RuntimeError when a gradient may not become final now (called from backward)."""
         if self.scaler is not None and not self.scaled_backward:
             raise RuntimeError(
                 "EngineConfig.loss_scaling is set, so the loss must be scaled before backward: call "
@@ -848,7 +1061,6 @@ class Training:
                 f"step {self.record.applying.step} stopped part way and a backward started before it was finished: "
                 "call eng.step() to finish it first (its gradients are the ones in the store)"
             )
-        self._start_prefetch()
 
     # ------------------------------------------------------------------ internals
 
@@ -958,12 +1170,8 @@ class Training:
             state = self.record.shards[p.name]
             if state.staged:
                 live.add(staged_key(p.name))
-            if state.slot != NO_STATE or self.record.in_backward is not None:
-                # (a step replayed after a crash inside backward keeps the new values and moments that its
-                # updates before the crash wrote, a first step's included)
+            if state.slot != NO_STATE:
                 live.update(self.live_shard(p.name).state_keys())
-            if self.record.in_backward is not None:
-                live.add(new_key(p.name))
         stale = [k for k in self._store.keys() if k.startswith(OPTIM_KEY_PREFIX) and k not in live]
         if self.record.applying is None:
             stale += progress_keys(self._store)

@@ -81,6 +81,11 @@ class ParamHandle:
         self.bwd_hold = False
         self.prefetched = False
         self.future: Optional["concurrent.futures.Future[torch.Tensor]"] = None
+        #: This rank's fp32 master shard as the last fetch read it, for an update inside backward to
+        #: take ([Note: Masters read in backward] in engine.paging.pager); None: that fetch read the parameter.
+        self.master_copy: Optional[torch.Tensor] = None
+        #: The fetch read the master: its cast into the storage is still to be made (world size 1).
+        self.cast_pending = False
         self.storage_id = param.untyped_storage()._cdata
         self._store_bumps = 0  # version increments caused by the store filling the storage
         self._before_fetch = param._version
@@ -139,12 +144,19 @@ class ParamHandle:
         assert self.future is None or self.future.done(), self.name
         self.prefetched = False
         self.future = None
+        self.master_copy = None
+        self.cast_pending = False
         if self.state is HandleState.RELEASED:
             return
         self.flat.untyped_storage().resize_(0)
         self.state = HandleState.RELEASED
         self.mark_released()
         meter.sub(self.nbytes)
+
+    def take_master_copy(self) -> Optional[torch.Tensor]:
+        """The fp32 master shard the last fetch read (see :attr:`master_copy`), handed over once."""
+        copy, self.master_copy = self.master_copy, None
+        return copy
 
     def mark_released(self) -> None:
         """Give the (released) parameter its released class: value reads raise instead of crashing."""

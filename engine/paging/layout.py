@@ -52,16 +52,18 @@ def staged_key(name: str) -> str:
     return OPTIM_KEY_PREFIX + name + "/staged"
 
 
-def kept_key(name: str) -> str:
-    """Where an update inside backward (``EngineConfig.step_in_backward``) keeps the old value of the
-    parameter called ``name`` until the step commits: ``optim/<name>/kept``."""
-    return OPTIM_KEY_PREFIX + name + "/kept"
+def before_key(name: str, role: str) -> str:
+    """Where an update inside backward keeps the value ``role`` ("param", "master", "exp_avg" or
+    "exp_avg_sq") of the parameter called ``name`` had before the step, until the step commits or is
+    rolled back: ``optim/<name>/before/<role>`` ([Note: Speculative updates], engine/optim/speculation.py)."""
+    return f"{OPTIM_KEY_PREFIX}{name}/before/{role}"
 
 
-def new_key(name: str) -> str:
-    """Where a resume sets aside the new value an update inside backward gave the parameter called
-    ``name`` before a crash, until the replayed step commits: ``optim/<name>/new``."""
-    return OPTIM_KEY_PREFIX + name + "/new"
+def after_key(name: str, role: str) -> str:
+    """Where the value ``role`` an update inside backward computed for the parameter called ``name``
+    waits while a call between backward and step reads the values from before the step:
+    ``optim/<name>/after/<role>``."""
+    return f"{OPTIM_KEY_PREFIX}{name}/after/{role}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.config.engine_config import updates_in_backward_ruled_out
 from engine.paging.memory_plan import MemoryPlan, plan_memory
 from engine.paging.placement import model_device
 from tiered.util import format_bytes, round_up
@@ -99,6 +100,8 @@ class MemoryEstimate:
     problems: tuple[str, ...]
     #: What is likely to fail, from estimates (the nvme budget against the bytes a step needs).
     warnings: tuple[str, ...]
+    #: Which way the optimizer steps run under the config, and why (``EngineConfig.step_in_backward``).
+    step_mode: str = ""
 
     @property
     def fits(self) -> bool:
@@ -129,6 +132,8 @@ class MemoryEstimate:
         lines.append(f"host RSS bound: {format_bytes(self.host_rss_bound)} above the process before wrap "
                      f"(compute on {self.compute_device}; {format_bytes(self.materialized_bytes)} of parameters "
                      "materialized at once; torch's own growth and the batch's activations come on top)")
+        if self.training and self.step_mode:
+            lines.append(f"optimizer steps: {self.step_mode}")
         lines.extend(f"PROBLEM: {p}" for p in self.problems)
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
@@ -170,16 +175,22 @@ def estimate_memory(
     during = dict(placed)
     if training and sizes.trainable and not config.updates_in_place:
         group = min(max(config.optimizer_group_bytes, sizes.largest_fp32_shard), sizes.fp32_bytes)
-        if config.step_in_backward:
-            during["nvme"] += sizes.fp32_bytes  # the old fp32 parameters, kept until the step commits
-            during["nvme"] += 3 * group  # one batch's new parameters and moments beside the old
-        elif config.optimizer_tier == "nvme":
+        after = dict(during)
+        if config.optimizer_tier == "nvme":
             if config.grad_tier != "nvme":
-                during["nvme"] += parts[1].charged  # the gradients, made durable at the step's start
+                after["nvme"] += parts[1].charged  # the gradients, made durable at the step's start
             # one group's new state (and parameters) in flight beside the old
-            during["nvme"] += 3 * group + group * sizes.extra_itemsize // 4
+            after["nvme"] += 3 * group + group * sizes.extra_itemsize // 4
         else:
-            during[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
+            after[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
+        inside = dict(during)
+        # Every entry an update replaces, kept until the step commits (parameters, masters, moments), one
+        # batch's new values beside them, and with clipping the gradients kept for a redo.
+        inside["nvme"] += parts[0].charged + parts[2].charged + 3 * group + group * sizes.extra_itemsize // 4
+        if config.max_grad_norm is not None:
+            inside["nvme"] += sizes.fp32_bytes
+        ways = _step_ways(config)
+        during = {t: max(after[t] if "after" in ways else 0, inside[t] if "inside" in ways else 0) for t in during}
     at_rest, during_step = _apply_budgets(placed, budgets), _apply_budgets(during, budgets)
     largest_module = max((_module_bytes(m, train_dtype) for m in model.modules()), default=0)
     materialized = largest_module + plan.settings.prefetch_bytes
@@ -191,18 +202,41 @@ def estimate_memory(
         warnings.append(f"the nvme tier needs about {format_bytes(during_step.nvme)} during a step but "
                         f"StoreConfig.nvme_bytes is {format_bytes(store.nvme_bytes)}: raise it or give the "
                         "host tier more")
-    if _gradients_spill(config, parts, sizes, budgets["host"]):
+    if _gradients_spill(config, parts, budgets["host"]):
         warnings.append(f"the gradients ({format_bytes(parts[1].charged)}) do not fit in the host tier "
                         f"({format_bytes(budgets['host'] or 0)}): each goes to nvme in backward and comes back in "
-                        "the step, 8 bytes a parameter; EngineConfig(step_in_backward=True) applies each update "
-                        "inside backward and stores no gradient (docs/training.md, 'Updates inside backward')")
+                        "the step, 8 bytes a parameter; with EngineConfig.step_in_backward left at None (the "
+                        "default) each update runs inside backward and no gradient is stored (docs/training.md, "
+                        "'Updates inside backward')")
     return MemoryEstimate(
         world_size=world_size, parameters=sizes.params, trainable=sizes.trainable, training=training,
         parts=tuple(p.freeze() for p in parts if p.entries), at_rest=at_rest, during_step=during_step,
         host_rss_bound=plan.total_bytes, minimum_host_bytes=plan.minimum_bytes, plan=plan,
         materialized_bytes=materialized, compute_device=str(compute),
-        problems=tuple(problems), warnings=tuple(warnings),
+        problems=tuple(problems), warnings=tuple(warnings), step_mode=describe_step_mode(config),
     )
+
+
+def describe_step_mode(config: EngineConfig) -> str:
+    """Which way ``config``'s optimizer steps run (with ``engine.AdamW``), and why, in one line."""
+    ruled_out = updates_in_backward_ruled_out(config)
+    if config.step_in_backward is False:
+        return "the step after backward (EngineConfig.step_in_backward=False)"
+    if ruled_out is not None:
+        return f"the step after backward ({ruled_out})"
+    kept = (", each gradient also kept on nvme for a redo when clipping binds (max_grad_norm)"
+            if config.max_grad_norm is not None else "")
+    if config.step_in_backward:
+        return "updates inside backward from the first step (EngineConfig.step_in_backward=True)" + kept
+    return ("updates inside backward from the second step (the default: the first runs after backward while the "
+            "engine watches the loop; a step after one whose clip norm bound runs after backward)" + kept)
+
+
+def _step_ways(config: EngineConfig) -> tuple[str, ...]:
+    """The ways ``config``'s steps may run: "after" backward, "inside" it, or both."""
+    if config.step_in_backward is False or updates_in_backward_ruled_out(config) is not None:
+        return ("after",)
+    return ("inside",) if config.step_in_backward else ("after", "inside")
 
 
 class _Part:
@@ -293,12 +327,11 @@ def _apply_budgets(placed: dict[str, int], budgets: dict[str, Optional[int]]) ->
     return TierBytes(**held)
 
 
-def _gradients_spill(config: EngineConfig, parts: list["_Part"], sizes: _Sizes, host_tier: Optional[int]) -> bool:
-    """Whether fp32 gradients that ``step_in_backward`` would not store overflow the host tier, in a
-    config that allows it (fp32 parameters their own masters on nvme, no clipping or loss scaling)."""
-    return (len(parts) > 1 and not config.step_in_backward and config.grad_tier == "host"
-            and config.param_tier == config.optimizer_tier == "nvme" and sizes.own_masters == parts[1].entries
-            and config.max_grad_norm is None and config.loss_scaling is None
+def _gradients_spill(config: EngineConfig, parts: list["_Part"], host_tier: Optional[int]) -> bool:
+    """Whether gradients overflow the host tier where ``step_in_backward=False`` stores every one but updates
+    inside backward would store none."""
+    return (len(parts) > 1 and config.step_in_backward is False and config.grad_tier == "host"
+            and updates_in_backward_ruled_out(config) is None and config.max_grad_norm is None
             and host_tier is not None and parts[1].charged > host_tier)
 
 

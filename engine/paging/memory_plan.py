@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.config.engine_config import updates_in_backward_ruled_out
 from engine.errors import MemoryBudgetError
 from tiered import StoreConfig
 from tiered.util import format_bytes, round_up
@@ -48,8 +49,10 @@ STAGING_SHARE = 32
 # shard when that is a copy) and the activation window when activations go to the store. The step
 # holds its groups in flight (read i+1, update i, write i-1: three consecutive groups of gradient,
 # master and two moments, plus the new training-dtype shard) and AdamW's temporaries (two chunks:
-# engine/optim/step.py, [Note: Chunked AdamW math]). With ``step_in_backward`` backward holds the
-# updates' working set instead and the step holds none ([Note: Updates inside backward, in memory]).
+# engine/optim/step.py, [Note: Chunked AdamW math]). A step whose updates run inside backward holds its
+# updates' working set in backward instead, and nothing in the step ([Note: Updates inside backward, in
+# memory]); where steps may run either way (``step_in_backward=None``), each phase is the larger of
+# the two.
 # Parameters and the step's groups are buffers of the store's pool (``StoreConfig.result_pool_bytes``:
 # [Note: Result pool bound] in tiered/io/results.py); gradients and temporaries are torch's
 # allocations, which wrap has glibc give back when freed (engine/paging/allocator.py,
@@ -311,14 +314,34 @@ def _plan_at(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch
     """The pieces at settings ``s`` (the host tier aside), the pool's bounds in forward/backward and in
     the step, and the least the host tier must hold. ``budget``: host_bytes as a total (None: it is
     the host tier alone)."""
-    n = _needs(config, facts, s, device, training, lent=config.updates_in_place)
+    n = _needs_either_way(config, facts, s, device, training, lent=config.updates_in_place)
     if n.lent:  # state updated in place is the host tier's memory only while all of it fits there
         host_tier = config.store.host_bytes
         if budget is not None:
             host_tier = budget - sum(p.nbytes for p in _assemble(n, s)[0])
         if facts.host_total > host_tier:
-            n = _needs(config, facts, s, device, training, lent=False)
+            n = _needs_either_way(config, facts, s, device, training, lent=False)
     return _assemble(n, s)
+
+
+def _needs_either_way(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.device, training: bool, *,
+                      lent: bool) -> "_Needs":
+    """:func:`_needs` of the ways the config's steps may run: after backward, inside it, or either (each
+    phase then takes the larger)."""
+    inside_possible = config.step_in_backward is not False and updates_in_backward_ruled_out(config) is None
+    if not inside_possible:
+        return _needs(config, facts, s, device, training, lent=lent, inside=False)
+    inside = _needs(config, facts, s, device, training, lent=lent, inside=True)
+    if config.step_in_backward is True:
+        return inside
+    after = _needs(config, facts, s, device, training, lent=lent, inside=False)
+    forward = max((after, inside), key=lambda n: n.forward_buffers + n.forward_allocations)
+    return dataclasses.replace(
+        after, forward_buffers=max(after.forward_buffers, inside.forward_buffers),
+        forward_buffers_why=forward.forward_buffers_why + " (the larger way: after backward, or inside it)",
+        forward_allocations=max(after.forward_allocations, inside.forward_allocations),
+        forward_allocations_why=forward.forward_allocations_why,
+    )
 
 
 def _assemble(n: "_Needs", s: PlanSettings) -> tuple[tuple[MemoryPiece, ...], int, int, MemoryPiece]:
@@ -353,7 +376,9 @@ def _params_bytes(facts: _Facts, s: PlanSettings, device: torch.device) -> int:
 
 
 def _needs(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.device, training: bool, *,
-           lent: bool) -> _Needs:
+           lent: bool, inside: bool) -> _Needs:
+    """What each use takes at settings ``s`` when the steps run after backward, or (``inside``) their
+    updates inside it."""
     store = config.store
     on_cpu = device.type == "cpu"
     fixed = [MemoryPiece("staging", store.block_size * s.staging_buffers,
@@ -399,13 +424,17 @@ def _needs(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.d
             if config.gradient_accumulation_steps > 1:
                 accumulate = largest
                 buffers_why.append(f"a gradient read back to accumulate into {format_bytes(accumulate)}")
-        if config.step_in_backward:
+        if inside:
             worker, grads = _updates_inside_backward(facts, s, on_cpu)
+            # fp32 masters backward reads in place of 16-bit parameters wait on their handles for the
+            # update ([Note: Masters read in backward] in engine/paging/pager.py): twice their bytes.
+            masters = 2 * params if facts.extra_itemsize == 2 else 0
             buffers_why[1:] = [f"the updates' moments and parameters {format_bytes(worker)} (read ahead, being "
                                "updated and being written)",
+                               *([f"masters read by backward {format_bytes(masters)}"] if masters else []),
                                *([f"a gradient read back to accumulate into {format_bytes(accumulate)}"]
                                  if accumulate else [])]
-            ahead = worker
+            ahead = worker + masters
             grads += temps
             allocations_why[:] = [f"gradients waiting for their update or being made, and AdamW's temporaries "
                                   f"{format_bytes(grads)}"]
@@ -465,7 +494,7 @@ def _updates_inside_backward(facts: _Facts, s: PlanSettings, on_cpu: bool) -> tu
 
 def _updates_buffer_bytes(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.device) -> int:
     """:attr:`MemoryPlan.updates_buffer_bytes` at settings ``s``."""
-    if not config.step_in_backward:
+    if config.step_in_backward is False or updates_in_backward_ruled_out(config) is not None:
         return 0
     return _updates_inside_backward(facts, s, device.type == "cpu")[0]
 

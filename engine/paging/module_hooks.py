@@ -99,7 +99,7 @@ class ForwardScope:
                 self._pager.begin_step(grad, wrap_around=not grad)
             self._open_contexts(saved=not backward)
         for handle in (*hooks.handles, *hooks.extras):
-            self._pager.acquire(handle)
+            self._pager.acquire(handle, backward=backward)
             frame.acquired.append(handle)
         if frame.acquired and torch.is_grad_enabled() and not backward:
             register_module_post_backward(inputs, frame.acquired, self._tracker)
@@ -123,7 +123,7 @@ class ForwardScope:
         """The access mode found ``handle`` read while nothing holds it: the running module holds it
         until it returns, and acquires it up front from now on."""
         self._counters.on_demand_fetches += 1
-        self._pager.acquire(handle)
+        self._pager.acquire(handle, backward=in_backward())
         if not self._frames:
             return lambda: self._pager.release(handle)
         frame = self._frames[-1]

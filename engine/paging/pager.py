@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Optional, Sequence
 
 from engine.paging.handle import HandleState, ParamHandle
 from engine.paging.param_buffers import ParamBuffers
@@ -49,6 +49,16 @@ from tiered.util import wait_all
 # ``EngineStats.peak_materialized_bytes`` measures it; tests/test_engine_schedule.py asserts it.
 # Buffers, gradients, activations and the store's pools are not part of it; parameter buffers waiting
 # for reuse are the store's buffer pool's (engine.paging.param_buffers), bounded with it.
+#
+# [Note: Masters read in backward]
+# A parameter trained in bf16 or fp16 has an fp32 master of its own, and an update inside backward
+# needs it right after the parameter's last backward need. So while ``master_source`` names a
+# master for it, the fetch for that need (the followed order says which one it is,
+# ``Schedule.final_backward_need``) reads the master instead of the parameter, into a buffer of the
+# store's pool, and casts it into the parameter's storage (the same rounding that wrote the
+# parameter, so the same bits); the fp32 copy stays on the handle for the update to take
+# (``ParamHandle.take_master_copy``). One read of 4 bytes an element serves backward and the update,
+# where reading both would cost 6. A copy not taken goes when the parameter is freed.
 
 
 class Pager:
@@ -78,6 +88,9 @@ class Pager:
         self.buffers = ParamBuffers(shard_io.store.host_buffer)  # page-aligned storage for large CPU parameters
         self._kept_for: dict[ParamHandle, int] = {}  # kept at release for a later need in the step -> its position
         self._ahead: dict[ParamHandle, None] = {}  # prefetched for the next step (insertion-ordered set)
+        #: Names the store key of a handle's fp32 master to read at its last backward need, or None
+        #: ([Note: Masters read in backward]); None reads parameters only.
+        self.master_source: Optional[Callable[[ParamHandle], Optional[str]]] = None
 
     @property
     def window_bytes(self) -> int:
@@ -125,6 +138,7 @@ class Pager:
                 if handle.future is not None:
                     try:
                         handle.future.result()
+                        self._io.finish_fetch(handle)
                         handle.fetch_finished()
                     except Exception:  # noqa: BLE001 - the bytes are dropped anyway; a later need refetches
                         pass
@@ -133,11 +147,12 @@ class Pager:
 
     # ------------------------------------------------------------------ holds
 
-    def acquire(self, handle: ParamHandle) -> None:
-        """A running module starts using ``handle`` (materialize it first if nothing holds it)."""
+    def acquire(self, handle: ParamHandle, *, backward: bool = False) -> None:
+        """A running module starts using ``handle`` (materialize it first if nothing holds it);
+        ``backward``: the module runs inside a backward pass (a checkpointed region's recompute)."""
         with self.lock:
             if not handle.held:
-                self._need(handle)
+                self._need(handle, backward=backward)
             handle.users += 1
 
     def release(self, handle: ParamHandle, *, keep_for_backward: bool = False) -> None:
@@ -155,7 +170,7 @@ class Pager:
         """Backward needs ``handle`` (it unpacked a saved view of it) until its gradient is final."""
         with self.lock:
             if not handle.held:
-                self._need(handle)
+                self._need(handle, backward=True)
             handle.bwd_hold = True
 
     def end_backward_hold(self, handle: ParamHandle) -> None:
@@ -199,18 +214,19 @@ class Pager:
 
     # ------------------------------------------------------------------ internals (lock held)
 
-    def _need(self, handle: ParamHandle) -> None:
+    def _need(self, handle: ParamHandle, *, backward: bool) -> None:
         if handle.prefetched:
             self._counters.prefetch_hits += 1
             self._unmark(handle)
         else:
             self._counters.prefetch_misses += 1
         was_following = self.schedule.following
-        if not self.schedule.observe(handle) and was_following:
+        followed = self.schedule.observe(handle, backward=backward)
+        if not followed and was_following:
             self.drop_prefetched()  # departed: on demand for the rest of this step
             self._counters.rerecords = self.schedule.rerecords + 1
         if handle.state is HandleState.RELEASED:
-            self._start_fetch(handle)
+            self._start_fetch(handle, position=self.schedule.cursor - 1 if followed else None)
         self._wait(handle)
         if self._wrap and self.schedule.following and handle not in self._reserved:
             # Needed again later in this forward-only step (a tied embedding / LM head): keep its room
@@ -261,7 +277,7 @@ class Pager:
                     return
                 if self._scan >= length and self._step_reads_in_flight():
                     return  # the next step's reads wait for this step's: sharing the disk would slow them
-                self._start_fetch(handle)
+                self._start_fetch(handle, position=self._scan if self._scan < length else None)
                 self._mark(handle)
                 self._counters.prefetch_issued += 1
                 if self._scan >= length:
@@ -277,7 +293,11 @@ class Pager:
                 self._window += handle.nbytes
             self._scan += 1
 
-    def _start_fetch(self, handle: ParamHandle, *, pooled: bool = True) -> None:
+    def _start_fetch(self, handle: ParamHandle, *, pooled: bool = True, position: Optional[int] = None) -> None:
+        """Start filling ``handle``'s storage; ``position``: the need in the followed order it is for."""
+        master = None
+        if position is not None and self.master_source is not None and self.schedule.final_backward_need(position):
+            master = self.master_source(handle)
         handle.allocate(self._meter)
         storage = handle.flat.untyped_storage()
         try:
@@ -285,7 +305,7 @@ class Pager:
                 self.buffers.lend(storage, handle.nbytes)
             handle.state = HandleState.FETCHING
             handle.fetch_started()
-            handle.future = self._io.fetch(handle)
+            handle.future = self._io.fetch(handle, master=master)
         except BaseException:
             handle.state = HandleState.READY  # so free() releases the storage just allocated
             self._free(handle, force=True)
@@ -311,6 +331,7 @@ class Pager:
         started = time.perf_counter()
         try:
             handle.future.result()
+            self._io.finish_fetch(handle)
         except BaseException:
             handle.state = HandleState.READY
             self._free(handle, force=True)

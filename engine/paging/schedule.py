@@ -27,7 +27,9 @@ T = TypeVar("T", bound=Hashable)
 # on demand, and when the step ends its own sequence replaces the record (``rerecords``). Results
 # never depend on the schedule: a departure only costs waiting. The same order (keys, with repeats)
 # goes to the store's ``set_access_order``, so its Belady policy evicts the entry used furthest in
-# the future when a budget is full.
+# the future when a budget is full. Each need also records whether backward made it, so a follower
+# knows which need is an item's last of the step and comes from backward (its gradient becomes final
+# right after: the engine then reads the fp32 master there, [Note: Masters read in backward]).
 
 
 class Schedule(Generic[T]):
@@ -35,10 +37,13 @@ class Schedule(Generic[T]):
 
     def __init__(self) -> None:
         self._orders: dict[Hashable, list[T]] = {}
+        self._in_backward: dict[Hashable, list[bool]] = {}  # per mode: was each need backward's
+        self._final_backward: set[int] = set()  # positions of needs that are their item's last, in backward
         self._mode: Optional[Hashable] = None
         self._order: Optional[list[T]] = None
         self._positions: dict[T, list[int]] = {}
         self._current: list[T] = []
+        self._current_backward: list[bool] = []
         self.cursor = 0
         self.departed = False
         self.rerecords = 0
@@ -74,17 +79,23 @@ class Schedule(Generic[T]):
         self._mode = mode
         self._order = self._orders.get(mode)
         self._positions = {}
+        self._final_backward = set()
         if self._order is not None:
             for i, item in enumerate(self._order):
                 self._positions.setdefault(item, []).append(i)
+            backward = self._in_backward[mode]
+            self._final_backward = {p[-1] for p in self._positions.values() if backward[p[-1]]}
         self._current = []
+        self._current_backward = []
         self.cursor = 0
         self.departed = False
         return self._order is not previous
 
-    def observe(self, item: T) -> bool:
-        """Record a need of ``item``; True when it is the next item of the recorded order."""
+    def observe(self, item: T, *, backward: bool = False) -> bool:
+        """Record a need of ``item`` (``backward``: made by a backward pass); True when it is the next
+        item of the recorded order."""
         self._current.append(item)
+        self._current_backward.append(backward)
         if not self.following:
             return False
         assert self._order is not None
@@ -108,6 +119,11 @@ class Schedule(Generic[T]):
             return positions[i]
         return len(self.order) + positions[0] if wrap else None
 
+    def final_backward_need(self, position: int) -> bool:
+        """Whether the followed order's need at ``position`` is its item's last in the step and was made
+        by backward."""
+        return position in self._final_backward
+
     def finish(self) -> None:
         """End the running step without starting another (e.g. before the engine closes)."""
         self._finish()
@@ -122,6 +138,8 @@ class Schedule(Generic[T]):
                 self.rerecords += 1
             if self._current:
                 self._orders[self._mode] = self._current
+                self._in_backward[self._mode] = self._current_backward
             else:
                 self._orders.pop(self._mode, None)
         self._current = []
+        self._current_backward = []

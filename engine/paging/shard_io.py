@@ -51,14 +51,33 @@ class ShardIO:
         """Ranks the parameters are sharded over (1 without a group)."""
         return self.collectives.world if self.collectives is not None else 1
 
-    def fetch(self, handle: ParamHandle) -> "concurrent.futures.Future[torch.Tensor]":
-        """Start filling ``handle``'s (allocated) storage from the store; never blocks."""
+    def fetch(self, handle: ParamHandle, master: Optional[str] = None) -> "concurrent.futures.Future[torch.Tensor]":
+        """Start filling ``handle``'s (allocated) storage from the store; never blocks. ``master``: read
+        that fp32 entry (this rank's master shard) instead of the parameter's and cast it in, keeping
+        the fp32 copy on the handle ([Note: Masters read in backward] in engine.paging.pager); call
+        :meth:`finish_fetch` once the future is done."""
         layout = handle.layout
+        if master is not None:
+            copy = self.store.host_buffer(layout.shard_numel * 4).view(torch.float32)
+            handle.master_copy = copy
+            local = self.store.sync.get_future(master, out=copy)
+            if layout.is_whole:
+                handle.cast_pending = True
+                return local
+            gathered, shard = self._gather_buffers(layout, handle.flat)
+            return self._comm().submit(self._gather_cast, local, copy, gathered, shard, layout.numel, handle.flat)
         if layout.is_whole:
             return self.store.sync.get_future(handle.key, handle.flat.device, out=handle.flat, keep=self.cache)
         gathered, shard = self._gather_buffers(layout, handle.flat)
         local = self.store.sync.get_future(handle.key, handle.flat.device, out=shard, keep=self.cache)
         return self._comm().submit(self._gather, local, gathered, shard, layout.numel, handle.flat)
+
+    def finish_fetch(self, handle: ParamHandle) -> None:
+        """After a :meth:`fetch` that read the master at world size 1: cast it into the storage."""
+        if handle.cast_pending:
+            assert handle.master_copy is not None
+            handle.flat.copy_(handle.master_copy)  # the rounding that wrote the parameter: the same bits
+            handle.cast_pending = False
 
     def read_copy(self, handle: ParamHandle, key: Optional[str] = None, dtype: Optional[torch.dtype] = None
                   ) -> torch.Tensor:
@@ -187,6 +206,15 @@ class ShardIO:
         # the job (torchrun does), since skipping the collective would desynchronize the sequence.
         # Fetches do not agree on failures first (read_copy does), which would double their collectives.
         local.result()
+        return self._all_gather(gathered, shard, numel, flat)
+
+    def _gather_cast(
+        self, local: "concurrent.futures.Future[torch.Tensor]", master: torch.Tensor, gathered: torch.Tensor,
+        shard: torch.Tensor, numel: int, flat: torch.Tensor,
+    ) -> torch.Tensor:
+        """``_gather`` for a fetch that read this rank's fp32 master: cast it into the shard first."""
+        local.result()
+        shard.copy_(master)
         return self._all_gather(gathered, shard, numel, flat)
 
     def _gather_checked(
