@@ -102,6 +102,8 @@ class Engine:
         self._module_hooks = [
             ModuleHooks(module, placement.by_module.get(module, []), scope) for module in model.modules()
         ]
+        for handle in self._handles:  # see [Note: Activation checkpointing]
+            handle.set_reader(scope.on_backward_read)
         self._grad_hooks = register_grad_final_hooks(self._handles, self._on_grad_final)
         self._state_dict_hooks = StateDictHooks(placement.by_module, self._pager, shard_io, self._refresh_masters)
         self._optimizer = optimizer
@@ -735,6 +737,8 @@ class Engine:
     def _remove_hooks(self) -> None:
         for hooks in self._module_hooks:
             hooks.remove()
+        for handle in self._handles:
+            handle.set_reader(None)
         for remover in self._grad_hooks:
             remover.remove()
         self._state_dict_hooks.remove()
