@@ -22,6 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 import engine
 from engine.io.checkpoint_files import CheckpointFiles
 from engine.integrations.hf.trainer import EngineCheckpointCallback, EngineTrainer, engine_checkpoint
+from engine.integrations.hf.trainer_deepspeed import filled_config
 from engine_models import store_config
 
 CONFIG = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
@@ -706,6 +707,29 @@ def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_
         assert bf16.engine.config.train_dtype == "bfloat16" and not bf16.args.bf16
     finally:
         bf16.engine.close()
+
+
+def test_engine_trainer_beside_a_reference_engine_from_the_same_nvme_path(tmp_path):
+    """TRL's DPO under DeepSpeed: the Trainer's policy, and a reference model given to
+    deepspeed.initialize with the Trainer's (filled) config. Each engine gets its own store under
+    the one nvme_path: the first made <nvme_path>/tiered, the next tiered-2."""
+    nvme = tmp_path / "nvme"
+    args = arguments(tmp_path / "a", max_steps=1)
+    trainer = EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=args, train_dataset=Tokens(),
+                            deepspeed_config=hf_deepspeed_config(str(nvme)))
+    try:
+        filled = filled_config(hf_deepspeed_config(str(nvme)), args)  # as accelerate hands it to TRL
+        reference, _, _, _ = engine.initialize(model=GPT2LMHeadModel(CONFIG).eval(), config=filled)
+        try:
+            assert trainer.engine.config.store.path == str(nvme / "tiered")
+            assert reference.config.store.path == str(nvme / "tiered-2")
+            trainer.train()
+            with torch.no_grad():
+                assert torch.isfinite(reference(input_ids=Tokens()[0]["input_ids"][None]).logits).all()
+        finally:
+            reference.close()
+    finally:
+        trainer.engine.close()
 
 
 def test_engine_trainer_removes_the_temporary_store_it_made(tmp_path, monkeypatch):

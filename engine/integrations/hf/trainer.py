@@ -41,7 +41,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 from engine.config.deepspeed import DeepSpeedConfig
 from engine.engine import wrap
 from engine.integrations.deepspeed.optimizer import scheduler_from_deepspeed
-from engine.integrations.deepspeed.store import ScratchStoreEngine, removed_on_failure
+from engine.integrations.deepspeed.store import ScratchStoreEngine, removed_on_failure, wrap_in_own_directory
 from engine.integrations.hf.trainer_deepspeed import plan_for_trainer, scheduled_config, training_arguments_source
 from engine.io.checkpoint_paths import ENGINE_SUBDIR, engine_checkpoint
 from engine.io.weights import StateDictLike
@@ -181,8 +181,9 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         default = plan.default_store
         with removed_on_failure(default):
             scratch = default.scratch if default else None
-            eng = wrap(model, optimizer=plan.optimizer, config=plan.config, **wrap_kwargs,
-                       engine_class=functools.partial(ScratchStoreEngine, scratch_dir=scratch))
+            engine_class = functools.partial(ScratchStoreEngine, scratch_dir=scratch)
+            eng = wrap_in_own_directory(default, plan.config, lambda config: wrap(
+                model, optimizer=plan.optimizer, config=config, **wrap_kwargs, engine_class=engine_class))
         if "scheduler" in plan.deepspeed_config:
             self._deepspeed_schedule = plan.deepspeed_config
         if "args" in kwargs:
