@@ -387,18 +387,10 @@ class Engine:
 
     def _refresh_masters(self, handles: list[ParamHandle]) -> None:
         """Parameters were written from outside a step: their fp32 master weights (``engine.AdamW``)
-        start from the new values (Adam moments are kept), so the next step does not undo them."""
-        if self._training is None:
-            return
-        written = {h.name for h in handles}
-        store = self._store
-        for shard in self._training.live_shards():
-            if shard.name in written and not shard.master_is_param and shard.master_key in store:
-                master = store.sync.get(shard.param_key).reshape(-1).to(torch.float32)
-                store.sync.put(
-                    shard.master_key, master, self._config.optimizer_tier,
-                    compress=True if self._config.compress_optimizer else None,
-                )
+        follow the values that changed (Adam moments are kept), so the next step does not undo them
+        (see [Note: Masters of written parameters])."""
+        if self._training is not None:
+            self._training.masters_follow_params(h.name for h in handles)
 
     # ------------------------------------------------------------------ one parameter's whole state
 

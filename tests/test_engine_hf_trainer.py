@@ -709,6 +709,52 @@ def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_
         bf16.engine.close()
 
 
+class StopAt(TrainerCallback):
+    """Stops training once the Trainer has finished (and saved) step ``step``, as a run stopped there."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_engine_trainer_resumes_bf16_and_fp16_bit_for_bit(tmp_path, precision):
+    """A DeepSpeed-style config in bf16 or fp16 (nvme offload, accumulation 2), stopped after its
+    checkpoint at step 2 and resumed by a new EngineTrainer's train(resume_from_checkpoint=True):
+    the losses and the fp32 masters equal the uninterrupted run's bit for bit. The Trainer loads the
+    checkpoint's bf16/fp16 weights through load_state_dict after the engine's checkpoint: values equal
+    to the parameters' keep the masters that checkpoint restored."""
+    sections = ({"bf16": {"enabled": "auto"}} if precision == "bf16" else
+                {"fp16": {"enabled": "auto", "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}})
+    args = dict(max_grad_norm=CLIP, max_steps=4, save_strategy="steps", save_steps=2, **{precision: True})
+
+    def run(name: str, out, seed: int, resume: bool = False, stop: int | None = None):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(GPT2Config(**{**CONFIG.to_dict(), **NO_DROPOUT}))
+        trainer = EngineTrainer(model=model, args=arguments(out, **args), train_dataset=Tokens(),
+                                deepspeed_config=hf_deepspeed_config(str(tmp_path / name / "nvme"), **sections),
+                                store=store_config(tmp_path / name, host_bytes=8 << 20),
+                                callbacks=[StopAt(stop)] if stop else None)
+        eng = trainer.engine
+        try:
+            trainer.train(resume_from_checkpoint=True if resume else None)
+            masters = {n: eng.full_fp32_param(p) for n, p in model.named_parameters()}
+            return losses_of(trainer), masters, eng.completed_steps
+        finally:
+            eng.close()
+
+    whole, whole_masters, steps = run("whole", tmp_path / "whole", seed=0)
+    assert len(whole) == 4 and steps == 4
+    _, stopped_masters, _ = run("stopped", tmp_path / "out", seed=0, stop=2)
+    assert any(not torch.equal(whole_masters[n], m) for n, m in stopped_masters.items())
+    resumed, resumed_masters, _ = run("resumed", tmp_path / "out", seed=1, resume=True)  # other initial values
+    assert resumed == whole
+    assert all(torch.equal(whole_masters[n], m) for n, m in resumed_masters.items())
+
+
 def test_engine_trainer_beside_a_reference_engine_from_the_same_nvme_path(tmp_path):
     """TRL's DPO under DeepSpeed: the Trainer's policy, and a reference model given to
     deepspeed.initialize with the Trainer's (filled) config. Each engine gets its own store under
