@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.checkpoint import export, full_state
+from engine.checkpoint.optimizer_state import EngineWholeState
 from engine.checkpoint import sharded as checkpoint
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError
@@ -125,6 +126,7 @@ class Engine:
                 )
                 if shard_io.collectives is not None:  # global-norm clipping sums squares over ranks
                     self._training.all_reduce = shard_io.all_reduce_sum
+                optimizer._bind_whole_state(EngineWholeState(self._full_state_parts))  # type: ignore[union-attr]
                 scope.on_root_forward = self._training.on_forward
             elif optimizer is not None:
                 self._optimizer_hooks = TorchOptimizerHooks(optimizer, self._by_id, self._pager)

@@ -88,8 +88,9 @@ def initialize(
     config's ``nvme_path`` places the swap files); by default, as a DeepSpeed script passes none,
     ``<nvme_path>/tiered`` (``tiered-2``, ``tiered-3``, ... for further engines open at the same
     time: [Note: One directory per engine]), or a temporary directory removed when the engine
-    closes when nothing is offloaded to NVMe (:func:`engine.integrations.deepspeed.store.default_store`). ``init_fn``/``state_dict``: as for
-    :func:`engine.wrap` (a model built on the meta device, ``zero.Init``'s counterpart).
+    closes when nothing is offloaded to NVMe (:func:`engine.integrations.deepspeed.store.default_store`).
+    ``init_fn``/``state_dict``: as for :func:`engine.wrap` (a model built on the meta device,
+    ``zero.Init``'s counterpart).
 
     As DeepSpeed's, it joins the process group a launcher (``torchrun``) describes when the script
     has not (:func:`engine.init_distributed`); ``dist_init_required=True`` requires a launcher,

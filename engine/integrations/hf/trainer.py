@@ -57,11 +57,15 @@ class EngineCheckpointCallback(TrainerCallback):  # type: ignore[misc]
     """Saves ``eng``'s checkpoint (``eng.save_checkpoint``: shards, fp32 masters, moments, step
     counts) into ``checkpoint-<step>/engine`` each time the Trainer saves a checkpoint. Every
     rank runs it (the save is collective). ``exclude_frozen_parameters``: leave the frozen
-    parameters out (a PEFT model's base weights, as the Trainer has DeepSpeed do for one)."""
+    parameters out (a PEFT model's base weights, as the Trainer has DeepSpeed do for one). The
+    Trainer's ``optimizer.pt`` beside it then holds ``engine.AdamW``'s hyperparameters and step
+    counts alone (``AdamW.leave_state_to_checkpoints``), as it does for DeepSpeed: the state is in
+    the engine's checkpoint, not twice, nor whole in the memory of rank 0."""
 
     def __init__(self, eng: Any, *, exclude_frozen_parameters: bool = False) -> None:
         self._eng = eng
         self._exclude_frozen = exclude_frozen_parameters
+        leave_state_to_checkpoints(eng)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Called by the Trainer right after it wrote ``checkpoint-<global_step>``."""
@@ -260,6 +264,14 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
             self.engine.save_weights(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def leave_state_to_checkpoints(eng: Any) -> None:
+    """Have ``eng``'s ``engine.AdamW`` (if it has one) leave its moments and masters out of its
+    ``state_dict()``: the caller saves the engine's checkpoint, which holds them, beside it."""
+    leave = getattr(getattr(eng, "optimizer", None), "leave_state_to_checkpoints", None)
+    if leave is not None:
+        leave()
 
 
 def is_peft_model(model: Any) -> bool:
