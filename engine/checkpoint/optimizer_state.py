@@ -42,6 +42,7 @@ from engine.checkpoint.sharded import EngineParts, check_between_steps
 from engine.paging.handle import ParamHandle
 from engine.paging.machine_memory import memory_sizes
 from engine.paging.shard_io import delete_keys
+from tiered.util import format_bytes
 
 #: The most of the memory available that ``state_dict()`` may take for the optimizer's state.
 MEMORY_SHARE = 0.5
@@ -113,16 +114,11 @@ def load_state_dict(parts: EngineParts, sd: Mapping[str, Any]) -> None:
     except BaseException:
         delete_keys(store, written)
         raise
-    before = scaler.state_dict() if scaler is not None else None
-    try:
-        if loss_scale is not None:
-            scaler.load_state_dict(loss_scale)  # before the commit: the step record carries it
-        training.commit_staged(completed, steps)
-    except BaseException:
-        if before is not None:
-            scaler.load_state_dict(before)
-        delete_keys(store, written)
-        raise
+    # As load_checkpoint: the scale first, so the step record the commit writes carries it; from here
+    # on the step record decides what the state is.
+    if loss_scale is not None:
+        scaler.load_state_dict(loss_scale)
+    training.commit_staged(completed, steps)
 
 
 class EngineWholeState:
@@ -166,8 +162,8 @@ def _check_fits(with_state: list[tuple[int, ParamHandle]]) -> None:
     sizes = memory_sizes()
     if sizes is not None and nbytes > MEMORY_SHARE * sizes[1]:
         raise RuntimeError(
-            f"opt.state_dict() would hold the whole optimizer state in memory: {nbytes / 2**30:.1f} GiB of fp32 "
-            f"moments and masters, more than {MEMORY_SHARE:.0%} of the {sizes[1] / 2**30:.1f} GiB available. Save "
+            f"opt.state_dict() would hold the whole optimizer state in memory: {format_bytes(nbytes)} of fp32 "
+            f"moments and masters, more than {MEMORY_SHARE:.0%} of the {format_bytes(sizes[1])} available. Save "
             "it with eng.save_checkpoint(dir) (streamed from the store, one entry at a time) and resume with "
             "eng.load_checkpoint(dir); under accelerate, call register_engine_state(accelerator, eng) before prepare"
         )
