@@ -168,11 +168,11 @@ class AdamW(torch.optim.Optimizer):
         ``load_state_dict`` of it into a fresh engine resumes bit for bit (and sets the parameters
         from the masters, as loading DeepSpeed's optimizer state does). It costs the whole state in
         memory at once (12 bytes a trainable parameter): larger than half the memory available, or
-        sharded over several ranks, it raises
-        RuntimeError naming ``eng.save_checkpoint``, which streams it (docs/training.md,
-        "Checkpoints"). Before ``engine.wrap`` there is no state (torch's format, empty), and after
-        :meth:`leave_state_to_checkpoints` the dict holds the hyperparameters and step counts
-        alone (:meth:`hyperparameter_state_dict`)."""
+        sharded over several ranks, it raises RuntimeError naming ``eng.save_checkpoint``, which
+        streams it (docs/training.md, "Checkpoints"); after the engine closed, EngineClosedError.
+        Before ``engine.wrap`` there is no state (torch's format, empty), and after
+        :meth:`leave_state_to_checkpoints` the dict holds the hyperparameters and step counts alone
+        (:meth:`hyperparameter_state_dict`)."""
         if self._whole_state is None or self._state_in_checkpoints:
             return self.hyperparameter_state_dict()
         return self._whole_state.read(super().state_dict()["param_groups"])
