@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.checkpoint import export, full_state
+from engine.checkpoint.optimizer_state import EngineWholeState
 from engine.checkpoint import sharded as checkpoint
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError
@@ -106,8 +107,11 @@ class Engine:
         self._module_hooks = [
             ModuleHooks(module, placement.by_module.get(module, []), scope) for module in model.modules()
         ]
+        for handle in self._handles:  # see [Note: Activation checkpointing]
+            handle.set_reader(scope.on_backward_read)
         self._grad_hooks = register_grad_final_hooks(self._handles, self._on_grad_final)
-        self._state_dict_hooks = StateDictHooks(placement.by_module, self._pager, shard_io, self._refresh_masters)
+        self._state_dict_hooks = StateDictHooks(placement.by_module, self._pager, shard_io, self._refresh_masters,
+                                                before=self._before_state_access)
         self._optimizer = optimizer
         self._accumulation = GradientAccumulation(config.gradient_accumulation_steps)
         self._input_cast: Optional[InputCast] = None
@@ -127,6 +131,7 @@ class Engine:
                 )
                 if shard_io.collectives is not None:  # global-norm clipping sums squares over ranks
                     self._training.all_reduce = shard_io.all_reduce_sum
+                optimizer._bind_whole_state(EngineWholeState(self._full_state_parts))  # type: ignore[union-attr]
                 scope.on_root_forward = self._training.on_forward
             elif optimizer is not None:
                 self._optimizer_hooks = TorchOptimizerHooks(optimizer, self._by_id, self._pager)
@@ -398,20 +403,19 @@ class Engine:
             after_write=self._refresh_masters,
         )
 
+    def _before_state_access(self, intent: str) -> None:
+        """``model.state_dict()`` ("read") or ``model.load_state_dict()`` ("write") is about to run: bring the
+        store to one step's state first (``Training.complete_pending``)."""
+        training = getattr(self, "_training", None)
+        if training is not None:
+            training.complete_pending(intent)
+
     def _refresh_masters(self, handles: list[ParamHandle]) -> None:
         """Parameters were written from outside a step: their fp32 master weights (``engine.AdamW``)
-        start from the new values (Adam moments are kept), so the next step does not undo them."""
-        if self._training is None:
-            return
-        written = {h.name for h in handles}
-        store = self._store
-        for shard in self._training.live_shards():
-            if shard.name in written and not shard.master_is_param and shard.master_key in store:
-                master = store.sync.get(shard.param_key).reshape(-1).to(torch.float32)
-                store.sync.put(
-                    shard.master_key, master, self._config.optimizer_tier,
-                    compress=True if self._config.compress_optimizer else None,
-                )
+        follow the values that changed (Adam moments are kept), so the next step does not undo them
+        (see [Note: Masters of written parameters])."""
+        if self._training is not None:
+            self._training.masters_follow_params(h.name for h in handles)
 
     # ------------------------------------------------------------------ one parameter's whole state
 
@@ -749,6 +753,8 @@ class Engine:
     def _remove_hooks(self) -> None:
         for hooks in self._module_hooks:
             hooks.remove()
+        for handle in self._handles:
+            handle.set_reader(None)
         for remover in self._grad_hooks:
             remover.remove()
         self._state_dict_hooks.remove()

@@ -396,8 +396,9 @@ def test_accelerator_loop_trains_fp16_with_the_engines_loss_scaling(tmp_path):
     assert len(set(lrs)) == len(applied) - applied.count(False) + 1  # the LR moved on applied steps only
 
 
-def checkpointed_run(path: Path, *, seed: int, save_after: int = 0, resume_from: str = "") -> list[float]:
-    """accelerate's loop with a prepared LR schedule and register_engine_state: saved with
+def checkpointed_run(path: Path, *, seed: int, save_after: int = 0, resume_from: str = "",
+                     hooks: bool = True) -> list[float]:
+    """accelerate's loop with a prepared LR schedule and (``hooks``) register_engine_state: saved with
     ``accelerator.save_state`` after ``save_after`` micro-batches, or resumed with ``load_state``
     (then the loader skips the batches already trained on). The losses of the micro-batches it ran."""
     torch.manual_seed(seed)
@@ -406,7 +407,8 @@ def checkpointed_run(path: Path, *, seed: int, save_after: int = 0, resume_from:
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=engine.EngineConfig(host_budget="host_tier",
         store=store_config(path / f"store{seed}"), param_tier="nvme", optimizer_tier="nvme", max_grad_norm=CLIP))
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
-    register_engine_state(accelerator, eng)
+    if hooks:
+        register_engine_state(accelerator, eng)
     optimizer, loader = accelerator.prepare(eng.optimizer, DataLoader(examples(), batch_size=2))
     schedule = accelerator.prepare(linear_decay(eng.optimizer))
     losses = []
@@ -423,7 +425,7 @@ def checkpointed_run(path: Path, *, seed: int, save_after: int = 0, resume_from:
                 optimizer.zero_grad()
             losses.append(loss.item())
             if not resume_from and len(losses) == save_after:
-                accelerator.save_state(str(path / "state"))
+                accelerator.save_state(str(path / ("state" if hooks else "bare-state")))
     finally:
         eng.close()
     return losses
@@ -452,6 +454,16 @@ def test_save_state_and_load_state_carry_the_engine_checkpoint(tmp_path):
             accelerator.load_state(str(tmp_path / "state"))
     finally:
         eng.close()
+
+
+def test_save_state_without_the_hooks_saves_the_whole_optimizer_state(tmp_path):
+    """Without register_engine_state, accelerator.save_state saves engine.AdamW's state_dict(): the
+    whole state with the fp32 masters (the model, kept out of prepare, is not saved), and load_state
+    into a fresh engine resumes from it bit for bit."""
+    whole = checkpointed_run(tmp_path, seed=0, save_after=4, hooks=False)
+    assert not (tmp_path / "bare-state" / "engine").exists()
+    resumed = checkpointed_run(tmp_path, seed=1, save_after=4, resume_from=str(tmp_path / "bare-state"), hooks=False)
+    assert resumed == whole[4:] and len(whole) == 8
 
 
 def batch_of_one() -> dict[str, torch.Tensor]:

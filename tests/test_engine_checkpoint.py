@@ -49,6 +49,100 @@ def model_with_seed(seed: int) -> TinyGPT:
     return TinyGPT()
 
 
+def train_scaled(model: nn.Module, eng: engine.Engine, steps: range) -> list[float]:
+    """:func:`train` through eng.backward (which scales the loss under loss scaling)."""
+    losses = []
+    for step in steps:
+        loss = model(gpt_tokens(seed=step)).float().pow(2).mean()
+        eng.backward(loss)
+        eng.step()
+        eng.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def masters_of(eng: engine.Engine) -> dict[str, torch.Tensor]:
+    return {n: eng.full_fp32_param(p) for n, p in eng.model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------- torch-style checkpoints
+
+
+@pytest.mark.parametrize("variant", ["fp32-model-first", "bf16-optimizer-first", "fp16-loss-scaled"])
+def test_a_torch_style_checkpoint_resumes_bit_for_bit(tmp_path, variant):
+    """torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}) of a wrapped model and
+    engine.AdamW holds the whole optimizer state (torch's AdamW format with the fp32 masters, the
+    loss scale); loaded into a fresh engine, in either order, the run continues bit for bit."""
+    kw = {"fp32-model-first": {}, "bf16-optimizer-first": dict(train_dtype="bfloat16", max_grad_norm=0.05),
+          "fp16-loss-scaled": dict(train_dtype="float16")}[variant]
+    scaling = engine.LossScaling(2.0**10, growth_interval=1) if variant.startswith("fp16") else None
+
+    def wrapped(seed: int, path: str) -> tuple[nn.Module, engine.AdamW, engine.Engine]:
+        model = model_with_seed(seed)
+        opt = engine.AdamW(lr=LR, weight_decay=0.01)
+        eng = engine.wrap(model, optimizer=opt, config=train_config(tmp_path / path, **kw).replace(
+            loss_scaling=scaling))
+        return model, opt, eng
+
+    model, opt, eng = wrapped(0, "a")
+    train_scaled(model, eng, range(2))
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+    want = train_scaled(model, eng, range(2, 4))
+    want_masters, want_scale = masters_of(eng), eng.loss_scale
+    eng.close()
+
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    state = saved["optimizer"]["state"]
+    assert len(state) == len(list(model.parameters())) and all(s["step"] == 2 for s in state.values())
+    assert all(s["master"].dtype == torch.float32 for s in state.values())
+    fresh, fresh_opt, eng = wrapped(1, "b")  # other initial values: everything comes from the file
+    if variant.endswith("model-first"):
+        fresh.load_state_dict(saved["model"])
+        fresh_opt.load_state_dict(saved["optimizer"])
+    else:
+        fresh_opt.load_state_dict(saved["optimizer"])
+        fresh.load_state_dict(saved["model"])
+    assert eng.completed_steps == 2 and set(fresh_opt.shard_steps.values()) == {2}
+    assert train_scaled(fresh, eng, range(2, 4)) == want
+    assert all(torch.equal(m, want_masters[n]) for n, m in masters_of(eng).items())
+    assert eng.loss_scale == want_scale
+    eng.close()
+
+
+def test_the_optimizer_state_dict_is_refused_where_it_would_not_be_whole(tmp_path, monkeypatch):
+    """Never an empty state in silence: beyond half the memory available, opt.state_dict() raises
+    naming eng.save_checkpoint; a whole state loads only into a bound optimizer, and one that does
+    not fit the model changes nothing."""
+    import engine.checkpoint.optimizer_state as optimizer_state
+
+    model = model_with_seed(0)
+    opt = engine.AdamW(lr=LR)
+    eng = engine.wrap(model, optimizer=opt, config=train_config(tmp_path / "a"))
+    train(model, eng, range(1))
+    sd = opt.state_dict()
+    monkeypatch.setattr(optimizer_state, "memory_sizes", lambda: (1 << 30, 8 * KiB))
+    with pytest.raises(RuntimeError, match=r"more than 50% of the .* available.*eng\.save_checkpoint"):
+        opt.state_dict()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"after engine\.wrap"):
+        engine.AdamW(lr=LR).load_state_dict(sd)
+    before = masters_of(eng)
+    bad = copy.deepcopy(sd)
+    bad["state"][3]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"has shape \(3,\)"):
+        opt.load_state_dict(bad)
+    with pytest.raises(ValueError, match="parameter groups do not match"):
+        opt.load_state_dict(dict(sd, param_groups=[]))
+    assert all(torch.equal(m, before[n]) for n, m in masters_of(eng).items())
+    assert set(opt.shard_steps.values()) == {1}
+    opt.leave_state_to_checkpoints()  # what EngineTrainer and register_engine_state ask for
+    assert opt.state_dict()["state"] == {} and set(opt.state_dict()["shard_steps"].values()) == {1}
+    eng.close()
+    opt.leave_state_to_checkpoints(False)
+    with pytest.raises(engine.EngineClosedError):  # the state stays in the closed engine's store
+        opt.state_dict()
+
+
 # ---------------------------------------------------------------------------- weights and state dict
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from typing import Callable
 
 import pytest
 import torch
@@ -294,3 +295,63 @@ def test_zero_inference_at_two_ranks_under_a_launcher(tmp_path):
     from test_engine_distributed import run_ranks
 
     run_ranks(_zero_inference_rank, str(tmp_path / "nvme"), join=False)
+
+
+def dpo_style_losses(policy: torch.nn.Module, reference: torch.nn.Module, step: Callable[[torch.Tensor], None],
+                     steps: int) -> list[float]:
+    """A policy trained against a frozen reference model's outputs, as DPO scripts do."""
+    losses = []
+    for i in range(steps):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+        with torch.no_grad():
+            target = reference(x)
+        loss = (policy(x) - target).square().mean()
+        step(loss)
+        losses.append(loss.item())
+    return losses
+
+
+def test_two_engines_from_one_config_each_get_a_directory_of_their_own(tmp_path):
+    """A DPO-style script: a policy and its reference model each through engine.initialize with the
+    same DeepSpeed config, as DeepSpeed runs it. The first engine's store goes to <nvme_path>/tiered,
+    the second's to tiered-2; the next run of the script finds the same directories; an engine
+    closed frees its directory for the next one."""
+    nvme = tmp_path / "nvme"
+    ds = ds_config({"device": "nvme", "nvme_path": str(nvme)}, {"device": "nvme", "nvme_path": str(nvme)})
+    plain, plain_reference = make_model(), make_model()
+    # fused: the config's AdamW without torch_adam is DeepSpeed's fused Adam, which the engine steps as torch's
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+
+    def plain_step(loss: torch.Tensor) -> None:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
+        opt.step()
+        opt.zero_grad()
+
+    want = dpo_style_losses(plain, plain_reference, plain_step, 3)
+    for run in range(2):
+        policy, _, _, _ = engine.initialize(model=make_model(), config=ds)
+        reference, _, _, _ = engine.initialize(model=make_model(), config=ds)
+        try:
+            assert policy.config.store.path == str(nvme / "tiered"), run
+            assert reference.config.store.path == str(nvme / "tiered-2"), run
+            assert reference.config.store.nvme_paths == (str(nvme / "tiered-2"),)
+
+            def step(loss: torch.Tensor) -> None:
+                policy.backward(loss)
+                policy.step()
+
+            assert dpo_style_losses(policy, reference, step, 3) == want
+        finally:
+            policy.close()
+            reference.close()
+    assert sorted(os.listdir(nvme)) == ["tiered", "tiered-2"]
+    first, _, _, _ = engine.initialize(model=make_model(), config=ds)
+    second, _, _, _ = engine.initialize(model=make_model(), config=ds)
+    first.close()
+    third, _, _, _ = engine.initialize(model=make_model(), config=ds)
+    try:
+        assert third.config.store.path == str(nvme / "tiered")
+    finally:
+        second.close()
+        third.close()

@@ -342,10 +342,17 @@ def _adamw_rank(rank: int, root: str) -> dict[str, Any]:
     """engine.AdamW: 3 steps, save a checkpoint, 3 more; and 3 steps with clipping."""
     model = new_model()
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=WD), config=_adamw_config(root, "a"))
+    before_training = eng.optimizer.state_dict()  # no state yet: nothing to gather (accelerate's prepare round trip)
+    eng.optimizer.load_state_dict(before_training)
     losses = _train(model, eng, rank, range(3))
     eng.save_checkpoint(os.path.join(root, "ckpt"))
     losses += _train(model, eng, rank, range(3, 6))
-    result = dict(losses=losses, state_dict=eng.state_dict(),
+    try:
+        eng.optimizer.state_dict()
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    result = dict(losses=losses, state_dict=eng.state_dict(), optimizer_state=(len(before_training["state"]), refused),
                   grad_keys=[k for k in eng.store.keys() if k.startswith("grad/")],
                   weight_files=eng.save_weights(os.path.join(root, "weights"), max_shard_bytes=4000))
     eng.close()
@@ -523,6 +530,17 @@ def test_world2_adamw_training_matches_one_process(trained):
         torch.testing.assert_close(res["clipped_norms"], want_norms, rtol=1e-6, atol=0)  # before clipping
         assert res["clipped_norms"] == runs[0]["adamw"]["clipped_norms"]  # every rank the same all-reduced norm
     assert runs[0]["adamw"]["clipped_losses"] != runs[0]["adamw"]["losses"][:3]  # the clip was active
+
+
+def test_world2_the_optimizer_state_dict_is_refused_rather_than_a_rank_s_part(trained):
+    """At two ranks each holds a shard of the optimizer state: opt.state_dict() raises naming
+    eng.save_checkpoint (the Hugging Face Trainer calls it on rank 0 alone, so it cannot gather),
+    never one rank's part or an empty state; before the first step there is none to gather."""
+    _, runs = trained
+    for run in runs:
+        empty, refused = run["adamw"]["optimizer_state"]
+        assert empty == 0
+        assert "sharded over 2 ranks" in refused and "eng.save_checkpoint(dir)" in refused, refused
 
 
 def test_world2_save_weights_gathers_every_parameter_and_rank0_writes(trained):

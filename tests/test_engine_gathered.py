@@ -87,6 +87,32 @@ def test_writeback_with_engine_adamw_resets_master_weights(tmp_path):
     eng.close()
 
 
+def test_bf16_masters_follow_only_the_values_a_write_changes(tmp_path):
+    """bf16 parameters with fp32 masters: loading the model's own state dict back keeps every master
+    bit for bit (the Hugging Face Trainer's resume does that after the engine's checkpoint); a write
+    that changes one row moves that row's masters to the written values and no other."""
+    model = small_gpt()
+    config = engine_config(tmp_path).replace(train_dtype="bfloat16")
+    eng = engine.wrap(model, config=config, optimizer=engine.AdamW(lr=1e-2))
+    model(gpt_tokens(vocab=61)).float().pow(2).mean().backward()
+    eng.step()
+    params = dict(model.named_parameters())
+    masters = {n: eng.full_fp32_param(p) for n, p in params.items()}
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())  # bits a bf16 copy lacks
+
+    model.load_state_dict(model.state_dict())
+    assert all(torch.equal(eng.full_fp32_param(p), masters[n]) for n, p in params.items())
+
+    weight = params["blocks.0.fc.weight"]
+    with eng.gathered([weight], writeback=True):
+        with torch.no_grad():
+            weight[0] = 0.5
+    got = eng.full_fp32_param(weight)
+    assert torch.equal(got[0], torch.full_like(got[0], 0.5)) and torch.equal(got[1:], masters["blocks.0.fc.weight"][1:])
+    assert all(torch.equal(eng.full_fp32_param(p), masters[n]) for n, p in params.items() if p is not weight)
+    eng.close()
+
+
 def test_gathered_rejects_bad_arguments(tmp_path):
     model = small_gpt()
     eng = engine.wrap(model, config=engine_config(tmp_path))

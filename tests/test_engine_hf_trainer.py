@@ -22,6 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 import engine
 from engine.io.checkpoint_files import CheckpointFiles
 from engine.integrations.hf.trainer import EngineCheckpointCallback, EngineTrainer, engine_checkpoint
+from engine.integrations.hf.trainer_deepspeed import filled_config
 from engine_models import store_config
 
 CONFIG = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
@@ -706,6 +707,75 @@ def test_engine_trainer_from_a_config_without_optimizer_uses_the_trainers_adamw_
         assert bf16.engine.config.train_dtype == "bfloat16" and not bf16.args.bf16
     finally:
         bf16.engine.close()
+
+
+class StopAt(TrainerCallback):
+    """Stops training once the Trainer has finished (and saved) step ``step``, as a run stopped there."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_engine_trainer_resumes_bf16_and_fp16_bit_for_bit(tmp_path, precision):
+    """A DeepSpeed-style config in bf16 or fp16 (nvme offload, accumulation 2), stopped after its
+    checkpoint at step 2 and resumed by a new EngineTrainer's train(resume_from_checkpoint=True):
+    the losses and the fp32 masters equal the uninterrupted run's bit for bit. The Trainer loads the
+    checkpoint's bf16/fp16 weights through load_state_dict after the engine's checkpoint: values equal
+    to the parameters' keep the masters that checkpoint restored."""
+    sections = ({"bf16": {"enabled": "auto"}} if precision == "bf16" else
+                {"fp16": {"enabled": "auto", "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}})
+    args = dict(max_grad_norm=CLIP, max_steps=4, save_strategy="steps", save_steps=2, **{precision: True})
+
+    def run(name: str, out, seed: int, resume: bool = False, stop: int | None = None):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(GPT2Config(**{**CONFIG.to_dict(), **NO_DROPOUT}))
+        trainer = EngineTrainer(model=model, args=arguments(out, **args), train_dataset=Tokens(),
+                                deepspeed_config=hf_deepspeed_config(str(tmp_path / name / "nvme"), **sections),
+                                store=store_config(tmp_path / name, host_bytes=8 << 20),
+                                callbacks=[StopAt(stop)] if stop else None)
+        eng = trainer.engine
+        try:
+            trainer.train(resume_from_checkpoint=True if resume else None)
+            masters = {n: eng.full_fp32_param(p) for n, p in model.named_parameters()}
+            return losses_of(trainer), masters, eng.completed_steps
+        finally:
+            eng.close()
+
+    whole, whole_masters, steps = run("whole", tmp_path / "whole", seed=0)
+    assert len(whole) == 4 and steps == 4
+    _, stopped_masters, _ = run("stopped", tmp_path / "out", seed=0, stop=2)
+    assert any(not torch.equal(whole_masters[n], m) for n, m in stopped_masters.items())
+    resumed, resumed_masters, _ = run("resumed", tmp_path / "out", seed=1, resume=True)  # other initial values
+    assert resumed == whole
+    assert all(torch.equal(whole_masters[n], m) for n, m in resumed_masters.items())
+
+
+def test_engine_trainer_beside_a_reference_engine_from_the_same_nvme_path(tmp_path):
+    """TRL's DPO under DeepSpeed: the Trainer's policy, and a reference model given to
+    deepspeed.initialize with the Trainer's (filled) config. Each engine gets its own store under
+    the one nvme_path: the first made <nvme_path>/tiered, the next tiered-2."""
+    nvme = tmp_path / "nvme"
+    args = arguments(tmp_path / "a", max_steps=1)
+    trainer = EngineTrainer(model=GPT2LMHeadModel(CONFIG), args=args, train_dataset=Tokens(),
+                            deepspeed_config=hf_deepspeed_config(str(nvme)))
+    try:
+        filled = filled_config(hf_deepspeed_config(str(nvme)), args)  # as accelerate hands it to TRL
+        reference, _, _, _ = engine.initialize(model=GPT2LMHeadModel(CONFIG).eval(), config=filled)
+        try:
+            assert trainer.engine.config.store.path == str(nvme / "tiered")
+            assert reference.config.store.path == str(nvme / "tiered-2")
+            trainer.train()
+            with torch.no_grad():
+                assert torch.isfinite(reference(input_ids=Tokens()[0]["input_ids"][None]).logits).all()
+        finally:
+            reference.close()
+    finally:
+        trainer.engine.close()
 
 
 def test_engine_trainer_removes_the_temporary_store_it_made(tmp_path, monkeypatch):

@@ -315,7 +315,7 @@ def _metadata(parts: EngineParts, files: list[Any], client_state: dict[str, Any]
     buffers = [buffer_record(n, b, n in in_state_dict) for n, b in parts.model.named_buffers()]
     optimizer = None
     if parts.training is not None:
-        sd = parts.optimizer.state_dict()  # type: ignore[union-attr]
+        sd = parts.optimizer.hyperparameter_state_dict()  # type: ignore[union-attr]
         optimizer = {
             "type": "engine.AdamW",
             "step": parts.training.completed_steps,
@@ -590,7 +590,7 @@ def _restore_loss_scale(training: Any, saved: Any, path: Any) -> None:
 
 def _restore_hyperparameters(optimizer: Any, saved: dict[str, Any]) -> None:
     current = optimizer.param_groups
-    indices = optimizer.state_dict()["param_groups"]
+    indices = optimizer.hyperparameter_state_dict()["param_groups"]
     groups = []
     for group, now, mine in zip(saved["param_groups"], current, indices):
         group = {k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v

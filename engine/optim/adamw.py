@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
 import torch
 
@@ -11,6 +11,17 @@ from engine.optim import step as optimizer_step
 from engine.optim.clip import AllReduceSum
 from engine.optim.step_io import AsyncTensorStore
 from engine.optim.types import AdamHyper, OptimShard, OptimStepStats
+
+
+class WholeState(Protocol):
+    """What the engine gives a bound ``engine.AdamW`` to read and load its whole state
+    (``engine.checkpoint.optimizer_state``)."""
+
+    def read(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole state in torch's format, with these ``param_groups``."""
+
+    def load(self, state_dict: Mapping[str, Any]) -> None:
+        """Commit ``state_dict``'s moments, masters and step counts to the store."""
 
 
 class AdamW(torch.optim.Optimizer):
@@ -63,6 +74,9 @@ class AdamW(torch.optim.Optimizer):
         self._zero_grad_fn: Optional[Callable[[bool], None]] = None
         self._shard_steps: dict[str, int] = {}
         self._state_in_store = False
+        #: The engine's reader and loader of the whole state ([Note: The optimizer's state dict]).
+        self._whole_state: Optional[WholeState] = None
+        self._state_in_checkpoints = False
 
     # ------------------------------------------------------------------ binding (engine side)
 
@@ -96,6 +110,11 @@ class AdamW(torch.optim.Optimizer):
         self._step_fn = step_fn
         self._zero_grad_fn = zero_grad_fn
         self._state_in_store = state_in_store
+
+    def _bind_whole_state(self, whole_state: "WholeState") -> None:
+        """Give :meth:`state_dict` / :meth:`load_state_dict` the engine's reader and loader of the
+        whole state in the store (``engine.checkpoint.optimizer_state``); called by the engine."""
+        self._whole_state = whole_state
 
     def group_of(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> dict[str, int]:
         """Name -> index of the parameter group holding it, for the trainable ones of
@@ -143,21 +162,56 @@ class AdamW(torch.optim.Optimizer):
             self._zero_grad_fn(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict plus ``shard_steps`` (updates taken per shard name); the
-        master weights and moments are in the store, saved with the engine's checkpoint."""
+        """The optimizer's whole state in torch's AdamW format, once bound to an engine: per parameter
+        its ``step``, ``exp_avg``, ``exp_avg_sq`` and fp32 ``master`` weight, whole, on the CPU, read
+        from the store; ``param_groups`` as torch's; the engine's completed steps and loss scale.
+        ``load_state_dict`` of it into a fresh engine resumes bit for bit (and sets the parameters
+        from the masters, as loading DeepSpeed's optimizer state does). It costs the whole state in
+        memory at once (12 bytes a trainable parameter): larger than half the memory available, or
+        sharded over several ranks, it raises RuntimeError naming ``eng.save_checkpoint``, which
+        streams it (docs/training.md, "Checkpoints"); after the engine closed, EngineClosedError.
+        Before ``engine.wrap`` there is no state (torch's format, empty), and after
+        :meth:`leave_state_to_checkpoints` the dict holds the hyperparameters and step counts alone
+        (:meth:`hyperparameter_state_dict`)."""
+        if self._whole_state is None or self._state_in_checkpoints:
+            return self.hyperparameter_state_dict()
+        return self._whole_state.read(super().state_dict()["param_groups"])
+
+    def hyperparameter_state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict without the per-parameter state (its ``param_groups``), plus
+        ``shard_steps`` (updates taken per shard name): what goes beside the engine's checkpoint, which
+        holds the master weights and moments."""
         sd = super().state_dict()
         sd["shard_steps"] = dict(self._shard_steps)
         return sd
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore hyperparameters and per-shard step counts saved by :meth:`state_dict`.
+    def leave_state_to_checkpoints(self, leave: bool = True) -> None:
+        """Have :meth:`state_dict` return :meth:`hyperparameter_state_dict` (``leave=False``: the
+        whole state again). For a caller that saves ``eng.save_checkpoint`` beside each optimizer
+        state dict, as ``EngineCheckpointCallback`` (so ``EngineTrainer``) and
+        ``register_engine_state`` do: the state is in that checkpoint, which a resume loads before
+        this dict (whose step counts :meth:`load_state_dict` then checks)."""
+        if not isinstance(leave, bool):
+            raise TypeError(f"leave must be a bool, got {type(leave).__name__}")
+        self._state_in_checkpoints = leave
 
-        Once bound to an engine (``engine.wrap``), the step counts belong to the master weights and
-        moments in the store, which a state dict does not carry: one whose counts differ from the
-        engine's (a Hugging Face Trainer resuming its ``optimizer.pt``, say) is refused, since taking
-        its counts over other moments would train silently wrong. Load ``eng.load_checkpoint(dir)``
-        first; the hyperparameters then load here."""
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict of :meth:`state_dict` (or of a torch ``AdamW``: masters then start from
+        the parameters' values), moments, masters and step counts committed to the store at once and
+        the parameters set from the masters, or of :meth:`hyperparameter_state_dict` (hyperparameters
+        and step counts).
+
+        The whole state loads once the optimizer is bound (``engine.wrap``): ValueError before, and
+        RuntimeError at world size > 1 (use ``eng.load_checkpoint``). Hyperparameters and step counts
+        alone: once bound, the step counts belong to the master weights and moments in the store,
+        which such a dict does not carry, so one whose counts differ from the engine's (a Hugging Face
+        Trainer resuming its ``optimizer.pt`` before ``eng.load_checkpoint``, say) is refused, since
+        taking its counts over other moments would train silently wrong. A dict that does not fit
+        raises before anything changes."""
         sd = dict(state_dict)
+        if sd.get("state") or "engine" in sd:
+            self._load_whole_state(sd)
+            return
         steps = sd.pop("shard_steps", {})
         if not isinstance(steps, Mapping) or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in steps.items()
@@ -174,6 +228,23 @@ class AdamW(torch.optim.Optimizer):
             )
         super().load_state_dict(sd)
         self._shard_steps = dict(steps)
+
+    def _load_whole_state(self, sd: dict[str, Any]) -> None:
+        if self._whole_state is None:
+            raise ValueError(
+                "this state dict holds engine.AdamW's whole state (moments and masters), which lives in the "
+                "engine's store: load it after engine.wrap(model, optimizer=this optimizer)"
+            )
+        groups = sd.get("param_groups")
+        if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups if isinstance(g, Mapping)] != [
+                len(g["params"]) for g in self.param_groups]:
+            raise ValueError(
+                f"the state dict's parameter groups do not match this optimizer's ({len(self.param_groups)} group(s) "
+                f"of {[len(g['params']) for g in self.param_groups]} parameters): build the optimizer as the run "
+                "that saved it did"
+            )
+        self._whole_state.load(sd)
+        super().load_state_dict({"state": {}, "param_groups": groups})
 
     # ------------------------------------------------------------------ the offloaded step
 

@@ -33,7 +33,7 @@ import asyncio
 import dataclasses
 import math
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -421,7 +421,7 @@ class Training:
         takes ``shard_steps[name]``; the others have no state (and must have 0 steps). Commits the
         record at ``step``, rewrites the trainable parameters from their masters (a staged one-copy
         parameter is renamed into place), drops the old state and every gradient shard."""
-        self.complete_pending()
+        self.complete_pending("discard")
         self._prefetch.discard()  # it read the state this replaces
         self.grads.discard_stored()
         self._pager.drop_prefetched()
@@ -447,6 +447,25 @@ class Training:
         self._install_staged()
         self._restore_params()
         self._delete_inactive()  # the replaced state, and anything staged for a shard left without state
+
+    def masters_follow_params(self, names: Iterable[str]) -> None:
+        """The parameters ``names`` were written from outside a step (``load_state_dict``, a
+        ``gathered(writeback=True)`` block): their fp32 masters take the new values, element by
+        element where a value changed, so the next step does not undo the write; an element written
+        with the value it had (bit for bit) keeps its master. See [Note: Masters of written parameters]."""
+        wanted = set(names)
+        store = self._store
+        compress = True if self._config.compress_optimizer else None
+        for shard in self.live_shards():
+            if shard.name not in wanted or shard.master_is_param or shard.master_key not in store:
+                continue
+            param = store.sync.get(shard.param_key).reshape(-1)
+            master = store.sync.get(shard.master_key).reshape(-1)
+            unchanged = _same_bits(master.to(param.dtype), param)
+            if bool(unchanged.all()):
+                continue
+            store.sync.put(shard.master_key, torch.where(unchanged, master, param.to(torch.float32)),
+                           self._config.optimizer_tier, compress=compress)
 
     def complete_pending(self, intent: str = "read") -> None:
         """Bring the store to one step's state before a call between steps: finish a step that stopped
@@ -1202,3 +1221,23 @@ async def _restore(store: TieredStore, shards: Sequence[OptimShard], tier: str, 
 def _cast(group: list[OptimShard], masters: list[torch.Tensor]) -> list[torch.Tensor]:
     return [m.view(-1) if s.train_dtype == torch.float32 else m.view(-1).to(s.train_dtype)
             for s, m in zip(group, masters)]
+
+
+# [Note: Masters of written parameters]
+# A parameter in a training dtype below fp32 (bf16, fp16) is the rounding of its fp32 master. A
+# write from outside a step (``model.load_state_dict``, ``eng.gathered(writeback=True)``) changes
+# the parameter, and the next step must start from what was written, so the master follows it; but
+# only where the written value differs from the parameter's rounding of its master. An element
+# written with the very bits it had keeps its master: loading the model's own state dict back (what
+# the Hugging Face Trainer does when it resumes, after the engine's checkpoint restored the masters)
+# changes nothing, and a block that changes one row rounds no other row's master. A master equal to
+# the written bf16 value everywhere takes ``eng.set_full_fp32_param``.
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: ``a`` and ``b`` (one dtype) hold the same bits (so -0.0 differs from 0.0, and a
+    NaN equals the same NaN)."""
+    if a.element_size() == 1 or not a.is_floating_point():
+        return a == b
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.view(as_int) == b.view(as_int)

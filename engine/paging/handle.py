@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 
 from engine.paging.layout import ShardLayout
-from engine.paging.released import mark_closed, mark_grads_in_store, released_class
+from engine.paging.released import mark_closed, mark_grads_in_store, released_class, set_reader
 from engine.stats import MemoryMeter
 
 
@@ -100,6 +101,12 @@ class ParamHandle:
         ``step_clip_norm``: while it is released, torch's gradient clipping, which would find no
         ``.grad`` and clip nothing, is refused with what to call."""
         mark_grads_in_store(self._released_class, step_clip_norm)
+
+    def set_reader(self, reader: "Optional[Callable[[ParamHandle], bool]]") -> None:
+        """While released, a value read of the parameter from outside the engine's hooks first calls
+        ``reader(handle)``, which materializes it and returns True where that is allowed, else False
+        (the read raises ReleasedParameterError). None: every such read raises."""
+        set_reader(self._released_class, None if reader is None else functools.partial(reader, self))
 
     @property
     def name(self) -> str:

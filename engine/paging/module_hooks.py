@@ -41,6 +41,13 @@ from engine.stats import EngineCounters
 # backward-hold rule and our saved-tensor hooks are not opened there, so the checkpoint's
 # recomputation hooks keep collecting. A checkpointed region's parameters are all held while its
 # backward runs (as in FSDP2).
+# A checkpointed function may also read a parameter directly, outside any hooked module (a module's
+# own ``nn.Parameter`` in a checkpointed method, another module's weight through ``F.linear``). In
+# the first pass the access mode catches it, since the root module's scope is open; the recompute
+# runs inside backward with no scope open (the checkpoint calls the function itself, not a module),
+# so the parameter's released class sees the read: it asks ``on_backward_read``, which fetches the
+# parameter and holds it for this backward, released as every backward hold is (its gradient final,
+# or the backward's end). Outside a backward that reader refuses, and the read raises as before.
 
 
 class _Frame:
@@ -131,6 +138,16 @@ class ForwardScope:
         if handle not in frame.hooks.extras and handle not in frame.hooks.handles:
             frame.hooks.extras.append(handle)
         return None
+
+    def on_backward_read(self, handle: ParamHandle) -> bool:
+        """A released parameter's values are read outside the forward's scope: inside a backward (a
+        checkpointed function re-run by it) hold it for that backward and return True; elsewhere
+        return False (the read raises). See [Note: Activation checkpointing]."""
+        if not in_backward():
+            return False
+        self._counters.on_demand_fetches += 1
+        self._tracker.hold(handle)
+        return True
 
     def _open_contexts(self, *, saved: bool) -> None:
         assert self._contexts is None

@@ -12,15 +12,18 @@ nothing autograd or the optimizer holds is affected. Fetching the parameter rest
 
 Inside the wrapped forward the engine's access mode sees a read first and fetches the parameter
 (see [Note: Parameters read outside their module] in engine.paging.access_mode), so this class only
-ever answers reads from outside the engine's hooks; see [Note: Released parameters] in
-engine.paging.handle for the storage side.
+ever answers reads from outside the engine's hooks. There it asks the engine's reader (set by
+:func:`set_reader`) first: inside a backward, where activation checkpointing re-runs a function
+that reads the parameter outside any hooked module, the engine fetches it and holds it for that
+backward (see [Note: Activation checkpointing] in engine.paging.module_hooks); anywhere else the
+read raises. See [Note: Released parameters] in engine.paging.handle for the storage side.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.parallel.distributed
@@ -41,6 +44,7 @@ _NAME_ATTR = "_tiered_name"
 _CLOSED_ATTR = "_tiered_closed"
 _GRADS_ATTR = "_tiered_grads_in_store"
 _CLIP_NORM_ATTR = "_tiered_step_clip_norm"
+_READER_ATTR = "_tiered_reader"
 #: DistributedDataParallel's source file: its constructor broadcasts every parameter's values.
 _DDP_FILE = torch.nn.parallel.distributed.__file__
 #: torch's gradient clipping (``clip_grad_norm_``, ``clip_grad_value_``), which reads ``param.grad``.
@@ -65,6 +69,7 @@ def released_class(base: type, name: str) -> type:
             _CLOSED_ATTR: False,
             _GRADS_ATTR: False,
             _CLIP_NORM_ATTR: None,
+            _READER_ATTR: None,
         },
     )
 
@@ -78,6 +83,14 @@ def mark_closed(cls: type) -> None:
     """The engine that released parameters of class ``cls`` was closed: errors say so."""
     assert is_released_class(cls), cls
     setattr(cls, _CLOSED_ATTR, True)
+
+
+def set_reader(cls: type, reader: Optional[Callable[[], bool]]) -> None:
+    """A value read of a parameter of class ``cls`` first calls ``reader()``, which materializes
+    the parameter and returns True where the engine allows it (inside a backward), or returns
+    False (the read then raises). None: every value read raises (the engine is closing)."""
+    assert is_released_class(cls), cls
+    setattr(cls, _READER_ATTR, reader)
 
 
 def mark_grads_in_store(cls: type, step_clip_norm: Optional[float]) -> None:
@@ -106,7 +119,22 @@ def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: 
         raise ReleasedParameterError(_clip_message(cls))
     if name in _ALSO_METADATA or not reads_data(func):
         return _run(func, args, kwargs)
+    if _materialized_by_readers((*args, *kwargs.values())):
+        return func(*args, **kwargs)  # their own classes again: dispatched as plain parameters
     raise ReleasedParameterError(_message(cls, f"{name if descriptor is None else descriptor}"))
+
+
+def _materialized_by_readers(values: tuple) -> bool:
+    """Ask the reader of every released parameter among ``values`` (and lists of them) to
+    materialize it; True when each one did."""
+    for value in values:
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            cls = type(item)
+            if is_released_class(cls):
+                reader = getattr(cls, _READER_ATTR)
+                if reader is None or not reader():
+                    return False
+    return True
 
 
 def _run(func: Any, args: tuple, kwargs: dict) -> Any:

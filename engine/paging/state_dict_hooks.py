@@ -28,10 +28,14 @@ class StateDictHooks:
         pager: Pager,
         shard_io: ShardIO,
         after_write: Optional[Callable[[list[ParamHandle]], None]] = None,
+        before: Optional[Callable[[str], None]] = None,
     ) -> None:
+        """``after_write(handles)``: parameters were loaded; ``before(intent)``: the store is about to be
+        read ("read") or written ("write") from outside a step (engine.AdamW brings it to one step's state)."""
         self._pager = pager
         self._io = shard_io
         self._after_write = after_write  # engine.AdamW's master weights follow loaded values
+        self._before = before
         self._direct: dict[nn.Module, list[tuple[str, ParamHandle]]] = {}
         self._loading: dict[nn.Module, list[ParamHandle]] = {}
         self._removers = []
@@ -56,6 +60,8 @@ class StateDictHooks:
         self._removers = []
 
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self._before is not None:
+            self._before("read")
         # torch's own code takes param.detach() of every parameter; a released one answers that only
         # with its own class (a 0-byte alias, replaced below before anyone reads it).
         with self._pager.lock:
@@ -78,6 +84,8 @@ class StateDictHooks:
                 "load_state_dict(assign=True) would replace parameters the engine manages; load with assign=False, "
                 "or pass the state dict to engine.wrap(state_dict=...)"
             )
+        if self._before is not None:
+            self._before("write")
         handles = [h for _, h in self._direct[module]]
         self._pager.materialize(handles)
         self._loading[module] = handles

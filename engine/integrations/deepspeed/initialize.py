@@ -42,7 +42,12 @@ from engine.engine import wrap
 from engine.integrations.deepspeed.engine import DeepSpeedEngine
 from engine.integrations.deepspeed.monitor import DeepSpeedMonitor, enabled_monitors
 from engine.integrations.deepspeed.optimizer import optimizer_from_deepspeed, scheduler_from_deepspeed
-from engine.integrations.deepspeed.store import DefaultStore, default_store, removed_on_failure
+from engine.integrations.deepspeed.store import (
+    DefaultStore,
+    default_store,
+    removed_on_failure,
+    wrap_in_own_directory,
+)
 from engine.io.weights import StateDictLike
 from engine.paging.collectives import group_rank_and_world
 from engine.paging.distributed_init import init_distributed, local_rank
@@ -81,9 +86,11 @@ def initialize(
     of ``train_micro_batch_size_per_gpu`` (shuffled; each rank its own share under torchrun).
     ``store``: where the engine's store lives (a ``tiered.StoreConfig`` or its directory; the
     config's ``nvme_path`` places the swap files); by default, as a DeepSpeed script passes none,
-    ``<nvme_path>/tiered``, or a temporary directory removed when the engine closes when nothing
-    is offloaded to NVMe (:func:`engine.integrations.deepspeed.store.default_store`). ``init_fn``/``state_dict``: as for
-    :func:`engine.wrap` (a model built on the meta device, ``zero.Init``'s counterpart).
+    ``<nvme_path>/tiered`` (``tiered-2``, ``tiered-3``, ... for further engines open at the same
+    time: [Note: One directory per engine]), or a temporary directory removed when the engine
+    closes when nothing is offloaded to NVMe (:func:`engine.integrations.deepspeed.store.default_store`).
+    ``init_fn``/``state_dict``: as for :func:`engine.wrap` (a model built on the meta device,
+    ``zero.Init``'s counterpart).
 
     As DeepSpeed's, it joins the process group a launcher (``torchrun``) describes when the script
     has not (:func:`engine.init_distributed`); ``dist_init_required=True`` requires a launcher,
@@ -154,10 +161,11 @@ def _initialize(
               if training_data is not None else None)
     monitor = _monitor(ds, engine_config.gradient_accumulation_steps)
     scratch = default.scratch if default is not None else None
+    engine_class = functools.partial(DeepSpeedEngine, deepspeed_config=ds, scratch_dir=scratch, monitor=monitor)
     try:
-        eng = wrap(model, optimizer=optimizer, config=engine_config, init_fn=init_fn, state_dict=state_dict,
-                   engine_class=functools.partial(DeepSpeedEngine, deepspeed_config=ds, scratch_dir=scratch,
-                                                  monitor=monitor))
+        eng = wrap_in_own_directory(default, engine_config, lambda config: wrap(
+            model, optimizer=optimizer, config=config, init_fn=init_fn, state_dict=state_dict,
+            engine_class=engine_class))
     except BaseException:
         monitor.close()
         raise

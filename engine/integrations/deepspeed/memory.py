@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch
 
+from engine.paging.machine_memory import memory_sizes
 from engine.stats import EngineStats
 from tiered import Tier
 from tiered.util import format_bytes
@@ -47,21 +48,6 @@ def machine_memory() -> Optional[tuple[int, float]]:
         return None
     total, available = sizes
     return total - available, 100.0 * (total - available) / total
-
-
-def memory_sizes() -> Optional[tuple[int, int]]:
-    """The machine's memory and the part of it available to new allocations, in bytes, from
-    ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``); None where there is none."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            fields = {name: int(value.split()[0]) * 1024 for name, value in
-                      (line.split(":", 1) for line in f if ":" in line) if value.split()}
-    except (OSError, ValueError):
-        return None
-    total, available = fields.get("MemTotal"), fields.get("MemAvailable")
-    if not total or available is None:
-        return None
-    return total, available
 
 
 def configuration_lines(name: str, config: Any) -> list[str]:

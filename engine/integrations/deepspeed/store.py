@@ -3,7 +3,8 @@ DeepSpeed scripts do not: under the config's ``nvme_path`` when something is off
 otherwise in a temporary directory that lives as long as the engine, which removes it
 (:class:`ScratchStoreEngine`; DeepSpeed keeps CPU-offloaded state in memory only, so such a run has
 nothing on disk worth keeping). Its budgets follow what DeepSpeed keeps in memory under the config
-(:func:`deepspeed_budgets`, which ``tiered estimate --ds-config`` uses too)."""
+(:func:`deepspeed_budgets`, which ``tiered estimate --ds-config`` uses too). Several engines from
+one config each get a directory of their own (:func:`wrap_in_own_directory`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from torch import nn
 
@@ -24,13 +25,16 @@ from engine.engine import Engine
 from engine.integrations.deepspeed.memory import memory_sizes
 from engine.paging.memory_estimate import estimate_memory
 from engine.paging.memory_plan import plan_memory
-from tiered import StoreConfig
+from tiered import StoreConfig, StoreLockedError
 from tiered.util import format_bytes
 
 MiB = 1 << 20
 
 #: The store's subdirectory of each ``nvme_path``: DeepSpeed's own swap folders stay apart from it.
 SUBDIR = "tiered"
+
+#: The most engines that can keep their default stores under one ``nvme_path`` at once.
+MAX_ENGINES = 64
 
 #: The offload sections whose ``device`` and ``nvme_path`` place the store.
 _SECTIONS = ("zero_optimization.offload_param", "zero_optimization.offload_optimizer")
@@ -53,6 +57,20 @@ class DefaultStore:
         config = engine_config.replace(store=engine_config.store.replace(nvme_paths=self.config.nvme_paths))
         return config.replace(store=deepspeed_budgets(config, model, world_size, training=training))
 
+    def numbered(self, index: int) -> "DefaultStore":
+        """The default store of the ``index``-th engine open at once under the same ``nvme_path``
+        (see [Note: One directory per engine]): this one for 0, else the same directories with
+        ``-<index + 1>`` appended (``tiered-2``, ``tiered-3``, ...). A scratch store is its own."""
+        if index == 0 or self.scratch is not None:
+            return self
+        paths = tuple(f"{p}-{index + 1}" for p in self.config.nvme_paths)
+        return DefaultStore(self.config.replace(path=paths[0], nvme_paths=paths), scratch=None)
+
+    def place(self, engine_config: EngineConfig) -> EngineConfig:
+        """``engine_config`` with its store's directories (path and swap directories) this store's."""
+        store = engine_config.store.replace(path=self.config.path, nvme_paths=self.config.nvme_paths)
+        return engine_config.replace(store=store)
+
     def remove(self) -> None:
         """Delete the scratch directory, if there is one (the store must be closed)."""
         if self.scratch is not None:
@@ -69,6 +87,45 @@ def removed_on_failure(default: Optional[DefaultStore]) -> Iterator[None]:
         if default is not None:
             default.remove()
         raise
+
+
+# [Note: One directory per engine]
+# A script may build several engines from one DeepSpeed config (a DPO policy and its reference
+# model), as DeepSpeed allows. Each store owns its directories, so each engine's default store gets
+# directories of its own under every ``nvme_path``: the first of ``tiered``, ``tiered-2``,
+# ``tiered-3``, ... that no open store holds (the wrap is tried there and, refused with
+# StoreLockedError before it changed anything, tried at the next). The choice is made from the
+# directories' locks, not from a count kept in the process: an engine closed frees its directory
+# for the next one, and a script that opens its engines in the same order finds the same
+# directories again in its next run. A directory open in another process is passed over as well,
+# so two runs on one ``nvme_path`` never share a store. These engines start fresh (they resume from
+# checkpoints, not from the store), so which free directory one takes never changes a result;
+# ``store=`` names a directory explicitly.
+
+
+def wrap_in_own_directory(default: Optional[DefaultStore], engine_config: EngineConfig,
+                          wrap_engine: Callable[[EngineConfig], Engine]) -> Engine:
+    """``wrap_engine(engine_config)`` with the store in the first of ``default``'s numbered
+    directories (:meth:`DefaultStore.numbered`) that no open store holds; ``engine_config`` as it is
+    when ``default`` is None (the script named its store) or a scratch directory.
+
+    Raises:
+        StoreLockedError: all :data:`MAX_ENGINES` directories are open (naming the first).
+        Whatever ``wrap_engine`` raises otherwise.
+    """
+    if default is None or default.scratch is not None:
+        return wrap_engine(engine_config)
+    refused: Optional[StoreLockedError] = None
+    for index in range(MAX_ENGINES):
+        try:
+            return wrap_engine(default.numbered(index).place(engine_config))
+        except StoreLockedError as exc:  # raised by the store's open, before wrap changed anything
+            refused = refused or exc
+    raise StoreLockedError(
+        f"{MAX_ENGINES} engines already keep their stores under {os.path.dirname(default.config.path)} "
+        f"({default.config.path} to {default.numbered(MAX_ENGINES - 1).config.path} are all open): close some of "
+        "them, or pass the store's directory (engine.initialize(store=...), EngineTrainer(store=...))"
+    ) from refused
 
 
 #: The most of the memory available on the machine that the host tiers of its ranks' default stores
@@ -176,5 +233,5 @@ def default_store(ds: Mapping[str, Any]) -> DefaultStore:
     return DefaultStore(StoreConfig(path=scratch, flush_on_close=False), scratch=scratch)
 
 
-__all__ = ["HOST_SHARE", "SUBDIR", "DefaultStore", "ScratchStoreEngine", "deepspeed_budgets", "default_store",
-           "removed_on_failure"]
+__all__ = ["HOST_SHARE", "MAX_ENGINES", "SUBDIR", "DefaultStore", "ScratchStoreEngine", "deepspeed_budgets",
+           "default_store", "removed_on_failure", "wrap_in_own_directory"]

@@ -1,7 +1,9 @@
 """accelerate's ``save_state`` / ``load_state`` over a wrapped model: :func:`register_engine_state`.
 
 ``accelerator.save_state(dir)`` saves what accelerate prepared: the optimizer's ``state_dict``
-(``engine.AdamW``'s holds the step counts; the fp32 master weights and moments are in the store),
+(``engine.AdamW``'s whole state in one process; with :func:`register_engine_state`, its
+hyperparameters and step counts alone, the fp32 master weights and moments going to the engine's
+checkpoint),
 LR schedulers, data loader positions, RNG states. The model, kept out of ``prepare`` (see
 docs/migrating.md), is not in it. :func:`register_engine_state` adds accelerate's own state hooks
 so each ``save_state`` also writes ``eng.save_checkpoint`` into ``dir/engine`` (every rank takes
@@ -39,7 +41,9 @@ def register_engine_state(
     accelerator: Accelerator, eng: Any, *, exclude_frozen_parameters: bool = False
 ) -> tuple[RemovableHandle, RemovableHandle]:
     """Make ``accelerator.save_state`` / ``load_state`` save and load ``eng``'s checkpoint (shards,
-    fp32 masters, moments, step counts, loss scale) in ``<dir>/engine``.
+    fp32 masters, moments, step counts, loss scale) in ``<dir>/engine``, and ``engine.AdamW``'s
+    ``state_dict()`` (which accelerate saves beside it) leave those to it
+    (``AdamW.leave_state_to_checkpoints``; ``leave_state_to_checkpoints(False)`` undoes it).
     ``exclude_frozen_parameters``: leave frozen parameters out of it (a PEFT model's base weights).
     Returns the two hooks' handles (``handle.remove()`` unregisters). ``ValueError`` when the
     accelerator runs another number of processes than ``eng`` is sharded over (one of them was
@@ -53,6 +57,11 @@ def register_engine_state(
                "Accelerator first, then engine.wrap, so that each rank keeps its shard and the gradients are averaged")
         raise ValueError(f"the Accelerator runs {accelerator.num_processes} process(es) but the engine is sharded "
                          f"over {eng.world_size}: {why}")
+
+    # engine.AdamW: its moments and masters go into the engine checkpoint below
+    leave = getattr(getattr(eng, "optimizer", None), "leave_state_to_checkpoints", None)
+    if leave is not None:
+        leave()
 
     def save(models: list, weights: list, output_dir: str) -> None:
         eng.save_checkpoint(engine_checkpoint(output_dir), overwrite=True,

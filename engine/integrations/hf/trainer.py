@@ -41,7 +41,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 from engine.config.deepspeed import DeepSpeedConfig
 from engine.engine import wrap
 from engine.integrations.deepspeed.optimizer import scheduler_from_deepspeed
-from engine.integrations.deepspeed.store import ScratchStoreEngine, removed_on_failure
+from engine.integrations.deepspeed.store import ScratchStoreEngine, removed_on_failure, wrap_in_own_directory
 from engine.integrations.hf.trainer_deepspeed import plan_for_trainer, scheduled_config, training_arguments_source
 from engine.io.checkpoint_paths import ENGINE_SUBDIR, engine_checkpoint
 from engine.io.weights import StateDictLike
@@ -57,11 +57,15 @@ class EngineCheckpointCallback(TrainerCallback):  # type: ignore[misc]
     """Saves ``eng``'s checkpoint (``eng.save_checkpoint``: shards, fp32 masters, moments, step
     counts) into ``checkpoint-<step>/engine`` each time the Trainer saves a checkpoint. Every
     rank runs it (the save is collective). ``exclude_frozen_parameters``: leave the frozen
-    parameters out (a PEFT model's base weights, as the Trainer has DeepSpeed do for one)."""
+    parameters out (a PEFT model's base weights, as the Trainer has DeepSpeed do for one). The
+    Trainer's ``optimizer.pt`` beside it then holds ``engine.AdamW``'s hyperparameters and step
+    counts alone (``AdamW.leave_state_to_checkpoints``), as it does for DeepSpeed: the state is in
+    the engine's checkpoint, not twice, nor whole in the memory of rank 0."""
 
     def __init__(self, eng: Any, *, exclude_frozen_parameters: bool = False) -> None:
         self._eng = eng
         self._exclude_frozen = exclude_frozen_parameters
+        leave_state_to_checkpoints(eng)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Called by the Trainer right after it wrote ``checkpoint-<global_step>``."""
@@ -181,8 +185,9 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
         default = plan.default_store
         with removed_on_failure(default):
             scratch = default.scratch if default else None
-            eng = wrap(model, optimizer=plan.optimizer, config=plan.config, **wrap_kwargs,
-                       engine_class=functools.partial(ScratchStoreEngine, scratch_dir=scratch))
+            engine_class = functools.partial(ScratchStoreEngine, scratch_dir=scratch)
+            eng = wrap_in_own_directory(default, plan.config, lambda config: wrap(
+                model, optimizer=plan.optimizer, config=config, **wrap_kwargs, engine_class=engine_class))
         if "scheduler" in plan.deepspeed_config:
             self._deepspeed_schedule = plan.deepspeed_config
         if "args" in kwargs:
@@ -259,6 +264,14 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
             self.engine.save_weights(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def leave_state_to_checkpoints(eng: Any) -> None:
+    """Have ``eng``'s ``engine.AdamW`` (if it has one) leave its moments and masters out of its
+    ``state_dict()``: the caller saves the engine's checkpoint, which holds them, beside it."""
+    leave = getattr(getattr(eng, "optimizer", None), "leave_state_to_checkpoints", None)
+    if leave is not None:
+        leave()
 
 
 def is_peft_model(model: Any) -> bool:
