@@ -874,7 +874,7 @@ def wrap(
             sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
                 if p.device.type != "meta")
         )
-        from engine.optim.training import check_resumable, discard_training_state, roll_back_interrupted_step
+        from engine.optim.stored_state import check_resumable, discard_training_state, roll_back_interrupted_step
 
         if config.resume:
             check_resumable(store)

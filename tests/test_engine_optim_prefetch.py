@@ -48,7 +48,7 @@ def test_first_groups_state_is_in_flight_after_backward_and_losses_equal_torch(t
             loss.backward()
             ref_loss = loss_of(ref, step)
             ref_loss.backward()
-            prefetch = training._prefetch
+            prefetch = training._after.prefetch
             assert prefetch.started
             if step == 0:
                 assert not prefetch._futures  # no state before the first step
@@ -62,7 +62,7 @@ def test_first_groups_state_is_in_flight_after_backward_and_losses_equal_torch(t
             eng.zero_grad()
             ref_opt.step()
             ref_opt.zero_grad()
-            assert not training._prefetch.started
+            assert not training._after.prefetch.started
             losses.append(loss.item())
             ref_losses.append(ref_loss.item())
         assert losses == ref_losses
@@ -91,9 +91,9 @@ def run_mixed(tmp_path, groups: int) -> tuple[list[float], dict[str, torch.Tenso
         eng.save_checkpoint(tmp_path / f"ckpt{groups}")
         loss_of(model, 50).backward()  # its state prefetch read the state the load replaces
         eng.zero_grad()
-        assert eng._training._prefetch.started
+        assert eng._training._after.prefetch.started
         eng.load_checkpoint(tmp_path / f"ckpt{groups}")
-        assert not eng._training._prefetch.started
+        assert not eng._training._after.prefetch.started
         for step in range(2):
             loss = loss_of(model, 60 + step)
             loss.backward()

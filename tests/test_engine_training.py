@@ -420,21 +420,24 @@ def test_zero_grad_without_set_to_none_keeps_zero_gradients(tmp_path):
 
 
 def failed_step(eng: engine.Engine, model: nn.Module, group: int) -> tuple[dict, dict]:
-    """``eng.step()`` with an OSError injected into the update of ``group``: the model's state dict
-    before and after it."""
+    """``eng.step()`` with an OSError injected into the update of ``group``: the parameter shards in the
+    store before and after it."""
 
     def fail(event: str, index: int) -> None:
         if event == "update" and index == group:
             raise OSError("injected")
 
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    def stored() -> dict:  # the shards as the store holds them (model.state_dict() would finish the step)
+        return {n: eng.store.sync.get(f"param/{n}") for n, _ in model.named_parameters()}
+
+    before = stored()
     eng._training.on_event = fail
     try:
         with pytest.raises(OSError, match="injected"):
             eng.step()
     finally:
         eng._training.on_event = None
-    return before, model.state_dict()
+    return before, stored()
 
 
 @pytest.mark.parametrize("state", ["nvme", "host-two-slots"])

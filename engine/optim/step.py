@@ -143,6 +143,37 @@ async def step_async(
     eviction policy finds them worth it (a parameter read again in the next forward).
     """
     started = time.perf_counter()
+    hyper_list = _check_step_arguments(shards, hypers, state_tier, param_tier, math_chunk_bytes, in_place, atomic,
+                                       grad_scale)
+    counts = {s.name: _step_count(steps, s.name) for s in shards}
+    groups = plan_groups(shards, group_bytes)
+    io = IOCounter()
+    norm, coef = await _clip_coefficient(store, shards, group_bytes, io, max_grad_norm, grad_norms, all_reduce,
+                                         grad_scale, grad_norm, clip_coef)
+    pipeline = _Pipeline(store, groups, counts, io, state_tier=state_tier, param_tier=param_tier,
+                         compress=True if compress else None, in_place=in_place, atomic=atomic, progress=progress,
+                         keep=keep, on_event=on_event)
+    updated, update_seconds = await pipeline.run(hyper_list, grad_scale, coef, math_chunk_bytes // 4)
+    return OptimStepStats(
+        seconds=time.perf_counter() - started,
+        bytes_read=io.bytes_read,
+        bytes_written=io.bytes_written,
+        io_stall_seconds=io.stall_seconds,
+        update_seconds=update_seconds,
+        groups=len(groups),
+        shards_updated=updated,
+        shards_skipped=len(shards) - updated,
+        grad_norm=None if norm is None else float(norm),
+        clip_coef=None if coef is None else float(coef),
+        step_counts=types.MappingProxyType(counts),
+    )
+
+
+def _check_step_arguments(shards: Sequence[OptimShard], hypers: Union[AdamHyper, Sequence[AdamHyper]],
+                          state_tier: str, param_tier: str, math_chunk_bytes: int, in_place: bool, atomic: bool,
+                          grad_scale: float) -> list[AdamHyper]:
+    """Check :func:`step_async`'s arguments (TypeError / ValueError naming the value); the
+    hyperparameters as a list."""
     hyper_list = [hypers] if isinstance(hypers, AdamHyper) else list(hypers)
     if not hyper_list or not all(isinstance(h, AdamHyper) for h in hyper_list):
         raise TypeError(f"hypers must be an AdamHyper or a non-empty sequence of them, got {hypers!r}")
@@ -160,89 +191,107 @@ async def step_async(
     if param_tier != state_tier and any(s.master_is_param for s in shards):
         raise ValueError(f"a shard whose master is its parameter keeps both in one tier, but param_tier is "
                          f"{param_tier!r} and state_tier {state_tier!r}")
-    counts = {s.name: _step_count(steps, s.name) for s in shards}
-    groups = plan_groups(shards, group_bytes)
-    io = IOCounter()
-
-    norm: Optional[torch.Tensor] = None
-    coef: Optional[torch.Tensor] = None
     if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not grad_scale > 0:
         raise ValueError(f"grad_scale must be a number > 0, got {grad_scale!r}")
+    return hyper_list
+
+
+async def _clip_coefficient(
+    store: AsyncTensorStore, shards: Sequence[OptimShard], group_bytes: int, io: IOCounter,
+    max_grad_norm: Optional[float], grad_norms: Optional[Mapping[str, torch.Tensor]],
+    all_reduce: Optional[AllReduceSum], grad_scale: float, grad_norm: Optional[torch.Tensor],
+    clip_coef: Optional[torch.Tensor],
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The global norm (unscaled) and the clip coefficient the step multiplies the gradients by: the one
+    given, or from ``max_grad_norm`` (reading the gradients for their norms when nobody has them); (None,
+    None) without clipping."""
     if clip_coef is not None:
-        coef = clip_coef
-    elif max_grad_norm is not None:
-        if grad_norm is None:
-            norms = grad_norms if grad_norms is not None else await grad_norms_async(
-                store, shards, group_bytes=group_bytes, io=io
-            )
-            grad_norm = global_grad_norm(norms, shards, all_reduce)
-        # A power-of-two scale scales the norm exactly: this is the norm of the unscaled gradients.
-        norm = grad_norm * grad_scale if grad_scale != 1.0 else grad_norm
-        coef = clip_coefficient(norm, max_grad_norm)
+        return None, clip_coef
+    if max_grad_norm is None:
+        return None, None
+    if grad_norm is None:
+        norms = grad_norms if grad_norms is not None else await grad_norms_async(
+            store, shards, group_bytes=group_bytes, io=io
+        )
+        grad_norm = global_grad_norm(norms, shards, all_reduce)
+    # A power-of-two scale scales the norm exactly: this is the norm of the unscaled gradients.
+    norm = grad_norm * grad_scale if grad_scale != 1.0 else grad_norm
+    return norm, clip_coefficient(norm, max_grad_norm)
 
-    loop = asyncio.get_running_loop()
-    state_compress = True if compress else None
-    updated = 0
-    update_seconds = 0.0
-    reading: Optional[asyncio.Future[list[_Loaded]]] = None
-    writing: Optional[asyncio.Future[None]] = None
-    # In place: each group's modify blocks, open from its read until its write has ended them.
-    open_blocks: dict[int, ModifyBlocks] = {}
 
-    def start_read(i: int) -> "asyncio.Future[list[_Loaded]]":
-        if on_event is not None:
-            on_event("read", i)
-        blocks = None
-        if in_place:
-            blocks = open_blocks[i] = ModifyBlocks()
-        return asyncio.ensure_future(_read_group(store, groups[i], counts, io, blocks, param_tier))
+class _Pipeline:
+    """One step's groups through read, update and write, each stage a group ahead of the next (see the
+    module docstring)."""
 
-    try:
-        reading = start_read(0) if groups else None
-        for i in range(len(groups)):
-            current = reading
-            assert current is not None
-            reading = start_read(i + 1) if i + 1 < len(groups) else None
-            loaded = await io.wait(current)
-            t0 = time.perf_counter()
-            await loop.run_in_executor(None, _update, loaded, hyper_list, grad_scale, coef, on_event, i,
-                                       math_chunk_bytes // 4)
-            update_seconds += time.perf_counter() - t0
+    def __init__(self, store: AsyncTensorStore, groups: list[list[OptimShard]], counts: dict[str, int],
+                 io: IOCounter, *, state_tier: str, param_tier: str, compress: Optional[bool], in_place: bool,
+                 atomic: bool, progress: Optional[ProgressHook], keep: Optional[str],
+                 on_event: Optional[EventHook]) -> None:
+        self._store, self._groups, self._counts, self._io = store, groups, counts, io
+        self._state_tier, self._param_tier, self._compress = state_tier, param_tier, compress
+        self._in_place, self._atomic, self._progress, self._keep = in_place, atomic, progress, keep
+        self._on_event = on_event
+        # In place: each group's modify blocks, open from its read until its write has ended them.
+        self._open_blocks: dict[int, ModifyBlocks] = {}
+
+    async def run(self, hypers: list[AdamHyper], grad_scale: float, coef: Optional[torch.Tensor],
+                  chunk_elems: int) -> tuple[int, float]:
+        """Read, update and write every group; returns the shards updated and the seconds of AdamW's math."""
+        loop = asyncio.get_running_loop()
+        updated = 0
+        update_seconds = 0.0
+        reading: Optional[asyncio.Future[list[_Loaded]]] = None
+        writing: Optional[asyncio.Future[None]] = None
+        try:
+            reading = self._start_read(0) if self._groups else None
+            for i in range(len(self._groups)):
+                current = reading
+                assert current is not None
+                reading = self._start_read(i + 1) if i + 1 < len(self._groups) else None
+                loaded = await self._io.wait(current)
+                t0 = time.perf_counter()
+                await loop.run_in_executor(None, _update, loaded, hypers, grad_scale, coef, self._on_event, i,
+                                           chunk_elems)
+                update_seconds += time.perf_counter() - t0
+                if writing is not None:
+                    await self._io.wait(writing)
+                writing = self._start_write(i, loaded)
+                for item in loaded:
+                    self._counts[item.shard.name] = int(item.step.item())
+                updated += len(loaded)
+                del loaded, current
             if writing is not None:
-                await io.wait(writing)
-            if on_event is not None:
-                on_event("write", i)
-            writing = asyncio.ensure_future(_write_group(
-                store, loaded, io, state_tier, param_tier, state_compress, open_blocks.pop(i, None),
-                atomic=atomic, progress=progress, keep=keep,
-            ))
-            for item in loaded:
-                counts[item.shard.name] = int(item.step.item())
-            updated += len(loaded)
-            del loaded, current
-        if writing is not None:
-            await io.wait(writing)
-    except BaseException:
-        # Reads in flight are dropped; a write already started runs to its end (cancelling it could
-        # leave a shard with only some of its four tensors written). A read that opens modify blocks
-        # runs to its end too, so that every block it opened is known and ended here.
-        await drain([reading], cancel=not in_place)
+                await self._io.wait(writing)
+        except BaseException:
+            await self._drain(reading, writing)
+            raise
+        return updated, update_seconds
+
+    def _start_read(self, i: int) -> "asyncio.Future[list[_Loaded]]":
+        if self._on_event is not None:
+            self._on_event("read", i)
+        blocks = None
+        if self._in_place:
+            blocks = self._open_blocks[i] = ModifyBlocks()
+        return asyncio.ensure_future(_read_group(self._store, self._groups[i], self._counts, self._io, blocks,
+                                                 self._param_tier))
+
+    def _start_write(self, i: int, loaded: list[_Loaded]) -> "asyncio.Future[None]":
+        if self._on_event is not None:
+            self._on_event("write", i)
+        return asyncio.ensure_future(_write_group(
+            self._store, loaded, self._io, self._state_tier, self._param_tier, self._compress,
+            self._open_blocks.pop(i, None), atomic=self._atomic, progress=self._progress, keep=self._keep,
+        ))
+
+    async def _drain(self, reading: "Optional[asyncio.Future[list[_Loaded]]]",
+                     writing: "Optional[asyncio.Future[None]]") -> None:
+        """After an error: reads in flight are dropped; a write already started runs to its end
+        (cancelling it could leave a shard with only some of its four tensors written). A read that
+        opens modify blocks runs to its end too, so that every block it opened is known and ended here."""
+        await drain([reading], cancel=not self._in_place)
         await drain([writing], cancel=False)
-        await drain([asyncio.ensure_future(blocks.close()) for blocks in open_blocks.values()], cancel=False)
-        raise
-    return OptimStepStats(
-        seconds=time.perf_counter() - started,
-        bytes_read=io.bytes_read,
-        bytes_written=io.bytes_written,
-        io_stall_seconds=io.stall_seconds,
-        update_seconds=update_seconds,
-        groups=len(groups),
-        shards_updated=updated,
-        shards_skipped=len(shards) - updated,
-        grad_norm=None if norm is None else float(norm),
-        clip_coef=None if coef is None else float(coef),
-        step_counts=types.MappingProxyType(counts),
-    )
+        await drain([asyncio.ensure_future(blocks.close()) for blocks in self._open_blocks.values()], cancel=False)
 
 
 #: Blocking :func:`step_async`, for ``eng.step()``: the same arguments, run on a private event loop.
