@@ -16,7 +16,7 @@ import os
 import pathlib
 import socket
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -332,6 +332,8 @@ def test_world2_plain_optimizer_matches_data_parallel_oracle(trained):
 # ---------------------------------------------------------------------------- engine.AdamW and checkpoints
 
 LR, WD, CLIP = 1e-2, 0.01, 0.05
+#: Just below the first step's global gradient norm (19.84) and above the later steps' (17.6 and less).
+CLIP_LATE = 19.8
 
 
 def _adamw_config(root, name: str, **kw) -> engine.EngineConfig:
@@ -364,6 +366,7 @@ def _adamw_rank(rank: int, root: str) -> dict[str, Any]:
     eng.close()
     result["fp16"] = _fp16_run(rank, root)
     result["accumulation"] = _accumulation_run(rank, root)
+    result["inside"] = _inside_runs(rank, root)
     model = new_model()
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=WD),
                       config=_adamw_config(root, "act", activation_tier="nvme", activation_min_bytes=1024))
@@ -392,6 +395,27 @@ def _accumulation_run(rank: int, root: str) -> dict[str, Any]:
     result = dict(derived=derived, losses=losses, stepped=stepped, state_dict=eng.state_dict())
     eng.close()
     return result
+
+
+def _inside_runs(rank: int, root: str) -> dict[tuple[str, bool], dict[str, Any]]:
+    """fp32 and bf16 with clipping, the updates inside backward from the first step or never: the first
+    step's norm binds when its last gradients come in (its updates are redone after backward), the
+    later ones do not bind (the second runs after backward, as a step after a binding one does; the
+    others commit inside backward)."""
+    out = {}
+    for dtype in (None, "bfloat16"):
+        for inside in (True, False):
+            model = new_model()
+            config = _adamw_config(root, f"inside-{dtype}-{inside}", train_dtype=dtype, max_grad_norm=CLIP_LATE,
+                                   step_in_backward=inside)
+            eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=WD), config=config)
+            norms: list[Optional[float]] = []
+            losses = _train(model, eng, rank, range(4), norms)
+            counters = eng._training.counters
+            out[(dtype or "float32", inside)] = dict(losses=losses, norms=norms, state_dict=eng.state_dict(),
+                                                     inside=counters.steps_inside, redone=counters.steps_redone)
+            eng.close()
+    return out
 
 
 def _fp16_run(rank: int, root: str) -> dict[str, Any]:
@@ -530,6 +554,23 @@ def test_world2_adamw_training_matches_one_process(trained):
         torch.testing.assert_close(res["clipped_norms"], want_norms, rtol=1e-6, atol=0)  # before clipping
         assert res["clipped_norms"] == runs[0]["adamw"]["clipped_norms"]  # every rank the same all-reduced norm
     assert runs[0]["adamw"]["clipped_losses"] != runs[0]["adamw"]["losses"][:3]  # the clip was active
+
+
+def test_world2_updates_inside_backward_equal_the_step_after_it_bit_for_bit(trained):
+    """At two ranks, in fp32 and bf16 with clipping: a step whose clip binds only once its last
+    gradients come in is redone after backward, the next runs after backward, the later ones commit
+    inside backward, and every loss,
+    norm and value equals the step after backward's bit for bit (on every rank)."""
+    _, runs = trained
+    for run in runs:
+        for dtype in ("float32", "bfloat16"):
+            inside, after = run["adamw"]["inside"][(dtype, True)], run["adamw"]["inside"][(dtype, False)]
+            assert inside["norms"][0] > CLIP_LATE > max(inside["norms"][1:]), inside["norms"]
+            assert inside["redone"] == 1 and inside["inside"] == 2, (dtype, inside["redone"], inside["inside"])
+            assert after["inside"] == after["redone"] == 0
+            assert inside["losses"] == after["losses"] and inside["norms"] == after["norms"], dtype
+            for name, value in after["state_dict"].items():
+                assert torch.equal(inside["state_dict"][name], value), (dtype, name)
 
 
 def test_world2_the_optimizer_state_dict_is_refused_rather_than_a_rank_s_part(trained):
