@@ -14,7 +14,7 @@ MiB = 1 << 20
 
 
 async def main(path: str) -> None:
-    config = tiered.StoreConfig(path=path, host_bytes=64 * MiB, prefault_host=False)
+    config = tiered.StoreConfig(path=path, host_bytes=64 * MiB)
     async with await tiered.TieredStore.open_async(config) as store:
         weight = torch.randn(1024, 1024)
         await store.put("layer0.weight", weight, tier="nvme")           # durable when it returns

@@ -225,7 +225,7 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
     print(f"parameters + gradients + AdamW states: {_gb(state_bytes)}; device + host budget: {_gb(budget)}"
           f" ({state_bytes / max(budget, 1):.1f}x); the rest goes to {directory}", file=out)
     store = tiered.StoreConfig(path=os.path.join(directory, "store"), host_bytes=args.host_mib * MiB,
-                               device_bytes=args.device_mib * MiB, device=args.device, prefault_host=False)
+                               device_bytes=args.device_mib * MiB, device=args.device)
     config = engine.EngineConfig(store=store, compute_device=args.device, param_tier=args.param_tier,
                                  optimizer_tier=args.optimizer_tier,
                                  prefetch_bytes=args.prefetch_mib * MiB, compress_optimizer=args.compress_optimizer,
