@@ -12,6 +12,7 @@ from tiered.bench.options import PHASES, TOOLS, BenchOptions, parse_size, parse_
 from tiered.bench.plot import write_plot
 from tiered.bench.report import table, write_json
 from tiered.bench.runner import run_bench
+from tiered.cli import make_work_directory, remove_made_directories
 from tiered.config import StoreConfig
 
 
@@ -153,7 +154,15 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "tiered bench") -> in
         parser.error(str(exc))
     if options.device is not None and torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {options.device}: CUDA is not available on this machine")
-    result = run_bench(options)
+    try:
+        made = make_work_directory(options.directory)
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = run_bench(options)
+    finally:
+        remove_made_directories(made)
     if options.plot_path:
         why = write_plot(result, options.plot_path)
         result.notes.append(why or f"plot written to {options.plot_path}")
