@@ -3,8 +3,8 @@
     python examples/store_basics.py /tmp/tiered-example
 """
 
+import argparse
 import asyncio
-import sys
 
 import torch
 
@@ -32,4 +32,7 @@ async def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "tiered-example"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", nargs="?", default="tiered-example", help="the store's directory (default: "
+                        "./tiered-example)")
+    asyncio.run(main(parser.parse_args().path))

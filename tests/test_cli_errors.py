@@ -96,6 +96,21 @@ def test_version_and_help(tmp_path):
     assert helped.returncode == 0 and "train" in helped.stdout and "--version" in helped.stdout
 
 
+def test_every_option_of_train_and_estimate_says_what_it_does():
+    from engine.cli.estimate import build_parser as estimate_parser
+
+    for parser in (build_parser(), estimate_parser()):
+        for action in parser._actions:
+            assert action.help, f"{parser.prog} {action.option_strings} has no help"
+            if parser.prog == "tiered estimate":
+                assert "--beyond-memory" not in action.help, action.option_strings  # estimate has no such option
+    actions = {a.option_strings[-1]: a for a in build_parser()._actions}
+    for option, default in (("--layers", "6"), ("--embd", "384"), ("--heads", "6"), ("--vocab", "512"),
+                            ("--device-mib", "0"), ("--seed", "0"), ("--weight-decay", "0.0")):
+        action = actions[option]
+        assert f"default {default}" in action.help % {"default": action.default}, option
+
+
 def _demo_args(*argv: str) -> argparse.Namespace:
     args = build_parser().parse_args(["--demo", *argv])
     args.seq, args.device = 128, "cpu"

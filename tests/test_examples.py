@@ -172,6 +172,8 @@ def test_two_demos_on_one_directory(tmp_path, capsys):
 def test_store_example(tmp_path):
     out = run_example("store_basics.py", str(tmp_path / "store"), cwd=str(tmp_path))
     assert "after reopen: ['adam.exp_avg', 'layer0.weight'] True" in out
+    assert "usage:" in run_example("store_basics.py", "--help", cwd=str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["store"]  # --help made no store
 
 
 def test_deepspeed_example_maps_and_refuses_a_typo_then_resumes_at_two_ranks(tmp_path):

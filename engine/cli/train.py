@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="tiered-demo", help="directory for the swap files and manifest (default: "
                    "./tiered-demo); use a directory on your NVMe disk")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 30; 3 with --beyond-memory)")
-    add_demo_size_arguments(p)
+    add_demo_size_arguments(p, seq_help="sequence length (default 128; 32 with --beyond-memory)")
     p.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default 8; 1 with "
                    "--beyond-memory)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
@@ -119,13 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
 DEMO_SIZE_OPTIONS = ("layers", "embd", "heads", "vocab", "seq")
 
 
-def add_demo_size_arguments(p: argparse.ArgumentParser) -> None:
-    """``--layers``, ``--embd``, ``--heads``, ``--vocab`` and ``--seq``, defaulting to the demo's GPT."""
+def add_demo_size_arguments(p: argparse.ArgumentParser, *, seq_help: str = "sequence length (default 128)") -> None:
+    """``--layers``, ``--embd``, ``--heads``, ``--vocab`` and ``--seq``, defaulting to the demo's GPT
+    (``seq_help`` says what ``--seq`` defaults to in this command)."""
     p.add_argument("--layers", type=int, default=6, help="demo GPT: transformer blocks (default %(default)s)")
     p.add_argument("--embd", type=int, default=384, help="demo GPT: width (default %(default)s)")
     p.add_argument("--heads", type=int, default=6, help="demo GPT: attention heads (default %(default)s)")
     p.add_argument("--vocab", type=int, default=512, help="demo GPT: vocabulary (default %(default)s)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 128; 32 with --beyond-memory)")
+    p.add_argument("--seq", type=int, default=None, help=seq_help)
 
 
 def demo_config(args: argparse.Namespace) -> GPTConfig:
