@@ -157,8 +157,10 @@ def test_skip_and_only_select_contenders_and_phases(tmp_path, capsys):
 
 
 def test_deepspeed_absent_is_a_note_not_an_error(no_deepspeed):
-    module, status = load_aio()
+    announced: list[str] = []
+    module, status = load_aio(announced.append)
     assert module is None and status.skipped and 'pip install -e ".[bench]"' in status.note
+    assert announced == []  # no "building DeepSpeed's op" line for a DeepSpeed that is not there
 
 
 def test_bad_options_are_clear_errors(tmp_path, capsys):
