@@ -5,7 +5,6 @@ defaults and a budget too small is one line naming the option and the value that
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional
 
 from torch import nn
@@ -18,19 +17,9 @@ DEMO_HOST_MIB = 48
 _SEARCH_STEPS = 32
 
 
-@dataclasses.dataclass(frozen=True)
-class Budgets:
-    """The store's budgets in MiB, and whether each was sized here (not given)."""
-
-    host_mib: int
-    device_mib: int
-    host_sized: bool = False
-    device_sized: bool = False
-
-
 def size_budgets(model: nn.Module, config_for: "Callable[[int, int], object]", *, host_mib: Optional[int],
-                 device_mib: Optional[int], default_host_mib: int, param_tier: str) -> Budgets:
-    """``host_mib`` and ``device_mib`` as given, or sized for ``model`` under ``config_for(host_bytes,
+                 device_mib: Optional[int], default_host_mib: int, param_tier: str) -> tuple[int, int]:
+    """``(host_mib, device_mib)``: as given, or sized for ``model`` under ``config_for(host_bytes,
     device_bytes)`` (an ``engine.EngineConfig``): the host budget at least ``default_host_mib`` and
     what the plan needs; the device budget, with ``param_tier="device"``, the parameters' bytes.
 
@@ -40,7 +29,6 @@ def size_budgets(model: nn.Module, config_for: "Callable[[int, int], object]", *
     """
     import engine
 
-    device_sized = device_mib is None
     if device_mib is None:
         device_mib = 0
         if param_tier == "device":
@@ -51,7 +39,6 @@ def size_budgets(model: nn.Module, config_for: "Callable[[int, int], object]", *
             raise ValueError(f"--device-mib {device_mib} cannot hold the parameter {part.largest_name!r} "
                              f"({_show(part.largest)}) that --param-tier device puts there: pass --device-mib "
                              f"{_mib(part.largest)} or more ({_mib(part.nbytes)} holds every parameter)")
-    host_sized = host_mib is None
     start = default_host_mib if host_mib is None else host_mib
     least = _least_host_bytes(model, lambda host: config_for(host, device_mib * MiB), start * MiB)
     if host_mib is None:
@@ -65,7 +52,7 @@ def size_budgets(model: nn.Module, config_for: "Callable[[int, int], object]", *
     est = engine.estimate_memory(model, config_for(host_mib * MiB, device_mib * MiB))
     if est.problems:
         raise ValueError(est.problems[0])
-    return Budgets(host_mib, device_mib, host_sized, device_sized)
+    return host_mib, device_mib
 
 
 def _least_host_bytes(model: nn.Module, config_for: "Callable[[int], object]", start: int) -> int:

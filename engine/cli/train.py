@@ -187,22 +187,21 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
         args.device = _compute_device(args.device)
     except ValueError as exc:
         _usage(str(exc))
-    model, name, vocab, init_fn = _model(args)
+    built = _model(args)
     store_path = os.path.join(os.path.abspath(args.dir), "store")
     try:
-        budgets = size_budgets(model, lambda host, device: _config(args, store_path, host, device),
-                               host_mib=args.host_mib, device_mib=args.device_mib,
-                               default_host_mib=BEYOND_MEMORY_HOST_MIB if args.beyond_memory else DEMO_HOST_MIB,
-                               param_tier=args.param_tier)
+        args.host_mib, args.device_mib = size_budgets(
+            built[0], lambda host, device: _config(args, store_path, host, device), host_mib=args.host_mib,
+            device_mib=args.device_mib, default_host_mib=BEYOND_MEMORY_HOST_MIB if args.beyond_memory else DEMO_HOST_MIB,
+            param_tier=args.param_tier)
     except ValueError as exc:
         _usage(str(exc))
-    args.host_mib, args.device_mib = budgets.host_mib, budgets.device_mib
     try:
         directory = DemoDirectory.claim(args.dir, out)
     except ValueError as exc:
         _usage(str(exc))
     try:
-        return _train(args, (model, name, vocab, init_fn), directory, out)
+        return _train(args, built, directory, out)
     finally:
         directory.release(keep=args.keep, out=out)
 
