@@ -35,7 +35,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         model,
         optimizer=engine.AdamW(lr=1e-3, weight_decay=0.0),
         config=engine.EngineConfig(
-            store=tiered.StoreConfig(path=args.dir, host_bytes=64 * MiB, prefault_host=False),
+            store=tiered.StoreConfig(path=args.dir, host_bytes=64 * MiB),
             param_tier="nvme", optimizer_tier="nvme", prefetch_bytes=16 * MiB, max_grad_norm=1.0,
         ),
     )  # no init_fn: each module is initialized as transformers initializes it, one at a time

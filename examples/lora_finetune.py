@@ -44,7 +44,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         model,
         optimizer=engine.AdamW(lr=1e-3, weight_decay=0.0),
         config=engine.EngineConfig(
-            store=tiered.StoreConfig(path=os.path.join(args.dir, "store"), host_bytes=64 * MiB, prefault_host=False),
+            store=tiered.StoreConfig(path=os.path.join(args.dir, "store"), host_bytes=64 * MiB),
             param_tier="nvme", optimizer_tier="nvme", prefetch_bytes=16 * MiB,
         ),
         state_dict=peft_base_weights(model, base_dir),  # the base's files under PEFT's names

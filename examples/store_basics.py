@@ -3,8 +3,8 @@
     python examples/store_basics.py /tmp/tiered-example
 """
 
+import argparse
 import asyncio
-import sys
 
 import torch
 
@@ -14,7 +14,7 @@ MiB = 1 << 20
 
 
 async def main(path: str) -> None:
-    config = tiered.StoreConfig(path=path, host_bytes=64 * MiB, prefault_host=False)
+    config = tiered.StoreConfig(path=path, host_bytes=64 * MiB)
     async with await tiered.TieredStore.open_async(config) as store:
         weight = torch.randn(1024, 1024)
         await store.put("layer0.weight", weight, tier="nvme")           # durable when it returns
@@ -32,4 +32,7 @@ async def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "tiered-example"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", nargs="?", default="tiered-example", help="the store's directory (default: "
+                        "./tiered-example)")
+    asyncio.run(main(parser.parse_args().path))

@@ -32,7 +32,7 @@ def main() -> None:
     torch.manual_seed(0)                     # every rank must start from the same values
     model = GPT(cfg)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=3e-3, weight_decay=0.0), config=engine.EngineConfig(
-        store=tiered.StoreConfig(path=os.path.abspath(args.dir), host_bytes=32 * MiB, prefault_host=False),
+        store=tiered.StoreConfig(path=os.path.abspath(args.dir), host_bytes=32 * MiB),
         param_tier="nvme", optimizer_tier="nvme"))
     data = BigramStream(cfg.vocab_size, cfg.seq_len, batch_size=8 * world)
     try:

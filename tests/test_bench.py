@@ -17,7 +17,8 @@ from tiered.bench import fio_best
 from tiered.bench.cli import main
 from tiered.bench.deepspeed_aio import load_aio
 from tiered.bench.fio import fio_status
-from tiered.bench.options import BenchOptions
+from tiered.bench.fio_cache import cached_best, disk_key, keep_best
+from tiered.bench.options import BenchOptions, quick_overrides
 from tiered.bench.phases import Context, run_round_robin
 from tiered.bench.results import BenchResult, Figure, Run
 from tiered.bench.targets import check_targets
@@ -28,7 +29,7 @@ TINY = [
     "--quick", "--quiet", "--size", "4MiB", "--tensor-sizes", "1MiB,512KiB", "--small-count", "12",
     "--small-sizes", "4KiB,64KiB", "--concurrency", "4", "--prefetch-count", "3", "--prefetch-size", "256KiB",
     "--compute-ms", "1", "--block-size", "256KiB", "--fio-size", "4MiB",
-    "--fio-jobs", "1", "--fio-queue-depths", "64",
+    "--fio-jobs", "1", "--fio-queue-depths", "64", "--fio-cache", "none",
 ]
 
 
@@ -45,7 +46,7 @@ def test_quick_run_reports_every_phase_and_round_trips(tmp_path, no_deepspeed, c
     report = json.loads(out.read_text())
     table = capsys.readouterr().out
 
-    assert os.listdir(work) == []  # the scratch directory is gone
+    assert not work.exists()  # the scratch directory is gone, and so is the --dir the run made
     phases = report["phases"]
     for prefix in ("large (", "large, zstd", "small 64KiB", "small mix", "prefetch", "device ("):
         assert any(p.startswith(prefix) for p in phases), (prefix, phases)
@@ -104,9 +105,14 @@ def test_quick_run_reports_every_phase_and_round_trips(tmp_path, no_deepspeed, c
     batched = [f for f in report["figures"] if f["phase"] == "small 64KiB" and f["op"].startswith("put_many+get_many")]
     assert len(batched) == 1 and all(r["verified"] is True for r in batched[0]["runs"])
     assert "batched (put_many+get_many" in small["note"]
-    # Three runs are reported, never judged: a verdict needs five.
+    # Three runs are reported, never judged: a verdict needs five; and fio's short grid is not the disk's limit.
     assert all(t["met"] is None for t in report["targets"])
-    assert all("a verdict needs >= 5 runs" in t["note"] for t in report["targets"] if t["measured"] is not None)
+    for t in report["targets"]:
+        if t["measured"] is not None:
+            why = "fio's short grid is not the disk's limit" if " vs fio " in t["name"] else "a verdict needs >= 5 runs"
+            assert why in t["note"], t
+    if fio["present"]:
+        assert report["fio_reference"] == "short grid" and "vs fio*" in table and "NOT the disk's limit" in table
     # The device phase: puts from and gets into the device's memory beside host memory, every get checked.
     device = next(p for p in phases if p.startswith("device ("))
     for op in ("put from cpu", "put from host", "get into cpu", "get into host"):
@@ -151,8 +157,10 @@ def test_skip_and_only_select_contenders_and_phases(tmp_path, capsys):
 
 
 def test_deepspeed_absent_is_a_note_not_an_error(no_deepspeed):
-    module, status = load_aio()
-    assert module is None and status.skipped and "pip install 'tiered[bench]'" in status.note
+    announced: list[str] = []
+    module, status = load_aio(announced.append)
+    assert module is None and status.skipped and 'pip install -e ".[bench]"' in status.note
+    assert announced == []  # no "building DeepSpeed's op" line for a DeepSpeed that is not there
 
 
 def test_bad_options_are_clear_errors(tmp_path, capsys):
@@ -188,6 +196,38 @@ def test_judged_targets_need_five_runs_and_use_the_median_of_paired_ratios():
     missed = target([1.8, 0.9, 2.0, 0.9, 1.8], [2.0, 1.0, 2.0, 1.0, 2.0])
     assert missed.met is False and missed.measured == pytest.approx(0.9)
     assert target([2.0, 2.0, 2.0], [1.0, 1.0, 1.0]).met is None  # three runs: reported, not judged
+
+
+def test_quick_runs_fio_at_the_best_settings_a_full_run_kept_for_this_disk(tmp_path):
+    """A full sweep's best settings are kept per disk; --quick then times fio at them, not at its short grid,
+    and holds the store against that figure."""
+    if not fio_status().present:
+        pytest.skip("fio is not installed here")
+    disk, cache = tmp_path / "disk", str(tmp_path / "cache" / "fio-best.json")
+    disk.mkdir()
+    if disk_key(str(disk)) is None:
+        pytest.skip("the block device under the test's directory is unknown")
+    assert BenchOptions(directory=str(disk)).full_fio_sweep() and not BenchOptions(directory=str(disk), quick=True,
+                                                                                    **quick_overrides()).full_fio_sweep()
+    assert cached_best(cache, str(disk)) is None
+    best = {"setting": {"block_size": 512 << 10, "queue_depth": 8, "jobs": 1}, "median": 1.5e9}
+    assert keep_best(cache, str(disk), {"fio": "fio-x", "nbytes": 512 << 20, "grid": [{}] * 32, "best_write": best,
+                                        "best_read": best}) is None
+    assert cached_best(cache, str(disk))["best_read"] == best and cached_best("none", str(disk)) is None
+    out = tmp_path / "bench.json"
+    assert main(["--dir", str(disk), "--json", str(out), "--only", "large", "--skip", "torch,deepspeed",
+                 *TINY[:-1], cache]) == 0
+    report = json.loads(out.read_text())
+    assert report["fio_reference"] == "best settings of a kept full sweep" and "grid" not in report["fio_sweep"]
+    for rw in ("write", "read"):
+        fio = next(f for f in report["figures"] if (f["tool"], f["op"]) == ("fio", rw))
+        assert all(r["detail"] | best["setting"] == r["detail"] for r in fio["runs"])
+    assert any("best settings of the full sweep of" in n for n in report["notes"])
+    fio_targets = [t for t in report["targets"] if " vs fio " in t["name"] and t["measured"] is not None]
+    assert fio_targets and all("a verdict needs >= 5 runs" in t["note"] for t in fio_targets)
+    with open(cache, "w") as f:
+        f.write("{not json")
+    assert cached_best(cache, str(disk)) is None  # a damaged cache is an empty one
 
 
 def test_fio_best_is_the_best_setting_of_its_sweep(tmp_path):

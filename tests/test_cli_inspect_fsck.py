@@ -71,6 +71,17 @@ def file_position(path, key: str, logical: int) -> tuple[str, int]:
     raise AssertionError("offset beyond the record")
 
 
+def first_gap(path, nbytes: int) -> tuple[str, int]:
+    """A swap file and the offset of the first ``nbytes`` between its records' extents."""
+    with StoreDirectory.open(str(path)) as d:
+        for f in d.swap_files:
+            used = sorted((e.offset, e.offset + e.length) for r in d.rows for e in r.record.extents if e.file == f.index)
+            for (_, prev_end), (start, _) in zip([(0, 0)] + used, used):
+                if start - prev_end >= nbytes:
+                    return f.path, prev_end
+    raise AssertionError("no gap between extents")
+
+
 def flip_byte(file: str, offset: int) -> None:
     with open(file, "r+b") as f:
         f.seek(offset)
@@ -141,8 +152,13 @@ def test_flipped_byte_is_named_then_deleted_and_reclaimed(tmp_path, capsys):
     data = random_tensor((300 * KiB // 4,), torch.float32, seed=3)
     bystander = random_tensor((20_000,), torch.float16, seed=4)
     write_store(path, {victim: data, "bystander": bystander, "gone": torch.ones(50_000)})
+    gone_file, gone_offset = file_position(path, "gone", 0)
     with tiered.TieredStore.open(small_config(path)) as store:
-        store.sync.delete("gone")  # its 196 KiB are orphaned now
+        store.sync.delete("gone")
+    # A clean close dropped its bytes; put them back, as a store killed before closing would have left them.
+    with open(gone_file, "r+b") as f:
+        f.seek(gone_offset)
+        f.write(b"\x01" * 196 * KiB)  # its 196 KiB are orphaned now
     flip_byte(*file_position(path, victim, 2 * 64 * KiB + 1234))  # the third of five chunks
 
     code, out, _ = cli(capsys, "fsck", path)
@@ -217,6 +233,40 @@ CRASHING_WRITER = """
     manifest.Manifest.commit = stall
     store.sync.put("lost", torch.full((600_000,), 7.0))
 """
+
+
+def test_a_clean_close_leaves_free_space_not_orphaned_space(tmp_path, capsys):
+    """Versions replaced or deleted while the store ran leave no stale bytes after a clean close, and the
+    swap files end at their last record; space that was free at open and untouched since (what a crash
+    may have left) stays as it was, for fsck to report."""
+    path = tmp_path / "store"
+    values = {f"k{i}": random_tensor((40_000 + 1000 * i,), torch.float32, seed=i) for i in range(6)}
+    write_store(path, values)
+    with tiered.TieredStore.open(small_config(path)) as store:
+        for i in (1, 3):
+            values[f"k{i}"] = random_tensor((45_000,), torch.float32, seed=10 + i)
+            store.sync.put(f"k{i}", values[f"k{i}"])
+        store.sync.delete("k5")
+        del values["k5"]
+    code, out, _ = cli(capsys, "inspect", path, "--json")
+    summary = json.loads(out)["summary"]
+    assert code == 0 and summary["orphaned_bytes"] == 0 and summary["free_bytes"] > 0, summary
+    with StoreDirectory.open(str(path)) as d:
+        for f in d.swap_files:
+            ends = [e.offset + e.length for r in d.rows for e in r.record.extents if e.file == f.index]
+            assert f.size == max(ends, default=0), (f.path, f.size)
+    code, out, _ = cli(capsys, "fsck", path)
+    assert code == 0 and out.splitlines()[-1] == "clean"
+
+    hole_file, gap = first_gap(path, 4096)
+    with open(hole_file, "r+b") as f:  # as a killed store leaves bytes no record names
+        f.seek(gap)
+        f.write(b"\x07" * 4096)
+    with tiered.TieredStore.open(small_config(path)) as store:  # reads only: allocates nothing
+        for key, value in values.items():
+            assert same_bytes(store.sync.get(key), value)
+    code, out, _ = cli(capsys, "inspect", path, "--json")
+    assert json.loads(out)["summary"]["orphaned_bytes"] == 4096
 
 
 def test_orphans_from_a_killed_writer_are_reported_and_reclaimed(tmp_path, capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 import pytest
 import torch
@@ -59,6 +60,19 @@ def test_sharded_weights_load_with_from_pretrained_and_with_wrap(tmp_path):
         assert all(torch.equal(v, values[k]) for k, v in eng.state_dict().items())
     finally:
         eng.close()
+
+
+def test_exported_files_are_the_users_to_share(tmp_path):
+    """Exported weights get 0666 less the umask, as any tool's output; the store's own files stay 0600."""
+    _, _, eng = wrapped_gpt2(tmp_path)  # its store in tmp_path/store
+    old = os.umask(0o022)
+    try:
+        files = eng.save_weights(tmp_path / "export")
+    finally:
+        os.umask(old)
+        eng.close()
+    assert files and all(stat.S_IMODE(os.stat(f).st_mode) == 0o644 for f in files)
+    assert stat.S_IMODE(os.stat(tmp_path / "store" / "swap-00.bin").st_mode) == 0o600
 
 
 def test_a_later_save_replaces_the_earlier_one_whatever_its_sharding(tmp_path):

@@ -350,6 +350,31 @@ def test_from_pretrained_gives_the_model_from_pretrained_gives(tmp_path):
                                torch_dtype=torch.float32)
 
 
+def test_from_pretrained_names_a_missing_directory(tmp_path):
+    """A path that does not exist is said to be one, not sent to the Hub as a malformed repo id."""
+    for missing in (str(tmp_path / "no" / "such"), "./not-here", "a/b/c"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            engine.from_pretrained(missing, config=engine_config(tmp_path / "store"))
+
+
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="torch_dtype is deprecated from 5")
+def test_from_pretrained_never_reads_the_deprecated_torch_dtype(tmp_path):
+    """A configuration without a saved dtype loads in fp32 without asking for ``torch_dtype``, which
+    transformers 5 answers with a deprecation warning."""
+
+    class Config(transformers.GPT2Config):
+        @property
+        def torch_dtype(self):
+            raise AssertionError("torch_dtype was read")
+
+    tiny_gpt2().save_pretrained(tmp_path / "hf")
+    config = Config.from_pretrained(tmp_path / "hf")
+    config.dtype = None
+    with engine.from_pretrained(tmp_path / "hf", config=config, offload_folder=str(tmp_path / "store"),
+                                model_class=transformers.GPT2LMHeadModel) as eng:
+        assert eng.state_dict()["lm_head.weight"].dtype == torch.float32
+
+
 def test_from_pretrained_fetches_a_hub_name_with_huggingface_hub(tmp_path, monkeypatch):
     """A name that is no directory goes to snapshot_download (configs and safetensors first; torch
     files only when the snapshot has no safetensors weights). The Hub itself is faked here."""

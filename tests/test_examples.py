@@ -6,6 +6,7 @@ import gc
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -116,9 +117,63 @@ def test_train_demo_refuses_a_foreign_directory(tmp_path, capsys):
     assert (tmp_path / "mine.txt").read_text() == "keep me"
 
 
+TINY_DEMO = ("--layers", "1", "--embd", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--batch", "2")
+
+
+def test_the_demo_removes_what_it_made_and_only_that(tmp_path):
+    """A directory the user made stays (emptied of the demo's store); directories the demo made, parents
+    included, go; a kept directory is cleared by the next run; each removal is said."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    out = io.StringIO()
+    assert train_main(["--demo", *TINY_DEMO, "--steps", "1", "--dir", str(mine)], out=out) == 0
+    assert mine.is_dir() and not os.listdir(mine)
+    assert f"removed the store from {mine}, which was there before the run and stays" in out.getvalue()
+    deep = tmp_path / "no" / "such" / "deep"
+    out = io.StringIO()
+    assert train_main(["--demo", *TINY_DEMO, "--steps", "1", "--dir", str(deep), "--keep"], out=out) == 0
+    assert (deep / "store").is_dir() and f"store kept in {deep}" in out.getvalue()
+    out = io.StringIO()
+    assert train_main(["--demo", *TINY_DEMO, "--steps", "1", "--dir", str(deep)], out=out) == 0
+    assert f"removed the store an earlier run left in {deep}" in out.getvalue()
+    assert f"removed {tmp_path / 'no'} " in out.getvalue()  # the kept run made no/such/deep: all of it goes
+    assert sorted(os.listdir(tmp_path)) == ["mine"]
+
+
+def test_two_demos_on_one_directory(tmp_path, capsys):
+    """The second is refused while the first runs, its store untouched; Ctrl-C ends the first with one line
+    and status 130, and it still removes what it made."""
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "engine.cli", "train", "--demo", *TINY_DEMO, "--steps", "1000000",
+                              "--dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"})
+    try:
+        printed = []
+        while not printed or not printed[-1].startswith("step"):  # the first is training
+            printed.append(first.stdout.readline())
+            assert printed[-1], first.communicate()
+        with pytest.raises(SystemExit) as exc:
+            train_main(["--demo", *TINY_DEMO, "--steps", "1", "--dir", str(run)], out=io.StringIO())
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"tiered train: --dir {run} is in use by another `tiered train` (pid {first.pid}): wait for it "
+                       "to finish, or pass another --dir")
+        assert (run / "store" / "manifest.sqlite").exists()
+        first.send_signal(signal.SIGINT)
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+    assert first.returncode == 130 and err.strip().splitlines() == ["tiered train: interrupted"], err
+    assert f"removed {run} " in "".join(printed) + out and not run.exists()
+
+
 def test_store_example(tmp_path):
     out = run_example("store_basics.py", str(tmp_path / "store"), cwd=str(tmp_path))
     assert "after reopen: ['adam.exp_avg', 'layer0.weight'] True" in out
+    assert "usage:" in run_example("store_basics.py", "--help", cwd=str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["store"]  # --help made no store
 
 
 def test_deepspeed_example_maps_and_refuses_a_typo_then_resumes_at_two_ranks(tmp_path):

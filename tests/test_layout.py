@@ -216,11 +216,19 @@ def loaded_after(statement: str) -> list[str]:
 
 
 def test_import_engine_loads_no_integration_and_no_optional_dependency():
-    loaded = loaded_after("import engine")
+    loaded = loaded_after("import engine; engine.wrap")  # the core's names come in together on first use
     assert "engine.engine" in loaded  # the check sees what it should
     integrations = [m for m in loaded if m.startswith("engine.integrations") or m.startswith("engine.cli")]
     optional = [m for m in loaded if m.split(".")[0] in OPTIONAL]
     assert not integrations and not optional, (integrations, optional)
+
+
+def test_the_command_line_loads_no_torch_until_a_command_runs():
+    """``tiered --help``, ``--version`` and the dispatch import neither torch nor the engine's core, so they
+    answer at once; ``import tiered`` and ``import engine`` load their names on first use."""
+    loaded = loaded_after("import tiered, engine, engine.cli, engine.cli.main, tiered.cli")
+    assert "engine.cli.main" in loaded
+    assert not [m for m in loaded if m.split(".")[0] == "torch" or m == "engine.engine"], loaded
 
 
 @pytest.mark.parametrize("names, module", [

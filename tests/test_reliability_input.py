@@ -274,6 +274,22 @@ def test_a_missing_directory_is_created_private(tmp_path):
         assert os.stat(d).st_mode & 0o777 == 0o700, d
 
 
+def test_a_new_store_is_not_put_among_other_files_unless_asked(tmp_path):
+    """A directory holding files but no store is refused, naming them, and left as it was; with
+    allow_other_files the store's files go beside them, and a reopen needs no flag."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match=r"is not empty and holds no store \('notes.txt'\).*allow_other_files=True"):
+        TieredStore.open(make_config(mine))
+    assert os.listdir(mine) == ["notes.txt"]
+    with TieredStore.open(make_config(mine, allow_other_files=True)) as store:
+        store.sync.put("k", torch.ones(3))
+    with TieredStore.open(make_config(mine)) as store:
+        assert torch.equal(store.sync.get("k"), torch.ones(3))
+    assert (mine / "notes.txt").read_text() == "keep"
+
+
 @pytest.mark.parametrize("field", ["path", "nvme_paths"])
 def test_a_path_that_cannot_be_a_directory_is_a_clear_os_error(tmp_path, field):
     blocker = tmp_path / "a-file"

@@ -71,9 +71,14 @@ class StoreConfig:
     compress_policy: str = "auto"
     #: Write every entry that has no nvme copy down to nvme on close, so a reopen returns it.
     flush_on_close: bool = True
-    #: Populate the host pool at open, so no transfer takes first-touch page faults (O_DIRECT
-    #: reads into never-touched pages ran at 0.25 GiB/s here, vs 0.9+ prefaulted). The pool's RSS
-    #: is then host_bytes from the start; False grows it as pages are first used.
+    #: Open a new store in a ``path`` that already holds other files, putting the store's beside them
+    #: (by default that is refused, naming the files, so a store never mixes its files with a user's).
+    allow_other_files: bool = False
+    #: The host tier takes memory a slab (64 MiB) at a time as it fills, up to host_bytes, and keeps
+    #: each slab once taken ([Note: host slabs] in tiered/backends/host_arena.py): opening costs the
+    #: same at any budget. True populates a slab in one kernel call when it is taken, so no transfer
+    #: takes first-touch page faults (O_DIRECT reads into never-touched pages ran at 0.25 GiB/s here,
+    #: vs 0.9+ populated); False leaves its pages to fault in as copies first touch them.
     prefault_host: bool = True
     #: Large CPU results of get are page-aligned mappings that nvme reads fill directly; once the
     #: caller frees one, up to this many bytes of them wait to be reused by later gets of the same
@@ -114,7 +119,8 @@ class StoreConfig:
             raise ValueError(
                 f"StoreConfig.swap_grow_bytes must be a multiple of {ALIGNMENT}, got {self.swap_grow_bytes}"
             )
-        for name in ("direct_io", "durable", "checksum", "compress", "flush_on_close", "prefault_host"):
+        for name in ("direct_io", "durable", "checksum", "compress", "flush_on_close", "prefault_host",
+                     "allow_other_files"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"StoreConfig.{name} must be True or False, got {value!r}")

@@ -182,13 +182,28 @@ def _version(package: str) -> str:
         return "not installed (run from a checkout)"
 
 
+def _not_a_directory(path: str) -> str:
+    """Why swap files could never go to ``path`` (a file is there, or where a parent should be), or ''."""
+    at = os.path.abspath(path)
+    while not os.path.lexists(at):
+        at = os.path.dirname(at)
+    if os.path.isdir(at):
+        return ""
+    where = "is not a directory" if at == os.path.abspath(path) else f"cannot be made: {at} is not a directory"
+    return f"--dir {os.path.abspath(path)} {where}; pass the directory the store's swap files would go in"
+
+
 def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> int:
-    """Run ``tiered env``; return 0, or 1 when a check found a problem."""
+    """Run ``tiered env``; return 0, 1 when a check found a problem, 2 when ``--dir`` is not a directory."""
     p = argparse.ArgumentParser(prog="tiered env", description="What this machine and directory give the store: "
                                 "O_DIRECT, fallocate, free space, huge pages, locked memory, CUDA, versions.")
     p.add_argument("--dir", default=".", help="where swap files would go (default: the current directory)")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     args = p.parse_args(argv)
+    problem = _not_a_directory(args.dir)
+    if problem:
+        print(f"tiered env: {problem}", file=sys.stderr)
+        return 2
     checks = collect(args.dir)
     if args.json:
         print(json.dumps([dataclasses.asdict(c) for c in checks], indent=2), file=out)

@@ -94,6 +94,10 @@ class ExtentAllocator:
         if start + length > ext.end:
             self._insert(ext.end, start + length - ext.end)
 
+    def free_ranges(self) -> list[Extent]:
+        """The free ranges, by address."""
+        return [Extent(start, self._lengths[start]) for start in self._starts]
+
     def grow(self, new_capacity: int) -> None:
         """Extend the managed range to ``new_capacity`` bytes."""
         assert new_capacity >= self.capacity and new_capacity % ALIGNMENT == 0

@@ -7,6 +7,8 @@
 - :func:`format_bytes`, :func:`parse_size`: ``1.5 MiB`` and back; :class:`ByteProgress`: a byte bar.
 - :func:`nearest_existing_directory`: where a directory the store would create lives.
 - :class:`CommandErrors`: a command's errors as one line and an exit status.
+- :class:`OwnedDirectory`: a directory held open and locked, as a store holds its own, so that a tool
+  never removes a store in use.
 - :data:`CODEC_CACHE_BYTES`: the idle buffers a compressing codec keeps for reuse;
   :data:`POOLED_RESULT_BYTES`: gets of at least this many bytes return memory from the store's result
   pool (``StoreConfig.result_pool_bytes``). Memory estimates count both.
@@ -32,6 +34,7 @@ from tiered.io.crc import crc32
 from tiered.io.futures import wait_all
 from tiered.offline.progress import ByteProgress
 from tiered.offline.render import format_bytes
+from tiered.ownership import OwnedDirectory
 from tiered.spans import DIRECT_RESULT_BYTES as POOLED_RESULT_BYTES
 
 _UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
@@ -100,6 +103,7 @@ __all__ = [
     "POOLED_RESULT_BYTES",
     "ByteProgress",
     "CommandErrors",
+    "OwnedDirectory",
     "RangeReader",
     "SequentialWriter",
     "anonymous_map",

@@ -48,9 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "--ds-config's)")
     p.add_argument("--nvme-gib", type=float, default=None, help="nvme budget (GiB; default: the free disk space)")
     p.add_argument("--prefetch-mib", type=int, default=None, help="prefetch window (MiB; default 256)")
-    p.add_argument("--param-tier", choices=("device", "host", "nvme"), default=None)
-    p.add_argument("--grad-tier", choices=("host", "nvme"), default=None)
-    p.add_argument("--optimizer-tier", choices=("host", "nvme"), default=None)
+    p.add_argument("--param-tier", choices=("device", "host", "nvme"), default=None, help="where the parameters "
+                   "rest between uses (default nvme, or --ds-config's)")
+    p.add_argument("--grad-tier", choices=("host", "nvme"), default=None, help="where gradient shards wait for the "
+                   "step (default host, or --ds-config's)")
+    p.add_argument("--optimizer-tier", choices=("host", "nvme"), default=None, help="where master weights and "
+                   "moments rest between steps (default nvme, or --ds-config's)")
     p.add_argument("--compress-optimizer", action="store_true", help="master weights and moments stored compressed")
     p.add_argument("--train-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="dtype parameters are trained in (default: the model's own)")

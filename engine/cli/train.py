@@ -16,11 +16,15 @@ import os
 import shutil
 import sys
 import time
-from typing import TYPE_CHECKING, Optional, Sequence, TextIO
+from typing import TYPE_CHECKING, NoReturn, Optional, Sequence, TextIO
 
 import torch
 
+from engine.cli.demo_budgets import DEMO_HOST_MIB, size_budgets
+
 if TYPE_CHECKING:
+    from engine import EngineConfig
+    from engine.cli.demo_directory import DemoDirectory
     from engine.demo import GPTConfig
     from engine.demo.llama import LlamaConfig
 
@@ -29,9 +33,10 @@ GiB = 1024 * MiB
 #: Training state / RAM that ``--beyond-memory`` sizes its model for, unless ``--state-gib`` is given.
 BEYOND_MEMORY_RAM_MULTIPLE = 1.5
 #: ``--beyond-memory``'s defaults where the option is not given: few steps of a large model, a real budget.
-BEYOND_MEMORY_DEFAULTS = {"steps": 3, "host_mib": 2048, "batch": 1, "seq": 32, "lr": 1e-4}
-#: A file the demo leaves in its directory, so a rerun may clear what an earlier run left.
-MARKER = ".tiered-train-demo"
+BEYOND_MEMORY_DEFAULTS = {"steps": 3, "batch": 1, "seq": 32, "lr": 1e-4}
+BEYOND_MEMORY_HOST_MIB = 2048
+#: ``--demo``'s defaults where the option is not given (its host budget: engine/cli/demo_budgets.py).
+DEMO_DEFAULTS = {"steps": 30, "batch": 8, "seq": 128, "lr": 1e-3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,20 +78,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="tiered-demo", help="directory for the swap files and manifest (default: "
                    "./tiered-demo); use a directory on your NVMe disk")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 30; 3 with --beyond-memory)")
-    add_demo_size_arguments(p)
+    add_demo_size_arguments(p, seq_help="sequence length (default 128; 32 with --beyond-memory)")
     p.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default 8; 1 with "
                    "--beyond-memory)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation, counted by the engine as DeepSpeed counts it; default 1)")
     p.add_argument("--lr", type=float, default=None, help="AdamW's learning rate (default 1e-3; 1e-4 with "
                    "--beyond-memory)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--host-mib", type=int, default=None, help="host memory budget of the store (MiB; default 48, "
-                   "2048 with --beyond-memory)")
-    p.add_argument("--device-mib", type=int, default=0, help="device memory budget of the store (MiB)")
-    p.add_argument("--prefetch-mib", type=int, default=32, help="parameter bytes fetched ahead of use (MiB)")
-    p.add_argument("--param-tier", choices=("device", "host", "nvme"), default="nvme")
-    p.add_argument("--optimizer-tier", choices=("host", "nvme"), default="nvme")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay (default "
+                   "%(default)s)")
+    p.add_argument("--host-mib", type=int, default=None, help="host memory budget of the engine and its store "
+                   f"(MiB; default {DEMO_HOST_MIB}, {BEYOND_MEMORY_HOST_MIB} with --beyond-memory, or more where the "
+                   "options chosen need it)")
+    p.add_argument("--device-mib", type=int, default=None, help="device memory budget of the store (MiB; default 0, "
+                   "or, with --param-tier device, what the parameters take)")
+    p.add_argument("--prefetch-mib", type=int, default=32, help="parameter bytes fetched ahead of use (MiB; "
+                   "default %(default)s)")
+    p.add_argument("--param-tier", choices=("device", "host", "nvme"), default="nvme", help="where the parameters "
+                   "rest between uses: the device tier (memory of --device), the host tier, or nvme swap files "
+                   "(default %(default)s)")
+    p.add_argument("--optimizer-tier", choices=("host", "nvme"), default="nvme", help="where AdamW's moments "
+                   "(and master weights) rest between steps (default %(default)s)")
     p.add_argument("--compress-optimizer", action="store_true", help="store master weights and Adam moments "
                    "with lossless byte-plane zstd")
     p.add_argument("--step-in-backward", action="store_true", help="apply each AdamW update inside backward from "
@@ -97,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: keep them in memory; docs/training.md, 'Activations in the store')")
     p.add_argument("--device", default=None, help="where forward and backward run: 'cpu', 'cuda', 'cuda:1' "
                    "(default: cuda when available, else cpu); the store's device tier lives there too")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initialization and of the data "
+                   "(default %(default)s)")
     p.add_argument("--keep", action="store_true", help="keep the store directory afterwards (see `tiered inspect`)")
     return p
 
@@ -106,13 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
 DEMO_SIZE_OPTIONS = ("layers", "embd", "heads", "vocab", "seq")
 
 
-def add_demo_size_arguments(p: argparse.ArgumentParser) -> None:
-    """``--layers``, ``--embd``, ``--heads``, ``--vocab`` and ``--seq``, defaulting to the demo's GPT."""
-    p.add_argument("--layers", type=int, default=6, help="demo GPT: transformer blocks")
-    p.add_argument("--embd", type=int, default=384, help="demo GPT: width")
-    p.add_argument("--heads", type=int, default=6, help="demo GPT: attention heads")
-    p.add_argument("--vocab", type=int, default=512, help="demo GPT: vocabulary")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 128; 32 with --beyond-memory)")
+def add_demo_size_arguments(p: argparse.ArgumentParser, *, seq_help: str = "sequence length (default 128)") -> None:
+    """``--layers``, ``--embd``, ``--heads``, ``--vocab`` and ``--seq``, defaulting to the demo's GPT
+    (``seq_help`` says what ``--seq`` defaults to in this command)."""
+    p.add_argument("--layers", type=int, default=6, help="demo GPT: transformer blocks (default %(default)s)")
+    p.add_argument("--embd", type=int, default=384, help="demo GPT: width (default %(default)s)")
+    p.add_argument("--heads", type=int, default=6, help="demo GPT: attention heads (default %(default)s)")
+    p.add_argument("--vocab", type=int, default=512, help="demo GPT: vocabulary (default %(default)s)")
+    p.add_argument("--seq", type=int, default=None, help=seq_help)
 
 
 def demo_config(args: argparse.Namespace) -> GPTConfig:
@@ -145,41 +159,70 @@ def _ram_bytes() -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> int:
-    """Run ``tiered train``; return the exit status."""
+    """Run ``tiered train``; return the exit status. A usage error is one line on stderr and
+    SystemExit(2), before anything is written."""
+    from engine.cli.demo_directory import DemoDirectory
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not (args.demo or args.beyond_memory):
         parser.error("choose the model: `tiered train --demo` (a small GPT, seconds) or `tiered train "
                      "--beyond-memory` (a model larger than this machine's memory)")
-    defaults = BEYOND_MEMORY_DEFAULTS if args.beyond_memory else {"steps": 30, "host_mib": 48, "batch": 8,
-                                                                    "seq": 128, "lr": 1e-3}
+    defaults = BEYOND_MEMORY_DEFAULTS if args.beyond_memory else DEMO_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.state_gib is not None and not (args.beyond_memory and args.state_gib > 0):
-        parser.error(f"--state-gib sizes --beyond-memory's model and must be > 0, got {args.state_gib}")
+        _usage(f"--state-gib sizes --beyond-memory's model and must be > 0, got {args.state_gib}")
     for name in ("steps", *DEMO_SIZE_OPTIONS, "batch", "grad_accum"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            _usage(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("host_mib", "device_mib", "prefetch_mib"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            _usage(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.step_in_backward and (args.param_tier, args.optimizer_tier) != ("nvme", "nvme"):
-        parser.error(f"--step-in-backward keeps each parameter's old value on nvme until the step commits: it needs "
-                     f"--param-tier nvme and --optimizer-tier nvme (got {args.param_tier} and {args.optimizer_tier})")
+        _usage(f"--step-in-backward keeps each parameter's old value on nvme until the step commits: it needs "
+               f"--param-tier nvme and --optimizer-tier nvme (got {args.param_tier} and {args.optimizer_tier})")
     try:
         args.device = _compute_device(args.device)
     except ValueError as exc:
-        parser.error(str(exc))
+        _usage(str(exc))
+    built = _model(args)
+    store_path = os.path.join(os.path.abspath(args.dir), "store")
     try:
-        directory = _prepare(args.dir)
+        args.host_mib, args.device_mib = size_budgets(
+            built[0], lambda host, device: _config(args, store_path, host, device), host_mib=args.host_mib,
+            device_mib=args.device_mib, default_host_mib=BEYOND_MEMORY_HOST_MIB if args.beyond_memory else DEMO_HOST_MIB,
+            param_tier=args.param_tier)
     except ValueError as exc:
-        parser.error(str(exc))
+        _usage(str(exc))
     try:
-        return _train(args, directory, out)
+        directory = DemoDirectory.claim(args.dir, out)
+    except ValueError as exc:
+        _usage(str(exc))
+    try:
+        return _train(args, built, directory, out)
     finally:
-        if not args.keep:
-            shutil.rmtree(directory, ignore_errors=True)
+        directory.release(keep=args.keep, out=out)
+
+
+def _usage(message: str) -> NoReturn:
+    """A usage error: one line on stderr, exit status 2."""
+    print(f"tiered train: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _config(args: argparse.Namespace, store_path: str, host_bytes: int, device_bytes: int) -> "EngineConfig":
+    """The engine's configuration for the options, with these budgets."""
+    import engine
+    import tiered
+
+    store = tiered.StoreConfig(path=store_path, host_bytes=host_bytes, device_bytes=device_bytes, device=args.device)
+    return engine.EngineConfig(store=store, compute_device=args.device, param_tier=args.param_tier,
+                               optimizer_tier=args.optimizer_tier, prefetch_bytes=args.prefetch_mib * MiB,
+                               compress_optimizer=args.compress_optimizer, activation_tier=args.activation_tier,
+                               gradient_accumulation_steps=args.grad_accum,
+                               step_in_backward=True if args.step_in_backward else None)
 
 
 def _compute_device(name: Optional[str]) -> str:
@@ -200,37 +243,19 @@ def _compute_device(name: Optional[str]) -> str:
     return str(device)
 
 
-def _prepare(path: str) -> str:
-    directory = os.path.abspath(path)
-    if os.path.exists(directory) and os.listdir(directory):
-        if not os.path.exists(os.path.join(directory, MARKER)):
-            raise ValueError(f"--dir {directory} exists and is not empty (and is not an earlier demo's): "
-                             "pass an empty or new directory")
-        shutil.rmtree(directory)
-    os.makedirs(directory, exist_ok=True)
-    open(os.path.join(directory, MARKER), "w").close()
-    return directory
-
-
-def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
+def _train(args: argparse.Namespace, built: tuple, run_dir: DemoDirectory, out: TextIO) -> int:
     import engine
-    import tiered
     from engine.demo import BigramStream
 
-    model, name, vocab, init_fn = _model(args)
+    directory = run_dir.path
+    model, name, vocab, init_fn = built
     n = sum(p.numel() for p in model.parameters())
     state_bytes = n * 16  # fp32 parameter, gradient and two moments (the master is the parameter)
     budget = (args.host_mib + args.device_mib) * MiB
     print(f"model: {name}, {n / 1e6:,.1f} M parameters, computing on {_device_name(args.device)}", file=out)
     print(f"parameters + gradients + AdamW states: {_gb(state_bytes)}; device + host budget: {_gb(budget)}"
-          f" ({state_bytes / max(budget, 1):.1f}x); the rest goes to {directory}", file=out)
-    store = tiered.StoreConfig(path=os.path.join(directory, "store"), host_bytes=args.host_mib * MiB,
-                               device_bytes=args.device_mib * MiB, device=args.device, prefault_host=False)
-    config = engine.EngineConfig(store=store, compute_device=args.device, param_tier=args.param_tier,
-                                 optimizer_tier=args.optimizer_tier,
-                                 prefetch_bytes=args.prefetch_mib * MiB, compress_optimizer=args.compress_optimizer,
-                                 activation_tier=args.activation_tier, gradient_accumulation_steps=args.grad_accum,
-                                 step_in_backward=True if args.step_in_backward else None)
+          f" ({state_ratio(state_bytes, budget)}); the rest goes to {directory}", file=out)
+    config = _config(args, run_dir.store_path, args.host_mib * MiB, args.device_mib * MiB)
     if args.beyond_memory:
         _check_room(model, config, directory)
     eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay), config=config,
@@ -271,7 +296,7 @@ def _train(args: argparse.Namespace, directory: str, out: TextIO) -> int:
                 print(line.render(), file=out)
         if tty:
             out.write("\n")
-        _report(eng.stats(), losses, data.loss_floor, time.perf_counter() - start, directory, args.keep, out)
+        _report(eng.stats(), losses, data.loss_floor, time.perf_counter() - start, run_dir, args.keep, out)
     finally:
         eng.close() if hasattr(eng, "close") else eng.unwrap()
         if froze:
@@ -343,7 +368,7 @@ def _stalled(stats: "object") -> float:
             + stats.activation_stall_seconds)  # type: ignore[attr-defined]
 
 
-def _report(stats: object, losses: list[float], floor: float, seconds: float, directory: str, keep: bool,
+def _report(stats: object, losses: list[float], floor: float, seconds: float, run_dir: DemoDirectory, keep: bool,
             out: TextIO) -> None:
     store = stats.store
     print(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} (the data's floor is {floor:.4f}) in {seconds:.1f} s", file=out)
@@ -364,7 +389,13 @@ def _report(stats: object, losses: list[float], floor: float, seconds: float, di
         print(f"  activations: {_gb(offloaded)} to the store during forward, {_gb(stats.activation_bytes_read)} "  # type: ignore[attr-defined]
               f"read back in backward; {stats.activation_stall_seconds:.2f} s waiting", file=out)  # type: ignore[attr-defined]
     if keep:
-        print(f"store kept in {directory}: `tiered inspect {os.path.join(directory, 'store')}` lists it", file=out)
+        print(f"store kept in {run_dir.path}: `tiered inspect {run_dir.store_path}` lists it", file=out)
+
+
+def state_ratio(state_bytes: int, budget_bytes: int) -> str:
+    """``3.5x``: the training state over the memory budgets, as the demo prints it (and the README
+    and quickstart quote it for the defaults)."""
+    return f"{state_bytes / max(budget_bytes, 1):.1f}x"
 
 
 def _gb(nbytes: float) -> str:

@@ -61,8 +61,7 @@ def meta_model(folder: "str | os.PathLike[str]", *, model_class: Any = None, dty
         raise TypeError(f"from_pretrained got keyword arguments that are neither its own nor settings of "
                         f"{type(hf_config).__name__}: {sorted(unused)}")
     cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
-    dtype_name = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    kwargs: dict[str, Any] = {dtype_name: _dtype(dtype, hf_config)}
+    kwargs: dict[str, Any] = {_dtype_name(): _dtype(dtype, hf_config)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with torch.device("meta"):
@@ -71,10 +70,18 @@ def meta_model(folder: "str | os.PathLike[str]", *, model_class: Any = None, dty
         return cls._from_config(hf_config, **kwargs)
 
 
+def _dtype_name() -> str:
+    """What this transformers calls a model's dtype: ``dtype`` from version 5 (``torch_dtype`` is
+    deprecated there), ``torch_dtype`` before."""
+    import transformers
+
+    return "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+
+
 def _dtype(dtype: "torch.dtype | str | None", hf_config: Any) -> torch.dtype:
     """The parameters' dtype: the checkpoint's for "auto" (its config's, else fp32), else ``dtype``."""
     if dtype == "auto":
-        saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        saved = getattr(hf_config, _dtype_name(), None)  # the other name warns that it is deprecated
         dtype = saved if saved is not None else torch.float32
     if dtype is None:
         dtype = torch.get_default_dtype()

@@ -124,7 +124,9 @@ class SafetensorsWriter:
         self.chunk_crc32: dict[str, list[int]] = {}
         self.nbytes = 8 + len(raw) + offset
         self._next = 0
-        self._file = SequentialWriter(path, size_hint=self.nbytes)  # O_DIRECT: the page cache is slower
+        # O_DIRECT: the page cache is slower. 0666 less the umask, as any tool's output: checkpoints and
+        # exported weights are the user's files to share, unlike the store's own (0600).
+        self._file = SequentialWriter(path, size_hint=self.nbytes, mode=0o666)
         try:
             self._file.write(struct.pack("<Q", len(raw)) + raw)
         except BaseException:

@@ -1,9 +1,10 @@
-"""The host tier: a fixed pool of page-aligned (and, under CUDA, pinned) memory.
+"""The host tier: page-aligned (and, under CUDA, pinned) memory under a budget, taken slab by slab.
 
 [Note: host arena]
-The host tier is one anonymous mapping of the whole budget, made at open (populated then unless
-``prefault_host=False``, and pinned with ``cudaHostRegister`` under CUDA, so copies to and from
-the GPU are asynchronous DMA). An ``ExtentAllocator`` hands out 4 KiB-aligned ranges of it, one
+The host tier's memory is one address range reserved for the whole budget, whose slabs are
+populated (and pinned with ``cudaHostRegister`` under CUDA, so copies to and from the GPU are
+asynchronous DMA) when first needed and kept after ([Note: host slabs] in
+tiered.backends.host_arena). An ``ExtentAllocator`` hands out 4 KiB-aligned ranges of it, one
 contiguous range when it can and several otherwise, rather than slabs of fixed sizes: there are no
 size classes to tune, nothing is wasted beyond the round-up to 4 KiB, and any request no larger
 than the free total fits, so fragmentation never forces an extra eviction. The price is that a
@@ -11,8 +12,8 @@ host copy is a list of spans, which every copy routine handles anyway. The range
 O_DIRECT buffers, so moving a copy between host memory and the disk needs no staging copy (see
 [Note: in-place O_DIRECT] in tiered.spans), and pages are reused across copies: the hot path never
 maps memory, and a page is first touched at most once per store. The arena is not asked for huge
-pages: finding them for a mapping this large may have the kernel compact memory, which makes
-opening the store slow and its time erratic.
+pages: finding them may have the kernel compact memory, which makes taking a slab slow and its
+time erratic.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from typing import Sequence
 from tiered.backends.base import Copy, TierBackend
 from tiered.config import ALIGNMENT
 from tiered.errors import CapacityError
-from tiered.extents import Extent, ExtentAllocator
-from tiered.io.aligned import AlignedBuffer, round_up
+from tiered.backends.host_arena import HostArena
+from tiered.extents import Extent
+from tiered.io.aligned import round_up
 from tiered.spans import Span, copy_spans
 from tiered.tier import Tier
 
@@ -39,8 +41,8 @@ class HostCopy(Copy):
 
 
 class HostBackend(TierBackend):
-    """Host memory served from one preallocated pool of ``budget`` bytes, so the hot path never
-    allocates (see [Note: host arena])."""
+    """Host memory served from an arena of ``budget`` bytes whose slabs are kept once taken, so the
+    warm hot path never allocates (see [Note: host arena])."""
 
     tier = Tier.HOST
 
@@ -50,8 +52,7 @@ class HostBackend(TierBackend):
         super().__init__()
         self.budget = budget - budget % ALIGNMENT
         self._pool = pool
-        self._arena = AlignedBuffer(self.budget, pin=pin, prefault=prefault) if self.budget else None
-        self._alloc = ExtentAllocator(self.budget)
+        self._arena = HostArena(self.budget, pool, pin=pin, prefault=prefault)
         self.pinned = pin
 
     def footprint(self, nbytes: int) -> int:
@@ -59,24 +60,30 @@ class HostBackend(TierBackend):
 
     async def allocate(self, nbytes: int) -> HostCopy:
         self.check_fits_budget(nbytes)
-        extents = self._alloc.allocate(nbytes)
+        extents = self._arena.take(nbytes)
         if extents is None:
             raise CapacityError(
                 f"host tier: {nbytes} bytes do not fit ({self.used} of {self.budget} bytes in use)"
             )
-        footprint = sum(e.length for e in extents)
-        self.used += footprint
-        return HostCopy(nbytes=nbytes, footprint=footprint, extents=extents)
+        copy = HostCopy(nbytes=nbytes, footprint=sum(e.length for e in extents), extents=extents)
+        self.used += copy.footprint  # before waiting for a new slab, so has_room counts it meanwhile
+        try:
+            await self._arena.ready(extents)
+        except BaseException:
+            self._free(copy)
+            raise
+        return copy
 
     def _free(self, copy: Copy) -> None:
         assert isinstance(copy, HostCopy)
-        self._alloc.free(copy.extents)
+        self._arena.free(copy.extents)
         self.used -= copy.footprint
         copy.extents = []
 
     def spans(self, copy: Copy) -> list[Span]:
         assert isinstance(copy, HostCopy) and not (copy.released and copy.readers == 0)
-        assert self._arena is not None or copy.nbytes == 0
+        buffer = self._arena.buffer
+        assert buffer is not None or copy.nbytes == 0
         out: list[Span] = []
         left = copy.nbytes
         for ext in copy.extents:
@@ -85,8 +92,8 @@ class HostBackend(TierBackend):
                 break
             out.append(
                 Span(
-                    self._arena.tensor[ext.offset : ext.offset + n],  # type: ignore[union-attr]
-                    self._arena.view[ext.offset : ext.end],  # type: ignore[union-attr]
+                    buffer.tensor[ext.offset : ext.offset + n],  # type: ignore[union-attr]
+                    buffer.view[ext.offset : ext.end],  # type: ignore[union-attr]
                 )
             )
             left -= n
@@ -100,7 +107,10 @@ class HostBackend(TierBackend):
         if copy.nbytes:
             await asyncio.get_running_loop().run_in_executor(self._pool, copy_spans, dst, self.spans(copy))
 
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of host memory the tier has taken so far (its slabs; at most the budget)."""
+        return self._arena.taken_bytes
+
     async def close(self) -> None:
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        await self._arena.close()

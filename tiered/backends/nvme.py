@@ -6,9 +6,10 @@ tensor: small tensors pack at 4 KiB, a put creates no file and syncs no director
 never holds a name per key, and space one tensor frees the next one reuses. Keys never become file
 names (they exist only in the manifest), so any string is a key and no key reaches outside the
 store's directories. While the store is open the files only grow, by ``posix_fallocate`` on an
-I/O thread, so no write ever extends a file (ext4 serializes O_DIRECT writes that do); only
-``tiered fsck --reclaim``, on a closed store, cuts their tails. Which store and place a file
-belongs to: see [Note: relocatable swap files] in tiered.backends.swap_ids.
+I/O thread, so no write ever extends a file (ext4 serializes O_DIRECT writes that do); only a
+clean close ([Note: free space at close] in tiered.backends.free_space) and ``tiered fsck
+--reclaim``, on a closed store, cut their tails. Which store and place a file belongs to: see
+[Note: relocatable swap files] in tiered.backends.swap_ids.
 
 An allocation runs under ``_alloc_lock``, which also covers the budget check and the charge to
 ``used``, so two allocations cannot both pass the check. With one directory, or for at most
@@ -51,6 +52,7 @@ from typing import Iterator, Optional, Sequence
 from tiered.backends import nvme_batch, swap_ids
 from tiered.backends.base import Copy, TierBackend
 from tiered.backends.coalesce import Coalescer
+from tiered.backends.free_space import UntouchedRanges, give_back
 from tiered.config import ALIGNMENT
 from tiered.errors import CapacityError
 from tiered.extents import Extent, ExtentAllocator
@@ -88,6 +90,9 @@ class SwapFile:
     path: str
     handle: FileHandle
     alloc: ExtentAllocator
+    #: Free at open and not allocated since (noted at the first allocation or free, after the records
+    #: are adopted): what a clean close leaves as it is ([Note: free space at close]).
+    untouched: Optional[UntouchedRanges] = None
 
 
 class NvmeBackend(TierBackend):
@@ -254,6 +259,7 @@ class NvmeBackend(TierBackend):
             left -= take
 
     async def _allocate_in_dir(self, d: int, nbytes: int) -> list[FileExtent]:
+        self._note_untouched()
         files = self.files[d * self.files_per_dir : (d + 1) * self.files_per_dir]
         start = self._next_file[d]
         self._next_file[d] = (start + 1) % len(files)
@@ -262,12 +268,19 @@ class NvmeBackend(TierBackend):
             for f in order:
                 got = f.alloc.allocate(nbytes, contiguous=contiguous)
                 if got is not None:
-                    return [FileExtent(f.index, e.offset, e.length) for e in got]
+                    return _taken(f, got)
         f = min(order, key=lambda f: f.alloc.capacity)
         await self._grow(f, nbytes - (f.alloc.capacity - f.alloc.high_water()))
         got = f.alloc.allocate(nbytes, contiguous=False)
         assert got is not None
-        return [FileExtent(f.index, e.offset, e.length) for e in got]
+        return _taken(f, got)
+
+    def _note_untouched(self) -> None:
+        """Before the first allocation or free after the records were adopted: remember each file's
+        free ranges as untouched."""
+        for f in self.files:
+            if f.untouched is None:
+                f.untouched = UntouchedRanges(f.alloc.free_ranges())
 
     async def _grow(self, f: SwapFile, at_least: int) -> None:
         grow = max(self._grow_bytes, round_up(at_least))
@@ -295,6 +308,7 @@ class NvmeBackend(TierBackend):
         copy.extents = []
 
     def _free_extents(self, extents: Sequence[FileExtent]) -> None:
+        self._note_untouched()
         for ext in extents:
             self.files[ext.file].alloc.free([Extent(ext.offset, ext.length)])
 
@@ -432,9 +446,25 @@ class NvmeBackend(TierBackend):
         """Flush several swap files' data to stable storage, in parallel on I/O threads."""
         await self._io.fdatasync(handles)
 
+    async def give_back_free_space(self) -> None:
+        """At a clean close: cut each swap file after its last byte in use and drop the stale bytes of
+        the free ranges it has used (see [Note: free space at close] in tiered.backends.free_space).
+        Only for a store with no transfer in flight and every record committed."""
+        self._note_untouched()
+        await asyncio.gather(*(self._io.run_sync(give_back, f.handle.fd, f.alloc.free_ranges(),
+                                                 f.untouched.ranges(), f.alloc.capacity)  # type: ignore[union-attr]
+                               for f in self.files))
+
     async def close(self) -> None:
         for f in self.files:
             f.handle.close()
+
+
+def _taken(f: SwapFile, got: Sequence[Extent]) -> list[FileExtent]:
+    """``got``, just allocated in ``f``, as file extents (and no longer untouched)."""
+    for e in got:
+        f.untouched.allocated(e.offset, e.length)  # type: ignore[union-attr]
+    return [FileExtent(f.index, e.offset, e.length) for e in got]
 
 
 def _free_disk_bytes(directory: str) -> int:

@@ -12,6 +12,7 @@ from tiered.bench.options import PHASES, TOOLS, BenchOptions, parse_size, parse_
 from tiered.bench.plot import write_plot
 from tiered.bench.report import table, write_json
 from tiered.bench.runner import run_bench
+from tiered.cli import make_work_directory, remove_made_directories
 from tiered.config import StoreConfig
 
 
@@ -84,6 +85,9 @@ def build_parser(prog: str = "tiered bench") -> argparse.ArgumentParser:
     p.add_argument("--fio-queue-depths", type=_ints, default=None, help="fio's sweep: queue depths (default "
                    "4,16,64,128; --quick: 16,64)")
     p.add_argument("--fio-jobs", type=_ints, default=None, help="fio's sweep: job counts (default 1,4)")
+    p.add_argument("--fio-cache", default="", metavar="PATH", help="where a run sweeping fio's full grid keeps its "
+                   "best settings for this disk, which --quick runs then use instead of their short grid (default "
+                   "~/.cache/tiered/fio-best.json; 'none': neither read nor write it)")
     p.add_argument("--device", default=None, help="also time puts from and gets into this device's memory "
                    "(e.g. cuda) beside host memory; cpu checks the phase on a machine without a GPU")
     p.add_argument("--prefetch-count", type=int, default=None, help="tensors in the prefetch phase (default 16)")
@@ -99,8 +103,9 @@ def build_parser(prog: str = "tiered bench") -> argparse.ArgumentParser:
     p.add_argument("--sweep-io-threads", type=_ints, default=None, help="io thread counts to sweep (default "
                    f"{','.join(map(str, BenchOptions.sweep_io_threads))})")
     p.add_argument("--quick", action="store_true", help="a short run (about a minute): 256 MiB, 128 small "
-                   "tensors, fio's quick grid, 3 runs per figure, every phase and contender; quote figures "
-                   "from a full run")
+                   "tensors, 3 runs per figure, every phase and contender; fio at the best settings a full run "
+                   "kept for this disk (--fio-cache), else its short grid, which is not the disk's limit; quote "
+                   "figures from a full run")
     p.add_argument("--skip", default="", help=f"contenders to leave out, comma-separated: {', '.join(TOOLS)}")
     p.add_argument("--only", default="", help=f"phases to run, comma-separated: {', '.join(PHASES)}, sweep "
                    "(default: all but sweep)")
@@ -139,6 +144,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         coalesce_bytes=args.coalesce_bytes, checksum=not args.no_checksum,
         small_concurrency=args.concurrency, compress=not args.no_compress, sweep=args.sweep, device=args.device,
         drop_caches=args.drop_caches, skip=skip, json_path=args.json_path, plot_path=args.plot_path,
+        fio_cache=args.fio_cache,
         quiet=args.quiet, quick=args.quick, seed=args.seed, **fields,
     )
 
@@ -153,7 +159,15 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "tiered bench") -> in
         parser.error(str(exc))
     if options.device is not None and torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {options.device}: CUDA is not available on this machine")
-    result = run_bench(options)
+    try:
+        made = make_work_directory(options.directory)
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = run_bench(options)
+    finally:
+        remove_made_directories(made)
     if options.plot_path:
         why = write_plot(result, options.plot_path)
         result.notes.append(why or f"plot written to {options.plot_path}")

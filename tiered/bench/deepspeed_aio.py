@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -18,8 +18,9 @@ from tiered.bench.results import Run, ToolStatus
 from tiered.bench.tensors import same
 
 
-def load_aio() -> tuple[Optional[Any], ToolStatus]:
-    """Import deepspeed and build (first time: minutes, cached after) or load its aio op."""
+def load_aio(announce: Optional[Callable[[str], None]] = None) -> tuple[Optional[Any], ToolStatus]:
+    """Import deepspeed and build (first time: minutes, cached after) or load its aio op; ``announce``
+    is told, once deepspeed is found and its op can be built here, that the build may take a while."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         # deepspeed logs to stdout; keep stdout for the table.
@@ -29,7 +30,8 @@ def load_aio() -> tuple[Optional[Any], ToolStatus]:
     except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
         return None, ToolStatus("deepspeed", False, skipped=True, note=(
             f"deepspeed is not installed ({type(exc).__name__}: {exc}); it is an optional extra: "
-            "pip install 'tiered[bench]' and apt-get install libaio-dev to compare with its aio handle"))
+            'pip install -e ".[bench]" in the checkout (or pip install deepspeed) and apt-get install libaio-dev to '
+            "compare with its aio handle (docs/benchmarks.md)"))
     version = getattr(deepspeed, "__version__", "")
     # Its once-per-process SSD-endurance warning would land in the middle of the progress bars.
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -40,6 +42,8 @@ def load_aio() -> tuple[Optional[Any], ToolStatus]:
                 return None, ToolStatus("deepspeed", True, skipped=True, version=version, note=(
                     "deepspeed is installed but its aio op cannot be built here (libaio headers missing?); "
                     "apt-get install libaio-dev"))
+            if announce is not None:
+                announce("loading DeepSpeed's aio op (built on first use, which takes minutes; cached after)...")
             module = builder.load(verbose=False)
     except Exception as exc:  # noqa: BLE001 - a failed JIT build is reported, not fatal
         return None, ToolStatus("deepspeed", True, skipped=True, version=version,

@@ -74,6 +74,9 @@ class BenchOptions:
     fio_block_sizes: tuple[int, ...] = FIO_BLOCK_SIZES
     fio_queue_depths: tuple[int, ...] = FIO_QUEUE_DEPTHS
     fio_jobs: tuple[int, ...] = FIO_JOB_COUNTS
+    #: Where full runs keep fio's best settings per disk for --quick runs (tiered.bench.fio_cache);
+    #: "none" neither reads nor writes it. Default: fio_cache.default_cache_path().
+    fio_cache: str = ""
     #: The device phase: puts from and gets into this device's memory beside host memory (None: no phase).
     device: Optional[str] = None
     sweep: bool = False
@@ -104,6 +107,10 @@ class BenchOptions:
             values = getattr(self, name)
             if not values or min(values) <= 0:
                 raise ValueError(f"{name} must be positive values, got {values!r}")
+        if not self.fio_cache:
+            from tiered.bench.fio_cache import default_cache_path
+
+            object.__setattr__(self, "fio_cache", default_cache_path())
         if self.compute_seconds < 0:
             raise ValueError(f"the compute delay must be >= 0, got {self.compute_seconds}")
         if self.device is not None:
@@ -121,6 +128,12 @@ class BenchOptions:
             raise ValueError(f"--only takes {', '.join(PHASES)}, sweep; unknown: {', '.join(sorted(unknown))}")
         StoreConfig(path=self.directory, block_size=self.block_size, queue_depth=self.queue_depth,
                     io_threads=self.io_threads, coalesce_bytes=self.coalesce_bytes)  # validates early, clearly
+
+    def full_fio_sweep(self) -> bool:
+        """Whether fio's sweep covers its full grid on at least the full size: a result worth keeping."""
+        return (not self.quick and set(FIO_BLOCK_SIZES) <= set(self.fio_block_sizes)
+                and set(FIO_QUEUE_DEPTHS) <= set(self.fio_queue_depths) and set(FIO_JOB_COUNTS) <= set(self.fio_jobs)
+                and min(self.fio_sweep_bytes, self.total_bytes) >= BenchOptions.fio_sweep_bytes)
 
     def uses(self, tool: str) -> bool:
         """Whether contender ``tool`` takes part."""

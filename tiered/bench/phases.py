@@ -13,10 +13,12 @@ import torch
 from tiered import StoreConfig
 from tiered.bench.deepspeed_aio import DeepSpeedAio
 from tiered.bench.fio import READ, WRITE, FioFile, FioSetting
+from tiered.bench.fio_cache import cached_best, keep_best
 from tiered.bench.fio_sweep import best_setting, fio_best
 from tiered.bench.options import BenchOptions, fill, format_size
 from tiered.progress import Progress
-from tiered.bench.results import GBPS, OPS, SECONDS, BenchResult, Figure, Run
+from tiered.bench.results import (CACHED_SWEEP, FULL_SWEEP, GBPS, OPS, SECONDS, SHORT_SWEEP, BenchResult, Figure,
+                                  Run)
 from tiered.bench.store import LargeTensors, StoreUnderTest, prefetch_round, put_all, small_batched_round, small_round
 from tiered.bench.system import drop_page_cache
 from tiered.bench.targets import ALIGNED, BATCHED_OP, ONE_AT_A_TIME, OWN_FILES
@@ -197,10 +199,27 @@ def large_phase(ctx: Context) -> None:
 
 
 def fio_at_its_best(ctx: Context) -> tuple[FioFile, FioSetting, FioSetting]:
-    """Sweep fio over the options' grid (on ``fio_sweep_bytes``, at most the large phase's size) and
-    return a file of the large phase's size with fio's best write and best read setting: the limit
-    the store is held against is what fio does at its best here, not at one setting of ours."""
+    """fio's best write and read setting on this disk, and a file of the large phase's size to time
+    them on: the limit the store is held against is what fio does at its best here, not at one
+    setting of ours.
+
+    The options' grid is swept (on ``fio_sweep_bytes``, at most the large phase's size); a full sweep
+    keeps its best settings for the disk (tiered.bench.fio_cache). A ``--quick`` run uses the settings
+    a full sweep kept for this disk instead of its short grid; without them it sweeps the short grid
+    and says that the figure is not the disk's limit (``BenchResult.fio_reference``)."""
     opts = ctx.options
+    directory = opts.directory
+    cached = cached_best(opts.fio_cache, directory) if opts.quick else None
+    if cached is not None:
+        write, read = (FioSetting(**cached[f"best_{rw}"]["setting"]) for rw in (WRITE, READ))
+        ctx.result.fio_sweep = {"cached": cached, "cache": opts.fio_cache}
+        ctx.result.fio_reference = CACHED_SWEEP
+        ctx.note(f"fio: not swept (--quick); its timed runs use the best settings of the full sweep of "
+                 f"{cached['date']} on this disk ({cached['settings']} settings on {format_size(cached['nbytes'])}, "
+                 f"kept in {opts.fio_cache}): writes {write.describe()} (then "
+                 f"{cached['best_write']['median'] / 1e9:.2f} GB/s), reads {read.describe()} (then "
+                 f"{cached['best_read']['median'] / 1e9:.2f} GB/s)")
+        return FioFile(os.path.join(ctx.workdir, "fio"), opts.total_bytes), write, read
     nbytes = min(opts.fio_sweep_bytes, opts.total_bytes)
     with ctx.progress("fio sweep", 1) as bar:
         _, _, details = fio_best(os.path.join(ctx.workdir, "fio-sweep"), nbytes=nbytes,
@@ -215,6 +234,17 @@ def fio_at_its_best(ctx: Context) -> tuple[FioFile, FioSetting, FioSetting]:
              f"{read.describe()} ({details['best_read']['median'] / 1e9:.2f} GB/s); libaio, "
              f"{'O_DIRECT' if details['direct'] else 'buffered'}, writes with end_fsync=1 over a laid-out file, "
              "reads with zero_buffers=1")
+    if opts.full_fio_sweep():
+        ctx.result.fio_reference = FULL_SWEEP
+        why_not = keep_best(opts.fio_cache, directory, details)
+        ctx.note(f"fio: its best settings are kept in {opts.fio_cache} for --quick runs on this disk" if why_not is None
+                 else f"fio: its best settings are not kept for --quick runs ({why_not})")
+    else:
+        ctx.result.fio_reference = SHORT_SWEEP
+        ctx.note(f"fio: {'--quick' if opts.quick else 'this run'} swept a short grid on a small file, which does "
+                 "not find the disk's best: its figures are NOT the disk's limit, so the store's ratios to fio are "
+                 "not verdicts. A run without --quick sweeps fio's full grid and keeps its best settings for later "
+                 "--quick runs on this disk")
     return FioFile(os.path.join(ctx.workdir, "fio"), opts.total_bytes), write, read
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tiered.bench.options import format_size
-from tiered.bench.results import GBPS, BenchResult
+from tiered.bench.results import GBPS, SHORT_SWEEP, BenchResult
 
 
 def write_plot(result: BenchResult, path: str) -> str:
@@ -15,11 +15,13 @@ def write_plot(result: BenchResult, path: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install 'tiered[bench]'); no plot written"
+        return 'matplotlib is not installed (pip install -e ".[bench]"); no plot written'
     figs = [f for f in result.figures if f.unit == GBPS and f.phase.startswith("large") and f.runs]
     if not figs:
         return "no large-tensor figures to plot"
-    labels = [f"{f.tool}\n{f.op}" + (" (zstd)" if "zstd" in f.phase else "") for f in figs]
+    short = result.fio_reference == SHORT_SWEEP
+    labels = [f"{f.tool}\n{f.op}" + (" (zstd)" if "zstd" in f.phase else "")
+              + ("\n(short grid: not the disk's limit)" if short and f.tool == "fio" else "") for f in figs]
     medians = [f.median for f in figs]
     low = [f.median - f.min for f in figs]
     high = [f.max - f.median for f in figs]

@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from tiered.bench.results import BenchResult, Figure
+from tiered.bench.results import SHORT_SWEEP, BenchResult, Figure
 
 
 def _num(x: float) -> str:
@@ -20,7 +20,8 @@ def _num(x: float) -> str:
 
 def table(result: BenchResult) -> str:
     """Every figure (median, min, max over its runs, ratio to fio), then tools, notes and targets."""
-    header = ("contender", "op", "median", "min", "max", "unit", "vs fio", "ok", "note")
+    short = result.fio_reference == SHORT_SWEEP
+    header = ("contender", "op", "median", "min", "max", "unit", "vs fio*" if short else "vs fio", "ok", "note")
     lines: list[str] = []
     phases: list[str] = []
     for f in result.figures:
@@ -36,6 +37,8 @@ def table(result: BenchResult) -> str:
         for r in rows:
             cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r[:-1], widths))]
             lines.append("  ".join(cells) + "  " + r[-1])
+    if short:
+        lines.append("* fio's short grid on a small file, NOT the disk's limit (see the notes)")
     lines.append("")
     lines.append("tools:")
     for t in result.tools.values():

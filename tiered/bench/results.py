@@ -6,6 +6,8 @@ import dataclasses
 import statistics
 from typing import Any, Optional
 
+#: Values of BenchResult.fio_reference: what the fio figures are. Only the first two are the disk's limit.
+FULL_SWEEP, CACHED_SWEEP, SHORT_SWEEP = "full sweep", "best settings of a kept full sweep", "short grid"
 GBPS = "GB/s"
 OPS = "ops/s"
 SECONDS = "s"
@@ -112,8 +114,12 @@ class BenchResult:
     figures: list[Figure] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     sweep: Optional[dict[str, Any]] = None
-    #: fio's sweep (tiered.bench.fio_sweep.fio_best's details) when fio ran.
+    #: fio's sweep (tiered.bench.fio_sweep.fio_best's details) when fio ran, or the kept full sweep
+    #: whose settings it ran at (``{"cached": ..., "cache": path}``).
     fio_sweep: Optional[dict[str, Any]] = None
+    #: How fio's settings were found: FULL_SWEEP, CACHED_SWEEP (both the disk's limit) or SHORT_SWEEP
+    #: (not its limit: the store is not judged against it); "" when fio did not run.
+    fio_reference: str = ""
     targets: list[Target] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -144,5 +150,6 @@ class BenchResult:
             "notes": list(self.notes),
             "sweep": self.sweep,
             "fio_sweep": self.fio_sweep,
+            "fio_reference": self.fio_reference,
             "targets": [dataclasses.asdict(t) for t in self.targets],
         }

@@ -59,9 +59,7 @@ def _tools(ctx: Context) -> None:
     ctx.result.tools["torch.save"] = ToolStatus("torch.save", True, skipped=not opts.uses("torch"),
                                                 note="" if opts.uses("torch") else "left out with --skip")
     if opts.uses("deepspeed"):
-        if not opts.quiet:
-            print("loading DeepSpeed's aio op (the first build takes minutes; cached after)...", file=sys.stderr)
-        ctx.aio, status = load_aio()
+        ctx.aio, status = load_aio(None if opts.quiet else lambda line: print(line, file=sys.stderr))
     else:
         status = ToolStatus("deepspeed", False, skipped=True, note="left out with --skip")
     ctx.result.tools["deepspeed"] = status

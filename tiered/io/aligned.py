@@ -36,13 +36,23 @@ def anonymous_map(nbytes: int, *, populate: bool, huge_pages: bool = False, lock
         except OSError:  # kernels without THP refuse the advice; the memory works the same
             pass
     if populate:
-        try:
-            region.madvise(_MADV_POPULATE_WRITE)
-        except OSError:  # a kernel before 5.14: touch one byte per page instead
-            torch.frombuffer(region, dtype=torch.uint8)[:: mmap.PAGESIZE].zero_()
+        populate_pages(region, 0, size)
     if lock:
         lock_pages(region)
     return region
+
+
+def populate_pages(region: mmap.mmap, start: int, length: int) -> None:
+    """Give ``region``'s pages in ``[start, start + length)`` (page-aligned) memory now, in one kernel
+    call (``MADV_POPULATE_WRITE``), or by touching one byte per page on kernels before 5.14. Pages
+    already present keep their contents."""
+    if length <= 0:
+        return
+    try:
+        region.madvise(_MADV_POPULATE_WRITE, start, length)
+    except OSError:  # a kernel before 5.14: write one byte per page, adding 0 to keep its contents
+        pages = torch.frombuffer(region, dtype=torch.uint8, offset=start, count=length)[:: mmap.PAGESIZE]
+        pages.add_(0)
 
 
 def lock_pages(region: mmap.mmap) -> bool:
@@ -85,6 +95,10 @@ class AlignedBuffer:
         self.pinned = False
         if pin:
             self._pin()
+
+    def populate(self, start: int, length: int) -> None:
+        """Populate the pages of ``[start, start + length)`` (page-aligned) now (:func:`populate_pages`)."""
+        populate_pages(self._map, start, length)
 
     def _pin(self) -> None:
         err = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 0)

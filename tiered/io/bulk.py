@@ -38,11 +38,12 @@ class SequentialWriter:
     """``w = SequentialWriter(path); w.write(view); ...; w.close()`` writes a new file (replacing
     any file at ``path``), durable when :meth:`close` returns. Not thread-safe: one writer thread.
     ``size_hint`` (the final length, when known) allocates the file up front; ``direct=False``
-    writes through the page cache (where O_DIRECT is refused, that happens anyway)."""
+    writes through the page cache (where O_DIRECT is refused, that happens anyway). A new file gets
+    ``mode`` less the umask (0600: private by default; 0o666 for files meant to be shared)."""
 
     def __init__(
         self, path: str, *, size_hint: int = 0, chunk_bytes: int = CHUNK_BYTES, in_flight: int = CHUNKS_IN_FLIGHT,
-        direct: bool = True, syscalls: Optional[Syscalls] = None,
+        direct: bool = True, syscalls: Optional[Syscalls] = None, mode: int = 0o600,
     ) -> None:
         if chunk_bytes < ALIGNMENT or chunk_bytes % ALIGNMENT:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}")
@@ -50,7 +51,7 @@ class SequentialWriter:
             raise ValueError(f"in_flight must be >= 1, got {in_flight}")
         self.path = path
         self._sys = syscalls or Syscalls()
-        self._handle: FileHandle = open_file(path, direct=direct)
+        self._handle: FileHandle = open_file(path, direct=direct, mode=mode)
         try:
             os.ftruncate(self._handle.fd, 0)
             if size_hint > 0:  # one allocation up front, not one per write (and a contiguous extent, likely)

@@ -39,9 +39,10 @@ class FileHandle:
 
 
 def open_file(path: str, *, direct: bool, create: bool = True, read_only: bool = False,
-              opener: Optional[Callable[[int], int]] = None) -> FileHandle:
-    """Open ``path`` read-write with mode 0600 (``read_only``: an existing file, for reading), with
-    O_DIRECT when asked and the filesystem allows.
+              opener: Optional[Callable[[int], int]] = None, mode: int = 0o600) -> FileHandle:
+    """Open ``path`` read-write, creating it with ``mode`` (less the umask; 0600 by default) when
+    missing (``read_only``: an existing file, for reading), with O_DIRECT when asked and the
+    filesystem allows.
 
     ``opener``, when given, is called with the open flags instead of ``os.open(path, ...)`` and returns
     the descriptor (a store opens its files relative to its locked directory, never following a link);
@@ -53,7 +54,7 @@ def open_file(path: str, *, direct: bool, create: bool = True, read_only: bool =
         flags |= os.O_CREAT
 
     def do_open(flags: int) -> int:
-        return opener(flags) if opener is not None else os.open(path, flags, 0o600)
+        return opener(flags) if opener is not None else os.open(path, flags, mode)
 
     if direct and hasattr(os, "O_DIRECT"):
         try:

@@ -77,8 +77,11 @@ def inspect_lines(report: InspectReport, *, encoding: Optional[str], summary_onl
         f"{format_bytes(report.orphaned_bytes)} orphaned, of {format_bytes(swap)} in swap files "
         f"({format_bytes(disk)} on disk)"
     )
+    if report.free_bytes:
+        lines.append("  (free: room in the swap files that no record uses, kept for the store's next writes)")
     if report.orphaned_bytes:
-        lines.append("  (orphaned: stale data no record references; `tiered fsck --reclaim` gives it back)")
+        lines.append("  (orphaned: data no record references, left by a store that did not close cleanly; "
+                     "`tiered fsck --reclaim` gives it back)")
     if report.damaged:
         n = len(report.damaged)
         lines.append(f"{n} record{' is' if n == 1 else 's are'} damaged and not served (`tiered fsck` says why): "
@@ -163,8 +166,9 @@ def fsck_lines(report: FsckReport, *, encoding: Optional[str]) -> list[str]:
                      "to get back any it cannot")
     if report.orphaned_bytes:
         lines.append(
-            "  orphaned space holds stale bytes no record references (deleted or replaced versions, or writes a "
-            "crash left uncommitted); the store reuses it, and --reclaim gives it back to the filesystem"
+            "  orphaned space holds bytes no record references, left by a store that did not close cleanly (versions "
+            "it replaced or deleted, or writes a crash left uncommitted); the store reuses it, and --reclaim gives it "
+            "back to the filesystem"
         )
     return lines
 

@@ -4,7 +4,9 @@
 still hold data (versions that were deleted or replaced, or writes that a crash left without a
 record): the filesystem maps them to written blocks (``FIEMAP``; ``SEEK_DATA`` where it lacks
 that). *Free* bytes hold none: space reserved by ``fallocate`` but never written, or holes. A
-running store reuses both kinds; reclaiming orphaned space returns it to the filesystem (and drops
+running store reuses both kinds; a clean close drops the stale bytes of the space it used, so
+only a store that did not close cleanly leaves orphaned space ([Note: free space at close] in
+tiered.backends.free_space); reclaiming orphaned space returns it to the filesystem (and drops
 the stale bytes).
 """
 

@@ -5,13 +5,14 @@ tiered/manifest.py, tiered/backends/swap_ids.py)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Sequence
 
-from tiered.backends.swap_ids import swap_file_name
+from tiered.backends.swap_ids import id_file_name, swap_file_name
 from tiered.config import StoreConfig
 from tiered.errors import ManifestError
-from tiered.manifest import Loaded, Manifest
-from tiered.ownership import OwnedDirectories, OwnedDirectory
+from tiered.manifest import MANIFEST_NAME, Loaded, Manifest, side_files
+from tiered.ownership import OWNER_NOTE, OwnedDirectories, OwnedDirectory
 from tiered.records import Record
 
 
@@ -35,7 +36,8 @@ def open_files(config: StoreConfig, codecs: Sequence[str]) -> OpenedFiles:
     """Lock ``config``'s directories, open its manifest and load its records (blocking).
 
     Raises StoreLockedError when another store holds a directory, ValueError when ``nvme_paths``
-    names one directory twice, ManifestError when the manifest is unreadable or of another layout,
+    names one directory twice or a new store's path holds other files (unless
+    ``config.allow_other_files``), ManifestError when the manifest is unreadable or of another layout,
     a row written by a newer version cannot be read (an unknown codec or dtype) or a record lies in
     a swap file that is missing, and OSError when a directory cannot be used or a file in it is a
     symlink or not the store's own. Nothing stays locked or open after an error.
@@ -43,6 +45,8 @@ def open_files(config: StoreConfig, codecs: Sequence[str]) -> OpenedFiles:
     directories = OwnedDirectories.open(config.path, config.nvme_paths or (config.path,), exclusive=True,
                                         create=True)
     try:
+        if not config.allow_other_files:
+            _refuse_other_files(directories.store, config.swap_files_per_dir)
         directories.write_owner(config.path)
         swap = directories.swap
         manifest = Manifest(directories.store, [d.path for d in swap], config.swap_files_per_dir,
@@ -58,6 +62,20 @@ def open_files(config: StoreConfig, codecs: Sequence[str]) -> OpenedFiles:
         directories.close()
         raise
     return OpenedFiles(directories, manifest, loaded)
+
+
+def _refuse_other_files(directory: OwnedDirectory, files_per_dir: int) -> None:
+    """ValueError naming them when ``directory`` holds no manifest (a new store) but files that are not
+    a store's: the store would put its own among the user's."""
+    if directory.status(MANIFEST_NAME) is not None:
+        return
+    own = {OWNER_NOTE, *side_files(), *(name(i) for i in range(files_per_dir) for name in (swap_file_name, id_file_name))}
+    other = sorted(set(os.listdir(directory.fd)) - own)
+    if other:
+        shown = ", ".join(repr(n) for n in other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+        raise ValueError(f"StoreConfig.path {directory.path} is not empty and holds no store ({shown}): give a new or "
+                         "empty directory, or StoreConfig(allow_other_files=True) to put the store's files beside "
+                         "these")
 
 
 def _swap_bytes(swap: Sequence[OwnedDirectory], files_per_dir: int) -> int:

@@ -142,10 +142,11 @@ T = TypeVar("T")
 # [Note: closing]
 # ``close()`` sets ``_closing`` (new calls raise StoreClosedError), ends the open modify blocks
 # (gets and transfers waiting for one would hold the close up), waits for every tracked task,
-# writes dirty entries down (``flush_on_close``) and drains the commit log; only then does it close
-# the manifest, the backends, the codecs, the I/O engine and the pools, and last the directories'
-# descriptors, so their locks go only when nothing of this store can write there any more. A store
-# the program never closed is closed at interpreter exit (tiered.store.process).
+# writes dirty entries down (``flush_on_close``) and drains the commit log, gives back the swap
+# files' free space when nothing failed ([Note: free space at close] in tiered.backends.free_space);
+# only then does it close the manifest, the backends, the codecs, the I/O engine and the pools, and
+# last the directories' descriptors, so their locks go only when nothing of this store can write
+# there any more. A store the program never closed is closed at interpreter exit (tiered.store.process).
 
 
 class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
@@ -321,11 +322,14 @@ class TieredStore(BatchCalls, Modifications, Renames, TierBookkeeping):
             if not pending:
                 break
             await asyncio.wait(pending)
+        failures = None
         try:
             failures = await self._write_down() if self.config.flush_on_close else {}
         finally:
             try:
                 await self._commits.drain()
+                if failures == {}:  # a clean close ([Note: free space at close] in tiered.backends.free_space)
+                    await self._nvme.give_back_free_space()
             finally:
                 await self._release_resources()
         if failures:

@@ -21,6 +21,7 @@ Hub with ``huggingface_hub.snapshot_download`` (config, weights, tokenizer files
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
@@ -123,9 +124,16 @@ def _resolve(name: str, hub: dict[str, Any]) -> str:
         return name
     if os.path.exists(name):
         raise ValueError(f"from_pretrained takes a model directory or a Hub name, got the file {name!r}")
+    if os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1:  # a path, never a Hub name
+        raise FileNotFoundError(errno.ENOENT, f"from_pretrained: the directory {name!r} does not exist (pass a "
+                                "save_pretrained directory, or a Hub name such as 'org/model')", name)
     from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError
 
-    folder = snapshot_download(name, allow_patterns=HUB_FILES, **hub)
+    try:
+        folder = snapshot_download(name, allow_patterns=HUB_FILES, **hub)
+    except HFValidationError as exc:
+        raise ValueError(f"from_pretrained: {name!r} is neither a directory nor a Hub name ({exc})") from None
     if not any(os.path.isfile(os.path.join(folder, f)) for f in WEIGHT_FILES):  # an older model: torch files
         folder = snapshot_download(name, allow_patterns=[*HUB_FILES, "*.bin"], **hub)
     return folder
