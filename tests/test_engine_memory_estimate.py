@@ -42,7 +42,7 @@ def config(tmp_path, **kw) -> engine.EngineConfig:
 
 
 def test_each_kind_of_entry_is_counted_in_its_tier(tmp_path):
-    est = engine.estimate_memory(two_linears(), config(tmp_path))
+    est = engine.estimate_memory(two_linears(), config(tmp_path, step_in_backward=False))
     sizes = [300_000, 300, 2100, 7]  # trainable elements, per parameter
     frozen = [7, 7]
     assert est.parameters == sum(sizes) + sum(frozen) and est.trainable == sum(sizes)
@@ -58,6 +58,10 @@ def test_each_kind_of_entry_is_counted_in_its_tier(tmp_path):
     # it: the model is smaller than a group) is written before the old one is freed.
     assert est.during_step.nvme == est.at_rest.nvme + grads.nbytes + 3 * grads.nbytes
     assert est.during_step.host == est.at_rest.host
+    # By default a step may also run its updates inside backward, which keep what they replace: the larger
+    default = engine.estimate_memory(two_linears(), config(tmp_path))
+    inside = engine.estimate_memory(two_linears(), config(tmp_path, step_in_backward=True))
+    assert default.during_step.nvme == max(est.during_step.nvme, inside.during_step.nvme)
     separate = engine.estimate_memory(two_linears(), config(tmp_path, param_tier="host"))
     assert separate.parts[2].nbytes == 3 * grads.nbytes and "own masters" not in separate.parts[2].what
     assert est.fits and not est.warnings
@@ -114,7 +118,8 @@ def test_meta_models_tied_weights_and_a_large_one_cost_nothing_to_estimate(tmp_p
 
 def test_the_plan_divides_host_bytes_as_documented(tmp_path):
     """docs/training.md's memory model, counted by hand for two_linears (fp32, computed on the CPU)."""
-    cfg = config(tmp_path, grad_tier="nvme", optimizer_group_bytes=256 * KiB).replace(host_budget="total")
+    cfg = config(tmp_path, grad_tier="nvme", optimizer_group_bytes=256 * KiB, step_in_backward=False).replace(
+        host_budget="total")
     est = engine.estimate_memory(two_linears(), cfg)
     plan = est.plan
     shard = 4 * 300_000  # the largest fp32 shard, a group of its own; the other three make the second group
@@ -144,7 +149,8 @@ def test_the_plan_divides_host_bytes_as_documented(tmp_path):
 
 def test_a_smaller_budget_shrinks_the_pieces_in_order_down_to_the_minimum(tmp_path):
     model = two_linears()
-    base = config(tmp_path, grad_tier="nvme", optimizer_group_bytes=256 * KiB).replace(host_budget="total")
+    base = config(tmp_path, grad_tier="nvme", optimizer_group_bytes=256 * KiB, step_in_backward=False).replace(
+        host_budget="total")
     minimum = engine.estimate_memory(model, base).minimum_host_bytes
     chosen = []
     for budget in (64 * MiB, 9 * MiB, 8 * MiB, minimum):
@@ -161,12 +167,14 @@ def test_a_smaller_budget_shrinks_the_pieces_in_order_down_to_the_minimum(tmp_pa
     assert "the optimizer step" in below.problems[0] and "'0.weight'" in below.problems[0]
 
 
-def test_wrap_refuses_a_budget_below_the_minimum_before_anything_is_written_and_trains_at_it(tmp_path):
+@pytest.mark.parametrize("inside", [False, None])
+def test_wrap_refuses_a_budget_below_the_minimum_before_anything_is_written_and_trains_at_it(tmp_path, inside):
     """In bf16 the step's buffers outweigh forward's and backward's gradients outweigh the step's
-    temporaries, so at the minimum the working set is bounded phase by phase."""
+    temporaries, so at the minimum the working set is bounded phase by phase; with updates inside
+    backward (the default's later steps) too."""
     model = two_linears()
-    cfg = config(tmp_path, grad_tier="nvme", optimizer_group_bytes=256 * KiB, train_dtype="bfloat16").replace(
-        host_budget="total")
+    cfg = config(tmp_path, grad_tier="nvme", optimizer_group_bytes=256 * KiB, train_dtype="bfloat16",
+                 step_in_backward=inside).replace(host_budget="total")
     minimum = engine.estimate_memory(model, cfg).minimum_host_bytes
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(engine.MemoryBudgetError, match=f"at least {minimum}") as refused:
@@ -178,7 +186,8 @@ def test_wrap_refuses_a_budget_below_the_minimum_before_anything_is_written_and_
     # At the minimum it trains, the working set bounded phase by phase.
     eng = engine.wrap(model, config=cfg.replace(store=cfg.store.replace(host_bytes=minimum)),
                       optimizer=engine.AdamW(lr=1e-3))
-    assert eng.memory_plan.settings.by_phase and eng.store.config.host_bytes == eng.memory_plan.host_tier_bytes
+    assert eng.memory_plan.settings.by_phase or inside is None  # (inside backward: the larger of the two ways)
+    assert eng.store.config.host_bytes == eng.memory_plan.host_tier_bytes
     x = torch.randn(4, 1000, dtype=torch.bfloat16)
     losses = []
     for _ in range(3):
@@ -349,14 +358,20 @@ def test_the_tiered_command_lists_estimate(capsys):
 
 
 def test_updates_inside_backward_keep_the_old_parameters_during_a_step(tmp_path):
-    after = engine.estimate_memory(two_linears(), config(tmp_path))
+    after = engine.estimate_memory(two_linears(), config(tmp_path, step_in_backward=False))
     inside = engine.estimate_memory(two_linears(), config(tmp_path, step_in_backward=True))
+    clipped = engine.estimate_memory(two_linears(), config(tmp_path, step_in_backward=True, max_grad_norm=1.0))
     grads = after.parts[1].nbytes
     assert [p.what for p in inside.parts] == [after.parts[0].what, after.parts[2].what]  # no gradient is stored
     assert inside.at_rest.nvme == after.at_rest.nvme and inside.at_rest.host == 0 < after.at_rest.host
-    # after backward: the gradients made durable; inside: the old parameters kept, as many bytes; and
-    # one batch or group in flight either way
-    assert inside.during_step.nvme == after.during_step.nvme == after.at_rest.nvme + grads + 3 * grads
+    # after backward: the gradients made durable and one group in flight; inside: every entry an update
+    # replaces kept until the step commits (as many bytes again) and one batch in flight; with clipping
+    # the gradients kept for a redo too
+    assert after.during_step.nvme == after.at_rest.nvme + grads + 3 * grads
+    assert inside.during_step.nvme == 2 * inside.at_rest.nvme + 3 * grads
+    assert clipped.during_step.nvme == inside.during_step.nvme + grads
+    assert "updates inside backward from the first step" in inside.render()
+    assert "the step after backward (EngineConfig.step_in_backward=False)" in after.render()
     # backward holds the step's working set: the batches being updated and the moments read ahead
     assert any("the updates' moments and parameters" in p.why for p in inside.plan.pieces)
     assert not any("the updates' moments" in p.why for p in after.plan.pieces)
@@ -384,11 +399,12 @@ def test_updates_inside_backward_count_the_two_largest_shards_at_the_two_ends_on
 
 def test_gradients_that_overflow_the_host_tier_point_to_updates_inside_backward(tmp_path):
     model = two_linears()  # about 1.2 MiB of fp32 gradients
-    small = config(tmp_path, host_bytes=256 * KiB, param_tier="nvme", optimizer_tier="nvme")
+    small = config(tmp_path, host_bytes=256 * KiB, param_tier="nvme", optimizer_tier="nvme", step_in_backward=False)
     (hint,) = [w for w in engine.estimate_memory(model, small).warnings if "step_in_backward" in w]
-    assert "do not fit in the host tier (256.0 KiB)" in hint
-    for quiet in (small.replace(step_in_backward=True), small.replace(max_grad_norm=1.0),
-                  config(tmp_path, param_tier="nvme", optimizer_tier="nvme")):  # 64 MiB: they fit
+    assert "do not fit in the host tier (256.0 KiB)" in hint and "left at None (the default)" in hint
+    for quiet in (small.replace(step_in_backward=None), small.replace(step_in_backward=True),
+                  small.replace(max_grad_norm=1.0),
+                  config(tmp_path, param_tier="nvme", optimizer_tier="nvme", step_in_backward=False)):  # 64 MiB: fit
         assert not any("step_in_backward" in w for w in engine.estimate_memory(model, quiet).warnings)
 
 

@@ -489,7 +489,9 @@ def _updates_inside_backward(facts: _Facts, s: PlanSettings, on_cpu: bool) -> tu
         buffers = max(buffers, 3 * nbytes + max(read_beside + group, 6 * group))
         made = max((facts.whole_grads[j] for j in near), default=0) if on_cpu else 0
         allocations = max(allocations, nbytes + made)
-    return buffers, allocations
+    # Never more than the whole model's: its moments and new values, and a master copy per shard.
+    total = sum(shards)
+    return min(buffers, 4 * total), min(allocations, total + making)
 
 
 def _updates_buffer_bytes(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.device) -> int:
