@@ -288,6 +288,11 @@ def test_a_new_store_is_not_put_among_other_files_unless_asked(tmp_path):
     with TieredStore.open(make_config(mine)) as store:
         assert torch.equal(store.sync.get("k"), torch.ones(3))
     assert (mine / "notes.txt").read_text() == "keep"
+    striped = tmp_path / "striped"  # swap directories the user made inside the store's own are the store's
+    for name in ("nvme0", "nvme1"):
+        (striped / name).mkdir(parents=True)
+    with TieredStore.open(make_config(striped, nvme_paths=[str(striped / "nvme0"), str(striped / "nvme1")])) as store:
+        store.sync.put("k", torch.ones(3))
 
 
 @pytest.mark.parametrize("field", ["path", "nvme_paths"])

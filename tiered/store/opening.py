@@ -46,7 +46,7 @@ def open_files(config: StoreConfig, codecs: Sequence[str]) -> OpenedFiles:
                                         create=True)
     try:
         if not config.allow_other_files:
-            _refuse_other_files(directories.store, config.swap_files_per_dir)
+            _refuse_other_files(directories.store, config)
         directories.write_owner(config.path)
         swap = directories.swap
         manifest = Manifest(directories.store, [d.path for d in swap], config.swap_files_per_dir,
@@ -64,12 +64,16 @@ def open_files(config: StoreConfig, codecs: Sequence[str]) -> OpenedFiles:
     return OpenedFiles(directories, manifest, loaded)
 
 
-def _refuse_other_files(directory: OwnedDirectory, files_per_dir: int) -> None:
+def _refuse_other_files(directory: OwnedDirectory, config: StoreConfig) -> None:
     """ValueError naming them when ``directory`` holds no manifest (a new store) but files that are not
-    a store's: the store would put its own among the user's."""
+    a store's (its own files, or the directories of its ``nvme_paths`` placed inside it): the store would
+    put its own among the user's."""
     if directory.status(MANIFEST_NAME) is not None:
         return
-    own = {OWNER_NOTE, *side_files(), *(name(i) for i in range(files_per_dir) for name in (swap_file_name, id_file_name))}
+    own = {OWNER_NOTE, *side_files(),
+           *(name(i) for i in range(config.swap_files_per_dir) for name in (swap_file_name, id_file_name)),
+           *(os.path.basename(p) for p in config.nvme_paths or ()
+             if os.path.dirname(os.path.abspath(p)) == os.path.abspath(config.path))}
     other = sorted(set(os.listdir(directory.fd)) - own)
     if other:
         shown = ", ".join(repr(n) for n in other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
