@@ -5,7 +5,9 @@ Called from the post-accumulate-grad hook (``Engine._on_grad_final``): the shard
 put to ``grad/<name>`` in the gradient tier without waiting, and ``param.grad`` is set to None at
 once, so the full gradient's memory goes as soon as the put has copied it.
 
-A shard is stored in the narrowest dtype that holds it exactly: the training dtype (bf16, fp16) when
+A shard larger than the whole host tier goes to nvme instead (it could not be admitted there), so the
+host tier need not be sized for the largest gradient. A shard is stored in the narrowest dtype that
+holds it exactly: the training dtype (bf16, fp16) when
 autograd made the gradient in that dtype at world size 1 and nothing was added to it, else fp32; it
 reads back as the same fp32 values. Gradient accumulation (several backward passes before a step)
 adds into the stored shard: get + add + put, in fp32, ``old + new`` as torch's ``param.grad += new``
@@ -40,6 +42,7 @@ from engine.paging.handle import ParamHandle
 from engine.paging.layout import GRAD_KEY_PREFIX, grad_key
 from engine.paging.shard_io import ShardIO, delete_keys
 from tiered import TieredStore
+from tiered.util import round_up
 
 
 class GradOffload:
@@ -51,6 +54,7 @@ class GradOffload:
         self._on_offload = on_offload
         self._store: TieredStore = shard_io.store
         self._tier = tier
+        self._host_bytes = self._store.config.host_bytes  # the host tier's whole budget
         self._inflight_limit = inflight_bytes
         self._lock = threading.Lock()
         self._pending: "collections.OrderedDict[str, tuple[concurrent.futures.Future[None], int]]" = (
@@ -104,6 +108,8 @@ class GradOffload:
         self.norms[name] = norm
         stored = shard if shard.dtype == dtype else shard.to(dtype)
         nbytes = stored.numel() * stored.element_size()
+        if tier == "host" and round_up(nbytes) > self._host_bytes:
+            tier = "nvme"  # larger than the whole host tier: it could never be admitted there
         while self._pending and self._inflight + nbytes > self._inflight_limit:
             self._wait(next(iter(self._pending)))
         self._pending[key] = (self._store.sync.put_future(key, stored, tier), nbytes)

@@ -35,11 +35,15 @@ class Outcome(enum.Enum):
 class UpdatesInsideBackward:
     """The engine's side of the updates inside backward of one ``engine.AdamW``."""
 
-    def __init__(self, state: TrainingState, after: StepAfterBackward, *, updates_buffer_bytes: int = 0) -> None:
+    def __init__(self, state: TrainingState, after: StepAfterBackward, *, updates_buffer_bytes: int = 0,
+                 pool_bounds: Optional[tuple[int, int]] = None) -> None:
         """``updates_buffer_bytes``: the memory plan's bound on the worker's buffers
-        (``MemoryPlan.updates_buffer_bytes``; 0 keeps them to the settings' sizes)."""
+        (``MemoryPlan.updates_buffer_bytes``; 0 keeps them to the settings' sizes); ``pool_bounds``: the
+        store's pool bound in forward and backward of a step inside backward and of one after it, where
+        the plan bounds them apart (each step sets its own when its way is decided)."""
         self._state = state
         self._after = after
+        self._pool_bounds = pool_bounds
         config = state.config
         #: Which way each step runs.
         self.policy = StepModePolicy(config.step_in_backward, updates_in_backward_ruled_out(config),
@@ -87,6 +91,8 @@ class UpdatesInsideBackward:
         training forward or final gradient): before backward's first fetch, which then reads masters."""
         if self.this_step is None and not self.failed:
             self.this_step = self.possible and self.policy.decide()
+            if self._pool_bounds is not None:  # [Note: Updates inside backward, in memory]
+                self._state.store.resize_result_pool(self._pool_bounds[0 if self.this_step else 1])
             if self.this_step and self._ahead_order:
                 assert self._worker is not None
                 # Read now, not when the last step committed: anything between the steps (a step after

@@ -94,9 +94,12 @@ class Training:
         config: EngineConfig,
         *,
         updates_buffer_bytes: int = 0,
+        pool_bounds: Optional[tuple[int, int]] = None,
     ) -> None:
         """``updates_buffer_bytes``: the memory plan's bound on the buffers of the updates inside backward
-        (``MemoryPlan.updates_buffer_bytes``; 0 keeps them to the settings' sizes)."""
+        (``MemoryPlan.updates_buffer_bytes``; 0 keeps them to the settings' sizes); ``pool_bounds``: the
+        store's pool bound in forward and backward of a step whose updates run inside backward and of
+        one after it, where the plan bounds them apart (``MemoryPlan.after_backward_pool_bytes``)."""
         if optimizer.bound:
             raise ValueError("this engine.AdamW is already bound to a model; create one optimizer per engine.wrap")
         self._handles = list(by_id.values())
@@ -119,7 +122,8 @@ class Training:
             all_reduce=_all_reduce_sum(shard_io),
         )
         self._after = StepAfterBackward(self._state)
-        self._inside = UpdatesInsideBackward(self._state, self._after, updates_buffer_bytes=updates_buffer_bytes)
+        self._inside = UpdatesInsideBackward(self._state, self._after, updates_buffer_bytes=updates_buffer_bytes,
+                                             pool_bounds=pool_bounds)
         self._comm = shard_io.collectives if shard_io.world > 1 else None
         #: True while ``eng.backward`` runs a scaled backward (gradients of any other backward are refused).
         self.scaled_backward = False

@@ -337,7 +337,8 @@ def _gradients_spill(config: EngineConfig, parts: list["_Part"], host_tier: Opti
 
 def _problems(config: EngineConfig, parts: Iterable[_Part], budgets: dict[str, Optional[int]]) -> list[str]:
     """What is certain to fail: a tier with no budget that parameters or activations must go to, and
-    any entry larger than its tier's whole budget (the store refuses it; for a gradient, mid-backward)."""
+    any entry larger than its tier's whole budget (the store refuses it) but a gradient shard, which
+    goes to nvme instead (engine/optim/grad_offload.py)."""
     found = []
     if config.param_tier in ("device", "host") and budgets[config.param_tier] == 0:
         found.append(f"EngineConfig.param_tier is {config.param_tier!r} but the store's {config.param_tier}_bytes "
@@ -348,6 +349,8 @@ def _problems(config: EngineConfig, parts: Iterable[_Part], budgets: dict[str, O
                      "budget or set activation_tier='nvme'")
     for part in parts:
         budget = budgets[part.tier]
+        if part.setting == "grad_tier":
+            continue
         if part.entries and budget is not None and part.largest > budget:
             field = {"device": "device_bytes", "host": "host_bytes", "nvme": "nvme_bytes"}[part.tier]
             below = {"device": "host", "host": "nvme"}.get(part.tier)

@@ -66,8 +66,9 @@ STAGING_SHARE = 32
 #   step starts and ends), so the step's freed buffers are unmapped before backward's gradients come.
 #   The price is mapping the step's buffers anew every step.
 #
-# The host tier gets what is left and must hold the largest entry the config sends there (a
-# gradient shard with ``grad_tier="host"``). The pieces take the config's sizes when they fit;
+# The host tier gets what is left and must hold the largest entry the config sends there (a parameter
+# shard with ``param_tier="host"``, optimizer state with ``optimizer_tier="host"``; a gradient shard
+# larger than the host tier goes to nvme instead). The pieces take the config's sizes when they fit;
 # otherwise they shrink, sharing first and then by phase, in this order until they do: the state
 # read ahead during backward (``optimizer_prefetch_groups`` to 0), staging (to 2 blocks), the
 # optimizer group (``optimizer_group_bytes``, halved down to 16 MiB), the prefetch window
@@ -142,6 +143,10 @@ class MemoryPlan:
     #: With ``step_in_backward``: the most the updates' worker may hold in buffers (moments and
     #: parameters read ahead, being updated and being written), as counted in the working set; else 0.
     updates_buffer_bytes: int = 0
+    #: By phase, where steps may run either way: the pool's bound in forward and backward of a step that
+    #: runs after backward (``pool_bytes`` is then the bound of one whose updates run inside it); None
+    #: when one bound serves both.
+    after_backward_pool_bytes: Optional[int] = None
 
     @property
     def fits(self) -> bool:
@@ -214,6 +219,11 @@ class _Needs:
     host_min: MemoryPiece
     #: The step updates state in place (no copies of it in the working set).
     lent: bool
+    #: Steps may run either way ([Note: Updates inside backward, in memory]): forward and backward's
+    #: buffers and allocations above are each the larger way's, and these are each way's own (buffers,
+    #: allocations), after backward and inside it. None: one way only.
+    after_forward: Optional[tuple[int, int]] = None
+    inside_forward: Optional[tuple[int, int]] = None
 
 
 def plan_memory(model: nn.Module, config: EngineConfig, *, world_size: int = 1, training: bool = True,
@@ -263,7 +273,8 @@ def plan_memory(model: nn.Module, config: EngineConfig, *, world_size: int = 1, 
     host_tier = max(budget - sum(p.nbytes for p in pieces), 0)
     return MemoryPlan("total", budget, settings, pieces, pool, step_pool, host_tier, floor_host,
                       sum(p.nbytes for p in floor) + floor_host.nbytes, floor,
-                      _updates_buffer_bytes(config, facts, settings, device))
+                      _updates_buffer_bytes(config, facts, settings, device),
+                      _after_backward_pool(config, facts, settings, device, training))
 
 
 def _halved(s: PlanSettings, field: str, floor: int, zero_at: int) -> list[PlanSettings]:
@@ -341,7 +352,18 @@ def _needs_either_way(config: EngineConfig, facts: _Facts, s: PlanSettings, devi
         forward_buffers_why=forward.forward_buffers_why + " (the larger way: after backward, or inside it)",
         forward_allocations=max(after.forward_allocations, inside.forward_allocations),
         forward_allocations_why=forward.forward_allocations_why,
+        after_forward=(after.forward_buffers, after.forward_allocations),
+        inside_forward=(inside.forward_buffers, inside.forward_allocations),
     )
+
+
+def _after_backward_pool(config: EngineConfig, facts: _Facts, s: PlanSettings, device: torch.device,
+                         training: bool) -> Optional[int]:
+    """:attr:`MemoryPlan.after_backward_pool_bytes` at settings ``s``."""
+    if not s.by_phase:
+        return None
+    n = _needs_either_way(config, facts, s, device, training, lent=config.updates_in_place)
+    return n.after_forward[0] if n.after_forward is not None else None
 
 
 def _assemble(n: "_Needs", s: PlanSettings) -> tuple[tuple[MemoryPiece, ...], int, int, MemoryPiece]:
@@ -353,6 +375,12 @@ def _assemble(n: "_Needs", s: PlanSettings) -> tuple[tuple[MemoryPiece, ...], in
         return (*n.fixed, work), n.forward_buffers, n.forward_buffers, n.host_min
     if s.by_phase:
         forward = n.forward_buffers + n.forward_allocations
+        if n.after_forward is not None and n.inside_forward is not None:
+            # One way per step, the pool bound set to that way's at its start (after_backward_pool_bytes)
+            after, inside = sum(n.after_forward), sum(n.inside_forward)
+            forward = max(after, inside)
+            forward_why = (f"the larger way: after backward {format_bytes(after)}, inside it {format_bytes(inside)}; "
+                           + forward_why)
         step = n.step_buffers + n.step_allocations
         work = MemoryPiece("working set", max(forward, step),
                            f"by phase: the larger of forward/backward {format_bytes(forward)} ({forward_why}) and "
@@ -566,7 +594,9 @@ def _facts(model: nn.Module, config: EngineConfig, world_size: int, training: bo
             facts.grad_shard_copies |= world_size > 1 or dtype != torch.float32
             fp32 = round_up(max(shard_numel * 4, 1))
             if config.grad_tier == "host" and config.stores_gradients:
-                host_parts.append((fp32, f"gradient shard {name!r} (grad_tier='host')"))
+                # counted in what the tier holds, but no minimum: a gradient shard larger than the whole
+                # host tier goes to nvme instead (engine/optim/grad_offload.py)
+                facts.host_total += fp32
             if config.optimizer_tier == "host":
                 host_parts.append((fp32, f"optimizer state of {name!r} (optimizer_tier='host')"))
                 facts.host_total += 2 * fp32  # the two moments beside the master
