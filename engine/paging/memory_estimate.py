@@ -184,13 +184,16 @@ def estimate_memory(
         else:
             after[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
         inside = dict(during)
+        inside[parts[1].tier] -= parts[1].charged  # no gradient goes to grad_tier in such a step
         # Every entry an update replaces, kept until the step commits (parameters, masters, moments), one
-        # batch's new values beside them, and with clipping the gradients kept for a redo.
+        # batch's new values beside them, and with clipping the gradients kept for a redo (in bf16 or
+        # fp16 where that holds them exactly: engine/optim/grad_offload.py).
         inside["nvme"] += parts[0].charged + parts[2].charged + 3 * group + group * sizes.extra_itemsize // 4
         if config.max_grad_norm is not None:
-            inside["nvme"] += sizes.fp32_bytes
-        ways = _step_ways(config)
-        during = {t: max(after[t] if "after" in ways else 0, inside[t] if "inside" in ways else 0) for t in during}
+            narrow = sizes.extra_itemsize == 2 and world_size == 1 and config.gradient_accumulation_steps == 1
+            inside["nvme"] += sizes.fp32_bytes // 2 if narrow else sizes.fp32_bytes
+        ways = [w for name, w in (("after", after), ("inside", inside)) if name in _step_ways(config)]
+        during = {t: max(_apply_budgets(w, budgets)[t] for w in ways) for t in during}
     at_rest, during_step = _apply_budgets(placed, budgets), _apply_budgets(during, budgets)
     largest_module = max((_module_bytes(m, train_dtype) for m in model.modules()), default=0)
     materialized = largest_module + plan.settings.prefetch_bytes
