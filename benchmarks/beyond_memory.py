@@ -1,25 +1,38 @@
-"""Training a model whose state is larger than the machine's memory, against the disk's floor.
+"""Training a model whose state is larger than the machine's memory, against the disk's floor, and
+beside DeepSpeed ZeRO-Infinity.
 
 A Llama-style model (``engine.demo.llama``) is sized from the machine's RAM so that its fp32
 training state (parameter, gradient and two AdamW moments: 16 bytes a parameter) is ``--ram-multiple``
 times the RAM (1.5 by default), built on the meta device, wrapped with everything on nvme and a
-small host budget, and trained for ``--steps`` steps on one fixed batch. Each step reports its wall
-time and where it went (waits for parameters and for the optimizer's I/O, AdamW's math, the store's
-checksums and staging copies, the process's CPU time, the seconds the disk had a request in
-flight), the bytes the process read and wrote (``/proc/self/io``) and per parameter, the nvme
-footprint, and the peak RSS against the host budget; beside them two floors:
+small host budget, and trained for ``--steps`` steps on one fixed batch. ``--dtype bfloat16`` trains
+the same model in bf16 on fp32 masters (``EngineConfig(train_dtype="bfloat16")``; its training state
+is then 18 bytes a parameter: bf16 weights, fp32 masters, gradients and moments). ``--max-grad-norm``
+clips (``EngineConfig.max_grad_norm``); ``--step-in-backward`` chooses where the updates run.
+
+Each step reports its wall time and where it went (waits for parameters and for the optimizer's I/O,
+AdamW's math, the store's checksums and staging copies, the process's CPU time, the seconds the disk
+had a request in flight), how its optimizer step ran (updates inside backward, committed; inside,
+then redone after backward; or after backward), the global gradient norm and whether the clip bound,
+the bytes the process read and wrote (``/proc/self/io``) and per parameter, the nvme footprint, and
+the peak RSS against the host budget; beside them two floors:
 
 - I/O floor: the step's bytes read / fio's best read bandwidth + bytes written / fio's best write
   bandwidth, fio swept over queue depth and block size on the same directory in the same run;
-- compute floor: the same model's forward + backward + AdamW step in memory, from a 1- and a
-  2-layer copy timed here (the layers beyond the first cost what the second costs).
+- compute floor: the same model's step in memory (forward + backward + AdamW, in bf16 on fp32
+  masters with ``--dtype bfloat16``), from a 1- and a 2-layer copy timed here.
+
+Bytes are judged per kind of step (beyond_memory_verdicts): where the clip norm does not bind, and
+where it binds (no more than the step after backward moves). ``--peer deepspeed`` runs DeepSpeed
+ZeRO-3 with parameters and optimizer on nvme (beyond_memory_deepspeed) on the same model, batch and
+disk, and ``--rounds N`` alternates the contenders N times. Each contender runs in a process of its
+own: its peak RSS is its own, and a contender killed for memory is reported, not fatal.
 
 With ``--device cuda`` the model computes on the GPU (the state is still sized from host RAM and
 streamed from nvme through host memory), and the compute floor is the GPU's.
 
-The loss must fall every step; the run exits 1 if it does not, 2 when the disk has no room for the
-run, fio is missing or ``--device`` names a device this machine lacks. Each target is judged on the
-steps after the first (median and range).
+The loss must fall every step; the run exits 1 if it does not or the engine fails, 2 when the disk
+has no room for the run, fio is missing or ``--device`` names a device this machine lacks. Each
+target is judged on the steps after the first (median and range).
 
     python benchmarks/beyond_memory.py --dir /nvme/scratch --json docs/beyond_memory.json \\
         --plot docs/beyond_memory.png
@@ -29,11 +42,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import shutil
 import sys
-import threading
-import time
 from typing import Any, Optional
 
 import torch
@@ -42,292 +54,156 @@ from bench_output import (
     disk_limit,
     machine_info,
     pyplot,
+    rotated,
     scratch_dir,
-    verdict,
     with_machine,
     write_json,
 )
+from beyond_memory_deepspeed import needed_disk_bytes as deepspeed_disk_bytes
+from beyond_memory_engine import STEP_IN_BACKWARD
+from beyond_memory_engine import estimate as engine_estimate
+from beyond_memory_verdicts import (
+    RSS_ALLOWANCE,
+    STATE_BYTES_PER_PARAM,
+    after_backward_reference,
+    compare_with_deepspeed,
+    median_steady,
+    moved_target,
+    summarize_engine,
+)
+from compute_floor import compute_floor
+from contender_process import run_contender
+from process_stats import bf16_support, disk_ticks, ram_bytes  # noqa: F401  (disk_ticks: tests read it here)
 
-from engine.demo.llama import STATE_BYTES_PER_PARAM, Llama, LlamaConfig, init_weights
+from engine.demo.llama import LlamaConfig
 
 MiB, GiB = 1 << 20, 1 << 30
-#: Targets for the steps after the first (fp32, everything on nvme).
-TARGET_BYTES_PER_PARAM = 32
-TARGET_WRITTEN_PER_PARAM = 12
-TARGET_FOOTPRINT = 1.1
-TARGET_FLOOR_RATIO = 1.15
-#: Peak RSS growth allowed over the budget: 1.1 x host_bytes + this (torch's and Python's own growth).
-RSS_ALLOWANCE = 256 * MiB
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONTENDERS = {"engine": os.path.join(HERE, "beyond_memory_engine.py"),
+              "deepspeed": os.path.join(HERE, "beyond_memory_deepspeed.py")}
 
 
-def ram_bytes() -> int:
-    """The machine's memory (MemTotal)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemTotal line")
+class NoRoom(RuntimeError):
+    """The disk or the host budget cannot hold the run."""
 
 
-def process_io() -> tuple[int, int]:
-    """Bytes this process has read from and written to storage (``/proc/self/io``)."""
-    fields = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            key, value = line.split(":")
-            fields[key] = int(value)
-    return fields["read_bytes"], fields["write_bytes"]
+def model_config(args: argparse.Namespace, ram: int) -> LlamaConfig:
+    """The model: the fewest layers whose fp32 training state reaches ``--state-gib`` or
+    ``--ram-multiple`` x RAM (in either dtype, so both train the same model)."""
+    state = int(args.state_gib * GiB) if args.state_gib else int(args.ram_multiple * ram)
+    return LlamaConfig.for_state_bytes(state, dim=args.dim, n_heads=args.dim // 128, vocab_size=args.vocab)
 
 
-def disk_ticks(directory: str) -> Optional[tuple[float, float]]:
-    """Seconds the disk holding ``directory`` has had I/O in flight, and the same weighted by the
-    requests in flight, since boot (``/proc/diskstats``); None where the filesystem is not on a
-    block device listed there (tmpfs, overlay)."""
-    dev = os.stat(directory).st_dev
-    with open("/proc/diskstats") as f:
-        for line in f:
-            fields = line.split()
-            if (int(fields[0]), int(fields[1])) == (os.major(dev), os.minor(dev)):
-                return int(fields[12]) / 1000, int(fields[13]) / 1000
-    return None
-
-
-def rss_bytes() -> int:
-    """This process's resident set size now."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def allocated_bytes(directory: str) -> int:
-    """Bytes allocated on disk to the files under ``directory`` (st_blocks, links not followed)."""
-    total = 0
-    for root, _, files in os.walk(directory):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except FileNotFoundError:
-                pass  # deleted while we walked
-    return total
-
-
-class Sampler:
-    """A thread that samples RSS (every ``interval`` s) and the store's disk footprint (every
-    ``disk_every``-th sample), keeping the series and the peaks since :meth:`mark`."""
-
-    def __init__(self, directory: str, interval: float = 0.1, disk_every: int = 10) -> None:
-        self.directory, self.interval, self.disk_every = directory, interval, disk_every
-        self.t0 = time.perf_counter()
-        self.series: list[tuple[float, int]] = []
-        self.peak_rss = 0
-        self.peak_disk = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="beyond-memory-sampler", daemon=True)
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def mark(self) -> tuple[int, int]:
-        """The peaks (RSS, disk) since the last mark; starts new ones."""
-        peaks = (max(self.peak_rss, rss_bytes()), max(self.peak_disk, allocated_bytes(self.directory)))
-        self.peak_rss = self.peak_disk = 0
-        return peaks
-
-    def _run(self) -> None:
-        n = 0
-        while not self._stop.wait(self.interval):
-            rss = rss_bytes()
-            self.peak_rss = max(self.peak_rss, rss)
-            self.series.append((time.perf_counter() - self.t0, rss))
-            if n % self.disk_every == 0:
-                self.peak_disk = max(self.peak_disk, allocated_bytes(self.directory))
-            n += 1
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (a GPU's kernels run after the call that queued them)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def in_memory_step_seconds(cfg: LlamaConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int,
-                           device: torch.device, fused: bool = False) -> float:
-    """Fewest seconds of forward + backward + torch AdamW step (``fused``: its fused kernel) of
-    ``cfg``'s model in ``device``'s memory over ``reps`` steps (a floor: noise only adds to it)."""
-    torch.manual_seed(0)
-    model = Llama(cfg).to(device)
-    tokens, targets = tokens.to(device), targets.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused or None)
-    times = []
-    for _ in range(reps + 1):  # the first builds the optimizer state: not counted
-        synchronize(device)
-        start = time.perf_counter()
-        model(tokens, targets).backward()
-        opt.step()
-        opt.zero_grad()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
-
-
-def compute_floor(cfg: LlamaConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int,
-                  device: torch.device, fused: bool = False) -> dict[str, float]:
-    """The in-memory step of ``cfg``'s model, extrapolated from a 1- and a 2-layer copy."""
-    one = in_memory_step_seconds(dataclasses.replace(cfg, n_layers=1), tokens, targets, reps, device, fused)
-    two = in_memory_step_seconds(dataclasses.replace(cfg, n_layers=2), tokens, targets, reps, device, fused)
-    return {"one_layer_s": one, "two_layers_s": two, "seconds": one + (cfg.n_layers - 1) * max(two - one, 0.0)}
-
-
-def needed_disk_bytes(model: torch.nn.Module, config: Any) -> int:
-    """What the store needs on disk during a step, from ``engine.estimate_memory``."""
-    import engine
-
-    return engine.estimate_memory(model, config).during_step.nvme
-
-
-def train(args: argparse.Namespace, cfg: LlamaConfig, workdir: str, floors: dict[str, float]) -> dict[str, Any]:
-    """Wrap the model on nvme and train ``args.steps`` steps on one batch; one dict per step."""
-    import engine
-
-    torch.manual_seed(args.seed)
-    tokens = torch.randint(0, cfg.vocab_size, (1, args.tokens + 1)).to(args.device)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    with torch.device("meta"):
-        model = Llama(cfg)
-    config = engine_config(args, workdir)
-    rss_before = rss_bytes()
-    results: list[dict[str, Any]] = []
-    with Sampler(workdir) as sampler:
-        started = time.perf_counter()
-        eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=0.0, fused=args.fused or None),
-                          config=config, init_fn=init_weights)
-        wrap_seconds = time.perf_counter() - started
-        sampler.mark()
-        try:
-            for step in range(args.steps):
-                results.append(one_step(eng, model, x, y, sampler, rss_before))
-                r = results[-1]
-                r["bytes_per_param"] = (r["bytes_read"] + r["bytes_written"]) / cfg.num_params
-                r["written_per_param"] = r["bytes_written"] / cfg.num_params
-                r["io_floor_s"] = (r["bytes_read"] / floors["fio_read_bps"]
-                                   + r["bytes_written"] / floors["fio_write_bps"])
-                print(f"step {step}: loss {r['loss']:.4f}, {r['seconds']:.1f} s (forward {r['forward_s']:.1f}, "
-                      f"backward {r['backward_s']:.1f}, step {r['step_s']:.1f}), read {r['bytes_read'] / 1e9:.1f} GB, "
-                      f"written {r['bytes_written'] / 1e9:.1f} GB ({r['bytes_per_param']:.1f} B/param), I/O floor "
-                      f"{r['io_floor_s']:.1f} s, RSS +{r['peak_rss_growth'] / GiB:.2f} GiB, disk "
-                      f"{r['peak_disk_bytes'] / 1e9:.1f} GB", flush=True)
-                print(f"  where: waiting for parameters {r['param_stall_s']:.1f} s and for the optimizer's I/O "
-                      f"{r['optimizer_stall_s']:.1f} s; AdamW {r['adamw_s']:.1f} s; the store's checksums "
-                      f"{r['store_checksums_s']:.1f} s and staging copies {r['store_staging_s']:.1f} s; CPU "
-                      f"{r['cpu_user_s']:.1f} s user + {r['cpu_system_s']:.1f} s system"
-                      + (f"; the disk busy {r['disk_busy_s']:.1f} s, {r['disk_queue']:.1f} requests in flight "
-                         "on average" if "disk_busy_s" in r else ""), flush=True)
-        finally:
-            eng.close()
-    return {"steps": results, "wrap_seconds": wrap_seconds, "rss_before_wrap": rss_before,
-            "rss_series": [(round(t, 2), b) for t, b in sampler.series]}
-
-
-def engine_config(args: argparse.Namespace, workdir: str) -> Any:
-    """The run's EngineConfig: everything on nvme under ``workdir``, ``--host-gib`` of host budget."""
-    import engine
-    import tiered
-
-    return engine.EngineConfig(
-        store=tiered.StoreConfig(path=os.path.join(workdir, "store"), host_bytes=int(args.host_gib * GiB)),
-        param_tier="nvme", optimizer_tier="nvme", compress_optimizer=args.compress_optimizer,
-        step_in_backward=args.step_in_backward, compute_device=str(args.device))
-
-
-def check_room(args: argparse.Namespace, cfg: LlamaConfig, workdir: str) -> None:
-    """NoRoom unless ``workdir``'s disk holds what the run writes: the store during a step (from
-    ``engine.estimate_memory``) and fio's file."""
-    with torch.device("meta"):
-        model = Llama(cfg)
-    needed = needed_disk_bytes(model, engine_config(args, workdir)) + max(args.fio_size, 0) + GiB
+def check_room(args: argparse.Namespace, cfg: LlamaConfig, spec: dict[str, Any], workdir: str) -> None:
+    """NoRoom unless ``workdir``'s disk holds what the run writes (the larger contender's files: the
+    engine's store during a step, from ``engine.estimate_memory``; DeepSpeed's swap files; and fio's
+    file) and the engine takes ``--host-gib`` for this model and mode."""
+    est = engine_estimate(cfg, spec, workdir)
+    needed = est.during_step.nvme
+    if "deepspeed" in args.peer:
+        needed = max(needed, deepspeed_disk_bytes(cfg, args.dtype))
+    needed += max(args.fio_size, 0) + GiB
     free = shutil.disk_usage(workdir).free
     if free < needed:
         raise NoRoom(f"{workdir} has {free / 1e9:.1f} GB free; this run needs about {needed / 1e9:.1f} GB "
                      f"({cfg.num_params / 1e9:.2f} B parameters, {args.ram_multiple}x RAM of fp32 training state): "
                      "free some, or give --ram-multiple or --state-gib a smaller value")
+    if est.minimum_host_bytes > args.host_gib * GiB:
+        raise NoRoom(f"--host-gib {args.host_gib:g} is below what the engine needs for this model in this mode "
+                     f"({est.minimum_host_bytes / GiB:.2f} GiB, engine.estimate_memory; {est.step_mode}): give "
+                     f"--host-gib {math.ceil(est.minimum_host_bytes / GiB * 10) / 10:g} or more")
 
 
-class NoRoom(RuntimeError):
-    """The disk cannot hold the run."""
-
-
-def one_step(eng: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, sampler: Sampler,
-             rss_before: int) -> dict[str, Any]:
-    """Forward, backward, eng.step(), zero_grad, timed and measured."""
-    device = x.device
-    synchronize(device)
-    stats_before = eng.stats()
-    read0, written0 = process_io()
-    disk0 = disk_ticks(sampler.directory)
-    cpu0 = os.times()
-    t0 = time.perf_counter()
-    loss = model(x, y)
-    synchronize(device)
-    t1 = time.perf_counter()
-    loss.backward()
-    synchronize(device)
-    t2 = time.perf_counter()
-    eng.step()
-    eng.zero_grad()
-    synchronize(device)
-    t3 = time.perf_counter()
-    cpu1 = os.times()
-    read1, written1 = process_io()
-    disk1 = disk_ticks(sampler.directory)
-    stats = eng.stats()
-    peak_rss, peak_disk = sampler.mark()
+def contender_spec(args: argparse.Namespace, cfg: LlamaConfig, workdir: str) -> dict[str, Any]:
+    """What each contender's process needs to know (JSON)."""
     return {
-        "loss": loss.item(), "seconds": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "step_s": t3 - t2,
-        "bytes_read": read1 - read0, "bytes_written": written1 - written0,
-        "param_stall_s": stats.stall_seconds - stats_before.stall_seconds,
-        "optimizer_stall_s": stats.optimizer_stall_seconds - stats_before.optimizer_stall_seconds,
-        # where the CPU went: AdamW's math, and the store's checksums and staging copies (summed over
-        # its I/O threads)
-        "adamw_s": stats.optimizer_update_seconds - stats_before.optimizer_update_seconds,
-        "store_checksums_s": stats.store.checksum_seconds - stats_before.store.checksum_seconds,
-        "store_staging_s": stats.store.staging_seconds - stats_before.store.staging_seconds,
-        "cpu_user_s": cpu1.user - cpu0.user, "cpu_system_s": cpu1.system - cpu0.system,
-        "peak_rss_growth": peak_rss - rss_before, "peak_disk_bytes": peak_disk,
-        # the disk's view: seconds with a request in flight, and the mean requests in flight then
-        **({"disk_busy_s": disk1[0] - disk0[0],
-            "disk_queue": (disk1[1] - disk0[1]) / max(disk1[0] - disk0[0], 1e-3)} if disk0 and disk1 else {}),
+        "config": dataclasses.asdict(cfg), "workdir": workdir, "steps": args.steps, "seed": args.seed,
+        "tokens": args.tokens, "lr": args.lr, "device": str(args.device), "dtype": args.dtype,
+        "max_grad_norm": args.max_grad_norm, "host_gib": args.host_gib, "compress_optimizer": args.compress_optimizer,
+        "fused": args.fused, "step_in_backward": args.step_in_backward,
+        "deepspeed": {"sub_group_size": args.ds_sub_group_size, "buffer_count": args.ds_buffer_count,
+                      "block_size": args.ds_block_size, "queue_depth": args.ds_queue_depth,
+                      "intra_op_parallelism": args.ds_intra_op, "pipeline": args.ds_pipeline,
+                      "optimizer_buffer_count": args.ds_optimizer_buffer_count,
+                      "max_in_cpu": args.ds_max_in_cpu},
     }
 
 
-def summarize(steps: list[dict[str, Any]], floors: dict[str, float], cfg: LlamaConfig,
-              host_bytes: int) -> dict[str, Any]:
-    """Each target judged from the steps after the first: median, range and whether it is met."""
-    steady = steps[1:]
-    state_bytes = cfg.num_params * STATE_BYTES_PER_PARAM
-    floor = [max(s["io_floor_s"], floors["compute_s"]) for s in steady]
-    return {
-        "state_bytes": state_bytes,
-        "verdicts": [
-            verdict("bytes moved per parameter", [s["bytes_per_param"] for s in steady], TARGET_BYTES_PER_PARAM,
-                    at_most=True),
-            verdict("bytes written per parameter", [s["written_per_param"] for s in steady],
-                    TARGET_WRITTEN_PER_PARAM, at_most=True),
-            verdict("nvme footprint / training state", [s["peak_disk_bytes"] / state_bytes for s in steady],
-                    TARGET_FOOTPRINT, at_most=True),
-            verdict("step / max(I/O floor, compute floor)", [s["seconds"] / f for s, f in zip(steady, floor)],
-                    TARGET_FLOOR_RATIO, at_most=True),
-            verdict("peak RSS growth / (1.1 x host_bytes + 256 MiB)",
-                    [s["peak_rss_growth"] / (1.1 * host_bytes + RSS_ALLOWANCE) for s in steady], 1.0, at_most=True),
-        ],
-    }
+def run_rounds(args: argparse.Namespace, cfg: LlamaConfig, workdir: str, floors: dict[str, float]
+               ) -> dict[str, list[dict[str, Any]]]:
+    """Every contender ``--rounds`` times, the order rotated round by round; each in a process and a
+    directory of its own, deleted after it."""
+    names = ["engine", *args.peer]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)}
+    rss_limit = int(args.rss_limit_gib * GiB) if args.rss_limit_gib else None
+    for k in range(args.rounds):
+        for name in rotated(names, k):
+            label = f"{name}-{k}"
+            print(f"round {k}: {name}", flush=True)
+            rundir = os.path.join(workdir, label)
+            os.makedirs(rundir)
+            try:
+                run = run_contender(CONTENDERS[name], contender_spec(args, cfg, rundir), workdir, label,
+                                    rss_limit=rss_limit, env=env)
+            finally:
+                shutil.rmtree(rundir, ignore_errors=True)
+            for i, s in enumerate(run.get("steps", [])):
+                s.update(round=k, step=i, bytes_per_param=(s["bytes_read"] + s["bytes_written"]) / cfg.num_params,
+                         written_per_param=s["bytes_written"] / cfg.num_params,
+                         io_floor_s=s["bytes_read"] / floors["fio_read_bps"]
+                         + s["bytes_written"] / floors["fio_write_bps"])
+            if run["failure"] is not None:
+                print(f"round {k}: {name} stopped in {run.get('phase', 'its start')}, after "
+                      f"{len(run.get('steps', []))} steps: {run['failure']}", flush=True)
+                for line in run.get("stderr_tail", [])[-8:]:
+                    print(f"  | {line}", flush=True)
+            else:
+                print(f"round {k}: {name}: median step {median_steady(run, 'seconds') or 0:.1f} s, "
+                      f"{median_steady(run, 'bytes_per_param') or 0:.1f} B/param, peak RSS "
+                      f"{run['peak_rss'] / GiB:.2f} GiB", flush=True)
+            runs[name].append(run)
+    return runs
+
+
+def summarize_deepspeed(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """DeepSpeed's figures over its rounds (no targets of its own)."""
+    done = [r for r in runs if len(r.get("steps", [])) > 1]
+    out: dict[str, Any] = {"failures": [r["failure"] for r in runs if r["failure"] is not None]}
+    if done:
+        out.update(step_s=[median_steady(r, "seconds") for r in done],
+                   bytes_per_param=[median_steady(r, "bytes_per_param") for r in done],
+                   written_per_param=[median_steady(r, "written_per_param") for r in done],
+                   peak_rss=[r["peak_rss"] for r in done])
+        print(f"DeepSpeed: step {', '.join(f'{v:.1f}' for v in out['step_s'])} s; "
+              f"{', '.join(f'{v:.1f}' for v in out['bytes_per_param'])} B/param; peak RSS "
+              f"{', '.join(f'{v / GiB:.2f}' for v in out['peak_rss'])} GiB")
+    return out
+
+
+def same_losses(runs: list[dict[str, Any]]) -> bool:
+    """Whether every finished run of a contender has the first's losses, bit for bit (the same model,
+    batch and math each round)."""
+    done = [[s["loss"] for s in r["steps"]] for r in runs if r["failure"] is None]
+    return all(losses == done[0] for losses in done[1:])
+
+
+def first_losses(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Optional[float]]:
+    """Each contender's loss at the first step (before any update: the same model and batch give the
+    same value, bit for bit in fp32 where the forward's math is the same)."""
+    found = {name: next((r["steps"][0]["loss"] for r in rs if r.get("steps")), None) for name, rs in runs.items()}
+    return {name: loss for name, loss in found.items() if loss is not None}
+
+
+def falling(run: dict[str, Any]) -> bool:
+    """Whether the loss fell at every step of ``run``."""
+    losses = [s["loss"] for s in run.get("steps", [])]
+    return all(later < earlier for earlier, later in zip(losses, losses[1:]))
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    """Step time against the floors, bytes per parameter, and RSS over the run against the budget."""
+    """Step time against the floors, bytes per parameter, and RSS over the run against the budget
+    (the engine's first run)."""
     plt = pyplot()
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.6))
     steps = result["steps"]
@@ -340,7 +216,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     a.legend(fontsize=8)
     b.bar([i - 0.2 for i in idx], [s["bytes_read"] / result["params"] for s in steps], 0.4, label="read")
     b.bar([i + 0.2 for i in idx], [s["bytes_written"] / result["params"] for s in steps], 0.4, label="written")
-    b.axhline(TARGET_BYTES_PER_PARAM, color="grey", ls=":", label=f"{TARGET_BYTES_PER_PARAM} B moved")
+    target = moved_target(result["dtype"], result["max_grad_norm"] is not None)
+    b.axhline(target, color="grey", ls=":", label=f"{target} B moved")
     b.set_xlabel("step")
     b.set_ylabel("bytes per parameter")
     b.legend(fontsize=8)
@@ -352,32 +229,61 @@ def plot(result: dict[str, Any], path: str) -> None:
     c.set_xlabel("seconds since wrap")
     c.set_ylabel("GiB")
     c.legend(fontsize=8)
-    fig.suptitle(f"{result['params'] / 1e9:.2f} B parameters, {result['state_bytes'] / GiB:.1f} GiB of fp32 "
-                 f"training state, {result['ram_bytes'] / GiB:.1f} GiB of RAM")
+    fig.suptitle(f"{result['params'] / 1e9:.2f} B parameters, {result['state_bytes'] / GiB:.1f} GiB of "
+                 f"{result['dtype']} training state, {result['ram_bytes'] / GiB:.1f} GiB of RAM")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=".", help="scratch directory on the disk under test")
     p.add_argument("--ram-multiple", type=float, default=1.5, help="fp32 training state / RAM (default 1.5)")
-    p.add_argument("--state-gib", type=float, help="size the model for this much training state instead")
+    p.add_argument("--state-gib", type=float, help="size the model for this much fp32 training state instead")
+    p.add_argument("--dim", type=int, default=2560, help="model width (default 2560; heads of 128)")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
     p.add_argument("--host-gib", type=float, default=2.0, help="StoreConfig.host_bytes in GiB (default 2)")
     p.add_argument("--steps", type=int, default=6, help="steps to train (>= 3; the first is not counted, and a "
                    "verdict needs five more)")
     p.add_argument("--tokens", type=int, default=32, help="tokens in the fixed batch")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="float32 (default), or bfloat16 weights on fp32 masters (EngineConfig.train_dtype)")
+    p.add_argument("--max-grad-norm", type=float, help="EngineConfig.max_grad_norm: clip the gradients' global "
+                   "2-norm (default: no clipping)")
+    p.add_argument("--step-in-backward", nargs="?", choices=tuple(STEP_IN_BACKWARD), const="true", default="auto",
+                   help="EngineConfig.step_in_backward: auto (None, the default: inside backward where it gives "
+                   "torch's results), true (alone: the same) or false (the step after backward)")
+    p.add_argument("--after-backward-json", help="the JSON of a --step-in-backward false run of the same model and "
+                   "dtype: its bytes per parameter are the target of the steps where the clip norm binds "
+                   "(default: the design's figure, 40 in fp32, 38 in bf16)")
     p.add_argument("--compress-optimizer", action="store_true", help="EngineConfig.compress_optimizer=True")
-    p.add_argument("--step-in-backward", action="store_true",
-                   help="EngineConfig.step_in_backward=True: the updates run inside backward, no gradient is stored")
     p.add_argument("--fused", action="store_true", help="engine.AdamW(fused=True), and torch's fused AdamW "
                    "in the compute floor")
     p.add_argument("--floor-reps", type=int, default=3, help="in-memory steps timed per layer count (the "
                    "fastest counts)")
     p.add_argument("--device", default="cpu", help="compute device: cpu (default) or cuda[:N]; the state is sized "
                    "from host RAM either way")
+    p.add_argument("--peer", action="append", choices=("deepspeed",), default=[],
+                   help="run this contender beside the engine: deepspeed (ZeRO-3, parameters and optimizer on nvme)")
+    p.add_argument("--rounds", type=int, default=1, help="times each contender runs, alternating (default 1; a "
+                   "verdict beside a peer needs 5)")
+    p.add_argument("--rss-limit-gib", type=float, help="kill a contender whose RSS passes this (reported as what "
+                   "stopped it); default: no limit but the machine's")
+    ds = p.add_argument_group("DeepSpeed's settings (--peer deepspeed)")
+    ds.add_argument("--ds-sub-group-size", type=int, default=20_000_000, help="zero_optimization.sub_group_size "
+                    "(default 2e7: as fast as 1e8 here, 1.4 GiB less RSS)")
+    ds.add_argument("--ds-buffer-count", type=int, default=5, help="offload_param.buffer_count (default 5)")
+    ds.add_argument("--ds-max-in-cpu", type=int, default=1_000_000_000, help="offload_param.max_in_cpu: parameter "
+                    "elements kept in CPU memory (default 1e9, DeepSpeed's; 0 puts every parameter on nvme)")
+    ds.add_argument("--ds-block-size", type=int, default=1 << 20, help="aio.block_size (default 1 MiB)")
+    ds.add_argument("--ds-queue-depth", type=int, default=8, help="aio.queue_depth (default 8)")
+    ds.add_argument("--ds-intra-op", type=int, default=1, help="aio.intra_op_parallelism (default 1)")
+    ds.add_argument("--ds-pipeline", action="store_true", help="offload_optimizer.pipeline_read and pipeline_write "
+                    "(needs --ds-optimizer-buffer-count 8 or so)")
+    ds.add_argument("--ds-optimizer-buffer-count", type=int, default=4, help="offload_optimizer.buffer_count "
+                    "(default 4)")
     add_fio_arguments(p)
     p.add_argument("--json")
     p.add_argument("--plot")
@@ -386,26 +292,47 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--steps must be >= 3, got {args.steps}")
     if args.floor_reps < 1:
         p.error(f"--floor-reps must be >= 1, got {args.floor_reps}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.dim < 256 or args.dim % 256:
+        p.error(f"--dim must be a multiple of 256, got {args.dim}")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        p.error(f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
+    args.peer = sorted(set(args.peer))
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
     try:
         args.device = torch.device(args.device)
     except RuntimeError as exc:
-        p.error(f"--device {args.device!r} is not a device: {exc}")
+        print(f"error: --device {args.device!r} is not a device: {exc}", file=sys.stderr)
+        return 2
     if args.device.type not in ("cpu", "cuda"):
-        p.error(f"--device must be cpu or cuda, got {str(args.device)!r}")
+        print(f"error: --device must be cpu or cuda, got {str(args.device)!r}", file=sys.stderr)
+        return 2
     if args.device.type == "cuda" and not torch.cuda.is_available():
         print(f"error: --device {args.device} but torch sees no CUDA device here", file=sys.stderr)
         return 2
+    try:
+        reference = after_backward_reference(args.dtype, args.after_backward_json)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: --after-backward-json: {exc}", file=sys.stderr)
+        return 2
     ram = ram_bytes()
-    state = int(args.state_gib * GiB) if args.state_gib else int(args.ram_multiple * ram)
-    cfg = LlamaConfig.for_state_bytes(state)
+    cfg = model_config(args, ram)
+    state_per_param = STATE_BYTES_PER_PARAM[args.dtype]
+    state_bytes = cfg.num_params * state_per_param
     print(f"model: {cfg.n_layers} layers x {cfg.dim}, {cfg.num_params / 1e9:.2f} B parameters, "
-          f"{cfg.num_params * STATE_BYTES_PER_PARAM / GiB:.1f} GiB of fp32 training state on "
-          f"{ram / GiB:.1f} GiB of RAM", flush=True)
+          f"{state_bytes / GiB:.1f} GiB of {args.dtype} training state ({state_per_param} bytes a parameter"
+          + (": bf16 weights 2, fp32 masters 4, gradients 4 and moments 8" if args.dtype == "bfloat16" else "")
+          + f") on {ram / GiB:.1f} GiB of RAM", flush=True)
     workdir = scratch_dir(args.dir, "tiered-beyond-memory-")
-    machine = machine_info(workdir)
+    machine = {**machine_info(workdir), **bf16_support()}
     try:
         try:
-            check_room(args, cfg, workdir)
+            check_room(args, cfg, contender_spec(args, cfg, workdir), workdir)
         except NoRoom as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -416,33 +343,62 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         torch.manual_seed(args.seed)
         sample = torch.randint(0, cfg.vocab_size, (1, args.tokens + 1))
-        compute = compute_floor(cfg, sample[:, :-1], sample[:, 1:], args.floor_reps, args.device, args.fused)
-        print(f"compute floor: {compute['seconds']:.1f} s a step in {args.device} memory", flush=True)
+        compute = compute_floor(cfg, sample[:, :-1], sample[:, 1:], args.floor_reps, args.device,
+                                getattr(torch, args.dtype), args.fused, args.max_grad_norm)
+        print(f"compute floor: {compute['seconds']:.1f} s a step in {args.device} memory, {args.dtype}"
+              + (f" (AVX512-BF16: {'yes' if machine['avx512_bf16'] else 'no'})" if args.dtype == "bfloat16" else ""),
+              flush=True)
         floors = {"fio_read_bps": fio["read_bytes_per_s"], "fio_write_bps": fio["write_bytes_per_s"],
                   "compute_s": compute["seconds"]}
-        run = train(args, cfg, workdir, floors)
+        runs = run_rounds(args, cfg, workdir, floors)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     host_bytes = int(args.host_gib * GiB)
-    summary = summarize(run["steps"], floors, cfg, host_bytes)
+    engine_runs = runs["engine"]
+    summary = summarize_engine(engine_runs, floors, state_bytes, host_bytes, args.dtype, args.max_grad_norm, reference)
+    peers = {}
+    if "deepspeed" in runs:
+        peers["deepspeed"] = {"runs": runs["deepspeed"], "summary": summarize_deepspeed(runs["deepspeed"]),
+                              "vs_engine": compare_with_deepspeed(engine_runs, runs["deepspeed"])}
+    first = engine_runs[0]
+    firsts = first_losses(runs)
+    if len(firsts) > 1:
+        print("first step's loss (no update yet): " + ", ".join(f"{n} {v!r}" for n, v in firsts.items())
+              + (" (equal)" if len(set(firsts.values())) == 1 else " (differ)"))
     result = with_machine({
-        "params": cfg.num_params, "config": dataclasses.asdict(cfg), "state_bytes": summary["state_bytes"],
+        "params": cfg.num_params, "config": dataclasses.asdict(cfg), "dtype": args.dtype,
+        "state_bytes_per_param": state_per_param, "state_bytes": state_bytes,
         "ram_bytes": ram, "host_bytes": host_bytes, "tokens": args.tokens,
-        "compress_optimizer": args.compress_optimizer, "step_in_backward": args.step_in_backward,
-        "fused": args.fused, "fio": fio,
+        "max_grad_norm": args.max_grad_norm, "step_in_backward": args.step_in_backward,
+        "compress_optimizer": args.compress_optimizer, "fused": args.fused, "rounds": args.rounds, "fio": fio,
         "device": str(args.device), **({"gpu": torch.cuda.get_device_name(args.device)}
                                        if args.device.type == "cuda" else {}),
-        "compute": compute, "floors": floors,
-        "summary": summary, **run,
+        "compute": compute, "floors": floors, "summary": summary,
+        "engine": {"runs": engine_runs, "same_losses_every_round": same_losses(engine_runs)}, "peers": peers,
+        "first_step_losses": firsts,
+        # the engine's first run where one run is read (plot, earlier readers)
+        "steps": first.get("steps", []), "wrap_seconds": first.get("wrap_seconds"),
+        "rss_before_wrap": first.get("rss_before_wrap"), "rss_series": first.get("rss_series", []),
     }, machine)
     write_json(result, args.json)
-    if args.plot:
+    if args.plot and result["steps"]:
         plot(result, args.plot)
-    losses = [s["loss"] for s in run["steps"]]
-    if not all(later < earlier for earlier, later in zip(losses, losses[1:])):
-        print(f"error: the loss did not fall every step: {losses}", file=sys.stderr)
-        return 1
-    return 0
+    code = 0
+    for run in engine_runs:
+        if run["failure"] is not None:
+            print(f"error: the engine's run failed: {run['failure']}", file=sys.stderr)
+            code = 1
+    if not same_losses(engine_runs):
+        losses = [[s["loss"] for s in r["steps"]] for r in engine_runs]
+        print(f"error: the engine's losses differ between rounds: {losses}", file=sys.stderr)
+        code = 1
+    for name, rs in runs.items():
+        for k, run in enumerate(rs):
+            if not falling(run):
+                print(f"error: {name}'s loss did not fall every step in round {k}: "
+                      f"{[s['loss'] for s in run['steps']]}", file=sys.stderr)
+                code = 1
+    return code
 
 
 if __name__ == "__main__":
