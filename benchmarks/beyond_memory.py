@@ -94,10 +94,11 @@ def model_config(args: argparse.Namespace, ram: int) -> LlamaConfig:
     return LlamaConfig.for_state_bytes(state, dim=args.dim, n_heads=args.dim // 128, vocab_size=args.vocab)
 
 
-def check_room(args: argparse.Namespace, cfg: LlamaConfig, spec: dict[str, Any], workdir: str) -> None:
+def check_room(args: argparse.Namespace, cfg: LlamaConfig, spec: dict[str, Any], workdir: str) -> int:
     """NoRoom unless ``workdir``'s disk holds what the run writes (the larger contender's files: the
     engine's store during a step, from ``engine.estimate_memory``; DeepSpeed's swap files; and fio's
-    file) and the engine takes ``--host-gib`` for this model and mode."""
+    file) and the engine takes ``--host-gib`` for this model and mode. Returns the engine's estimate
+    of its store during a step."""
     est = engine_estimate(cfg, spec, workdir)
     needed = est.during_step.nvme
     if "deepspeed" in args.peer:
@@ -112,6 +113,7 @@ def check_room(args: argparse.Namespace, cfg: LlamaConfig, spec: dict[str, Any],
         raise NoRoom(f"--host-gib {args.host_gib:g} is below what the engine needs for this model in this mode "
                      f"({est.minimum_host_bytes / GiB:.2f} GiB, engine.estimate_memory; {est.step_mode}): give "
                      f"--host-gib {math.ceil(est.minimum_host_bytes / GiB * 10) / 10:g} or more")
+    return est.during_step.nvme
 
 
 def contender_spec(args: argparse.Namespace, cfg: LlamaConfig, workdir: str) -> dict[str, Any]:
@@ -332,7 +334,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     machine = {**machine_info(workdir), **bf16_support()}
     try:
         try:
-            check_room(args, cfg, contender_spec(args, cfg, workdir), workdir)
+            estimated_disk = check_room(args, cfg, contender_spec(args, cfg, workdir), workdir)
         except NoRoom as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -355,7 +357,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     host_bytes = int(args.host_gib * GiB)
     engine_runs = runs["engine"]
-    summary = summarize_engine(engine_runs, floors, state_bytes, host_bytes, args.dtype, args.max_grad_norm, reference)
+    summary = summarize_engine(engine_runs, floors, state_bytes, host_bytes, args.dtype, args.max_grad_norm, reference,
+                               estimated_disk)
     peers = {}
     if "deepspeed" in runs:
         peers["deepspeed"] = {"runs": runs["deepspeed"], "summary": summarize_deepspeed(runs["deepspeed"]),

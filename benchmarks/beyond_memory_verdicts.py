@@ -91,10 +91,12 @@ def maybe_verdict(name: str, values: Sequence[float], target: Optional[float], *
 
 
 def summarize_engine(runs: Sequence[dict[str, Any]], floors: dict[str, float], state_bytes: int, host_bytes: int,
-                     dtype: str, max_grad_norm: Optional[float], reference: dict[str, Any]) -> dict[str, Any]:
+                     dtype: str, max_grad_norm: Optional[float], reference: dict[str, Any],
+                     estimated_disk: int) -> dict[str, Any]:
     """Each target judged from the steps after the first of every run: median, range, whether met.
     The bytes per kind of step: where the clip norm did not bind (or there is no clipping), and where
-    it bound (against the step after backward's bytes, ``reference``)."""
+    it bound (against the step after backward's bytes, ``reference``); the nvme footprint against what
+    ``engine.estimate_memory`` told the run to have free (``estimated_disk``)."""
     steps = steady(runs)
     clipping = max_grad_norm is not None
     free = [s for s in steps if not s["clip_bound"]]
@@ -114,8 +116,8 @@ def summarize_engine(runs: Sequence[dict[str, Any]], floors: dict[str, float], s
         maybe_verdict("bytes moved per parameter, steps where the clip norm bound (target: the step after "
                       f"backward's, {reference['source']})", [s["bytes_per_param"] for s in bound],
                       reference["bytes_per_param"]) if clipping else None,
-        maybe_verdict("nvme footprint / training state", [s["peak_disk_bytes"] / state_bytes for s in steps],
-                      TARGET_FOOTPRINT),
+        maybe_verdict("nvme footprint / engine.estimate_memory's figure for a step",
+                      [s["peak_disk_bytes"] / estimated_disk for s in steps], TARGET_FOOTPRINT),
         maybe_verdict("step / max(I/O floor, compute floor)", [s["seconds"] / f for s, f in zip(steps, floor)],
                       TARGET_FLOOR_RATIO),
         maybe_verdict("peak RSS growth / (1.1 x host_bytes + 256 MiB)",
@@ -126,6 +128,8 @@ def summarize_engine(runs: Sequence[dict[str, Any]], floors: dict[str, float], s
         modes[s["mode"]] = modes.get(s["mode"], 0) + 1
     return {
         "state_bytes": state_bytes, "steps_by_mode": modes, "reference_after_backward": reference,
+        "estimated_disk_bytes": estimated_disk,
+        "footprint_per_state": [s["peak_disk_bytes"] / state_bytes for s in steps],
         "binding_steps": [{k: s[k] for k in ("round", "step", "grad_norm", "mode", "bytes_per_param",
                                               "written_per_param", "seconds")} for s in bound],
         "verdicts": [v for v in verdicts if v is not None],
