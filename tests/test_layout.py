@@ -184,7 +184,8 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_the_engine_uses_only_the_stores_public_names():
     public = {}
     for module in TIERED_PUBLIC_MODULES:
-        path = os.path.join(ROOT, *module.split(".")) + (".py" if module != "tiered" else "/__init__.py")
+        path = os.path.join(ROOT, *module.split("."))
+        path = os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
         names = [node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
@@ -205,6 +206,16 @@ def test_the_store_never_imports_the_engine():
     found = [f"{name}:{line} imports {module}" for name, path in modules("tiered").items()
              for module, _, line in imports(name, path) if module == "engine" or module.startswith("engine.")]
     assert not found, "\n".join(found)
+
+
+#: Most modules ``tiered/`` keeps at its root (``__init__.py`` included): the public surface and the
+#: commands; everything else lives in the package of its part (store, manifest, io, util, ...).
+TIERED_ROOT_MODULES = 10
+
+
+def test_the_stores_root_holds_only_its_surface():
+    root = sorted(f for f in os.listdir(os.path.join(ROOT, "tiered")) if f.endswith(".py"))
+    assert len(root) <= TIERED_ROOT_MODULES, f"tiered/ holds {len(root)} modules at its root: {root}"
 
 
 def loaded_after(statement: str) -> list[str]:

@@ -45,7 +45,7 @@ import tiered
 from tiered import CapacityError, ManifestError, StoreLockedError, TieredStore
 from tiered.cli import main as tiered_cli
 from tiered.offline import StoreDirectory, check_store
-from tiered.records import COLUMN_NAMES, row_checksum
+from tiered.manifest.records import COLUMN_NAMES, row_checksum
 
 from conftest import KiB, MiB, random_tensor, same_bytes
 from small_filesystems import fill, mounted

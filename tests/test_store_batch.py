@@ -18,7 +18,7 @@ import test_conformance as conformance
 import tiered
 from tiered import Tier
 from tiered.io import Syscalls
-from tiered.keylocks import KeyLocks
+from tiered.util.keylocks import KeyLocks
 
 from conftest import KiB, MiB, random_tensor, same_bytes
 

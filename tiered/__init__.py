@@ -2,7 +2,6 @@
 
 from tiered.codecs import measure_codec, round_trip_seconds
 from tiered.config import StoreConfig
-from tiered.entry import EntryInfo
 from tiered.errors import (
     CapacityError,
     ChecksumError,
@@ -17,6 +16,7 @@ from tiered.io.host_memory import empty_aligned
 from tiered.policy import EvictionPolicy, FutureOrderPolicy, LRUPolicy
 from tiered.stats import NvmeSpace, StoreStats, SwapExtent, TierStats
 from tiered.store import Modification, Prefetch, SyncStore, TieredStore
+from tiered.store.entry import EntryInfo
 from tiered.tier import Tier
 
 __version__ = "0.1.0"

@@ -15,7 +15,6 @@ from tiered.bench.deepspeed_aio import DeepSpeedAio
 from tiered.bench.fio import READ, WRITE, FioFile, FioSetting
 from tiered.bench.fio_sweep import best_setting, fio_best
 from tiered.bench.options import BenchOptions, fill, format_size
-from tiered.progress import Progress
 from tiered.bench.results import GBPS, OPS, SECONDS, BenchResult, Figure, Run
 from tiered.bench.store import LargeTensors, StoreUnderTest, prefetch_round, put_all, small_batched_round, small_round
 from tiered.bench.system import drop_page_cache
@@ -24,6 +23,7 @@ from tiered.bench.tensors import TensorFactory
 from tiered.bench.torchsave import TorchSave
 from tiered.config import MiB
 from tiered.io.host_memory import empty_aligned
+from tiered.util.progress import Progress
 
 
 @dataclasses.dataclass

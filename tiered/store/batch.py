@@ -13,9 +13,9 @@ import torch
 
 from tiered.backends import NvmeCopy
 from tiered.backends.device import allocation_event
-from tiered.entry import RAW, Entry
+from tiered.store.entry import RAW, Entry
 from tiered.errors import KeyNotFoundError, TieredError
-from tiered.spans import Span, new_result, spans_of_tensor
+from tiered.io.spans import Span, new_result, spans_of_tensor
 from tiered.store.error_messages import batch_error, naming_key, read_error
 from tiered.store.validation import (
     batch_compress,

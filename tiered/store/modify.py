@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from tiered.backends import Copy
-from tiered.entry import Entry
+from tiered.store.entry import Entry
 from tiered.errors import StoreClosedError
-from tiered.spans import Span, new_result, spans_of_tensor, typed_view
+from tiered.io.spans import Span, new_result, spans_of_tensor, typed_view
 from tiered.store.validation import check_key
 from tiered.tier import Tier
 

@@ -1,6 +1,6 @@
 """Opening a store's files: owning its directories, reading its manifest, and checking that every
-record's swap files are there, before the store touches any of them (tiered/ownership.py,
-tiered/manifest.py, tiered/backends/swap_ids.py)."""
+record's swap files are there, before the store touches any of them (tiered/manifest/ownership.py,
+tiered/manifest/database.py, tiered/backends/swap_ids.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Sequence
 from tiered.backends.swap_ids import swap_file_name
 from tiered.config import StoreConfig
 from tiered.errors import ManifestError
-from tiered.manifest import Loaded, Manifest
-from tiered.ownership import OwnedDirectories, OwnedDirectory
-from tiered.records import Record
+from tiered.manifest.database import Loaded, Manifest
+from tiered.manifest.ownership import OwnedDirectories, OwnedDirectory
+from tiered.manifest.records import Record
 
 
 @dataclasses.dataclass

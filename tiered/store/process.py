@@ -1,4 +1,4 @@
-"""What ties a store to its process: the close at interpreter exit (its directory locks: tiered/ownership.py)."""
+"""What ties a store to its process: the close at interpreter exit (its directory locks: tiered/manifest/ownership.py)."""
 
 from __future__ import annotations
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from tiered.entry import Entry
+from tiered.store.entry import Entry
 from tiered.errors import TieredError
-from tiered.records import Record, dtype_name
+from tiered.manifest.records import Record, dtype_name
 from tiered.store.error_messages import naming_key
 from tiered.store.validation import check_distinct, check_key
 from tiered.tier import Tier

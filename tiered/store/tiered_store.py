@@ -51,9 +51,9 @@ import torch
 from tiered.backends import Copy, DeviceBackend, HostBackend, NvmeBackend, NvmeCopy, TierBackend
 from tiered.backends.device import allocation_event
 from tiered.codecs import READABLE_CODECS, Codecs, CompressionPolicy
-from tiered.commits import CommitLog
+from tiered.manifest.commits import CommitLog
 from tiered.config import StoreConfig
-from tiered.entry import RAW, Entry, EntryInfo
+from tiered.store.entry import RAW, Entry, EntryInfo
 from tiered.errors import (
     CapacityError,
     ChecksumError,
@@ -65,11 +65,11 @@ from tiered.errors import (
 )
 from tiered.io import IOEngine, ResultPool
 from tiered.io.mailbox import FutureReply, LoopReply, Mailbox
-from tiered.keylocks import KeyLocks
-from tiered.loop import LoopThread
+from tiered.util.keylocks import KeyLocks
+from tiered.util.loop import LoopThread
 from tiered.policy import EvictionPolicy, FutureOrderPolicy
-from tiered.records import Record, Row
-from tiered.spans import Span, new_result, spans_of_tensor
+from tiered.manifest.records import Record, Row
+from tiered.io.spans import Span, new_result, spans_of_tensor
 from tiered.stats import NvmeSpace, StoreStats, SwapExtent
 from tiered.store.batch import BatchCalls
 from tiered.store.error_messages import lost_at_close, naming_key, read_error
@@ -105,7 +105,7 @@ T = TypeVar("T")
 # two batches sharing keys cannot deadlock, and holds them until every entry is written, committed
 # and installed. Gets, prefetches, pins, evictions, write-downs and flushes take no key lock: they
 # work on the version they found, and what they make for a version that is no longer the key's
-# current one is discarded (see [Note: versions and copies] in tiered.entry); they wait for a
+# current one is discarded (see [Note: versions and copies] in tiered.store.entry); they wait for a
 # version's ``editing`` future before reading bytes a modify block may be changing.
 #
 # [Note: promotion]
@@ -120,7 +120,7 @@ T = TypeVar("T")
 # because of two rules:
 #
 # 1. a record is committed only after the bytes it names are durable (see [Note: group commit] in
-#    tiered.commits);
+#    tiered.manifest.commits);
 # 2. extents that a committed record points at are never written. A new version always gets new
 #    extents (``_write_nvme``), and old ones are freed only once the record replacing them has
 #    committed: a put to nvme commits its record in place of the old one, and ``_finish_put`` then

@@ -28,13 +28,13 @@ import asyncio
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from tiered.backends import Copy
-from tiered.entry import Entry
+from tiered.store.entry import Entry
 from tiered.errors import CapacityError, TieredError
 from tiered.store.error_messages import naming_key
 from tiered.tier import Tier
 
 if TYPE_CHECKING:
-    from tiered.spans import Span
+    from tiered.io.spans import Span
 
 
 # [Note: Kept copies]

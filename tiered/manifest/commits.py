@@ -30,7 +30,7 @@ import dataclasses
 from typing import Any, Optional, Protocol, Sequence
 
 from tiered.backends import NvmeCopy
-from tiered.manifest import Manifest, Record
+from tiered.manifest.database import Manifest, Record
 
 
 @dataclasses.dataclass

@@ -22,9 +22,10 @@ from typing import Optional
 import torch
 
 from tiered.backends import Copy
+from tiered.manifest.records import RAW
 from tiered.tier import TIERS_TOP_DOWN, Tier
 
-RAW = "raw"
+__all__ = ["RAW", "Entry", "EntryInfo"]
 
 
 @dataclasses.dataclass(eq=False)
