@@ -218,6 +218,38 @@ def test_the_stores_root_holds_only_its_surface():
     assert len(root) <= TIERED_ROOT_MODULES, f"tiered/ holds {len(root)} modules at its root: {root}"
 
 
+def imports_outside_type_checking(name: str, path: str) -> Iterator[tuple[str, int]]:
+    """(module, line) for every import statement in the file, except under ``if TYPE_CHECKING:``."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+               for child in node.body for n in ast.walk(child)}
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            yield base, node.lineno
+
+
+def test_the_stores_parts_never_import_its_facade():
+    """Below ``tiered.store.tiered_store`` the parts take what they work on; none knows the facade
+    (a type-only import excepted), and the facade is the only one that builds them all."""
+    facade = ("tiered.store.tiered_store", "tiered.store")
+    found = [f"{name}:{line} imports {module}" for name, path in modules("tiered").items()
+             if name.startswith("tiered.store.") and name != "tiered.store.tiered_store"
+             for module, line in imports_outside_type_checking(name, path) if module in facade]
+    assert not found, "\n".join(found)
+
+
 def loaded_after(statement: str) -> list[str]:
     """The modules a fresh interpreter has loaded after running ``statement``."""
     code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"

@@ -232,7 +232,7 @@ def test_manifest_bit_flips_never_serve_wrong_data_or_phantom_keys(tmp_path):
                 for key in set(values) - keys:
                     with pytest.raises((ManifestError, KeyError)):
                         store.sync.get(key)
-                refused = set(store._damaged)
+                refused = set(store._versions.damaged)
                 missing = set(values) - keys
             outcomes["records refused" if missing else "served whole"] += 1
             if not missing and not refused:

@@ -437,7 +437,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
             s = stats.tiers[tier]
             resident = [self.store.info(k) for k in self.model if tier in self.store.info(k).tiers]
             assert s.entries == len(resident), (tier, s, resident)
-            footprint = self.store._backends[tier].footprint  # what the tier charges per copy
+            footprint = self.store._tiers.backends[tier].footprint  # what the tier charges per copy
             expected = sum(footprint(i.stored_nbytes if tier is Tier.NVME else i.nbytes) for i in resident)
             assert s.used_bytes == expected, (tier, s.used_bytes, expected)
             if s.budget_bytes is not None:

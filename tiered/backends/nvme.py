@@ -93,7 +93,7 @@ class SwapFile:
 class NvmeBackend(TierBackend):
     """Swap files under one or more directories; an entry's bytes are striped across directories
     (see [Note: swap files]). The store never writes extents a committed record points at (see
-    [Note: crash safety] in tiered.store.tiered_store)."""
+    [Note: crash safety] in tiered.store.versions)."""
 
     tier = Tier.NVME
 

@@ -4,13 +4,13 @@
 An ``Entry`` is one version of one key. Its copies, one per tier at most, hold the same bytes
 (inclusive caching): dropping an upper copy while a slower one exists costs no I/O, and only a
 dirty entry (no nvme copy) is written down before its last copy goes. A put makes a new ``Entry``
-with the next generation of a store-wide counter (it keeps the old version's ``pinned``), so work
-still in flight on the old one notices that ``store._entries[key] is not entry`` and discards what
-it made: ``_install`` frees the new copy instead of attaching it, ``_copy_to`` stops before it
-reads, ``_make_room`` drops nothing. Retiring a version releases its copies, and a copy being read
-is freed only when its last reader finishes (``Copy.readers``), so a get that races a put or a
-delete still reads intact bytes of the version it started on. A version with a committed record
-(``persisted``) is retired durably: see [Note: crash safety] in tiered.store.tiered_store.
+with the next generation of a store-wide counter (it keeps the old version's ``pinned``) and
+retires the old one (``retired``), so work still in flight on the old one discards what it made:
+``Tiers.install`` frees the new copy instead of attaching it, a transfer stops before it reads,
+an eviction drops nothing. Retiring a version releases its copies, and a copy being read is freed
+only when its last reader finishes (``Copy.readers``), so a get that races a put or a delete
+still reads intact bytes of the version it started on. A version with a committed record
+(``persisted``) is retired durably: see [Note: crash safety] in tiered.store.versions.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ class Entry:
     leaving: set[Tier] = dataclasses.field(default_factory=set)
     #: Set while a ``store.modify`` block changes this version; done when the block exits.
     editing: "Optional[asyncio.Future[None]]" = None
+    #: This version is no longer its key's value (replaced or deleted); set once, by Versions.
+    retired: bool = False
 
     @property
     def dirty(self) -> bool:

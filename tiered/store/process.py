@@ -21,8 +21,8 @@ def close_at_exit(store: TieredStore) -> None:
 
     def close() -> None:
         s = ref()
-        if s is not None and not s._closed:
-            s.sync.close()
+        if s is not None:
+            s.sync.close()  # nothing when it is closed already
 
     register = getattr(threading, "_register_atexit", None)
     if register is None:  # pragma: no cover - every CPython since 3.9 has it

@@ -1,6 +1,4 @@
-"""rename / rename_many: move entries to other keys without moving a byte.
-
-A mixin of TieredStore: its methods run on the store's state, and the private ones on its loop.
+"""rename / rename_many on the store's loop: move entries to other keys without moving a byte.
 
 [Note: Renames]
 A rename gives an entry's copies to a new entry under the new key and retires the old key; the
@@ -23,65 +21,50 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from tiered.store.entry import Entry
 from tiered.errors import TieredError
 from tiered.manifest.records import Record, dtype_name
+from tiered.store.entry import Entry
 from tiered.store.error_messages import naming_key
 from tiered.store.validation import check_distinct, check_key
+from tiered.store.versions import Versions
 from tiered.tier import Tier
 
 if TYPE_CHECKING:
     from tiered.backends import NvmeCopy
-    from tiered.store.tiered_store import TieredStore
 
 
 class Renames:
-    """The rename calls of :class:`~tiered.TieredStore` (mixed into it)."""
+    """rename_many on the store's loop."""
 
-    async def rename(self, src: str, dst: str) -> None:
-        """Move the value of ``src`` to the key ``dst`` (replacing any value ``dst`` had); ``src`` is
-        gone afterwards. No byte is read or written: the entry keeps its copies and extents.
+    def __init__(self, versions: Versions) -> None:
+        self.versions = versions
+        self.tiers = versions.tiers
+        self.commits = versions.commits
 
-        Durable when it returns, and atomic: after a crash at any moment either the value is under
-        ``dst`` and ``src`` is absent, or both keys are as they were ([Note: Renames]).
-
-        Raises:
-            TypeError / ValueError: a key that is not a valid string, or ``src == dst``.
-            KeyNotFoundError: ``src`` is not in the store (ManifestError: its record is damaged).
-            CapacityError / ManifestError: the manifest could not commit; nothing changed.
-        """
-        await self.rename_many([(src, dst)])
-
-    async def rename_many(self: "TieredStore", pairs: Iterable[tuple[str, str]]) -> None:
-        """:meth:`rename` of several ``(src, dst)`` pairs as one transaction: every pair moves, or
-        (when the call raises, or after a crash) none does. A key may appear once in the whole call."""
-        checked = rename_pairs(pairs)
-        return await self._call(self._rename_many, checked)
-
-    async def _rename_many(self: "TieredStore", pairs: list[tuple[str, str]]) -> None:
-        store = self
+    async def rename_many(self, pairs: list[tuple[str, str]]) -> None:
+        versions = self.versions
         keys = [k for pair in pairs for k in pair]
-        locked = await store._key_locks.acquire_all(keys)
+        locked = await versions.locks.acquire_all(keys)
         try:
-            entries = [store._entry(src) for src, _ in pairs]
+            entries = [versions.entry(src) for src, _ in pairs]
             changes: list[tuple[str, int, Optional[Record], Optional["NvmeCopy"]]] = []
             moved: list[tuple[Entry, Entry]] = []
             for (src, dst), entry in zip(pairs, entries):
-                new = Entry(dst, entry.dtype, entry.shape, entry.nbytes, next(store._generation),
+                new = Entry(dst, entry.dtype, entry.shape, entry.nbytes, versions.next_generation(),
                             codec=entry.codec, codec_meta=entry.codec_meta, stored_nbytes=entry.stored_nbytes,
                             pinned=entry.pinned, compress=entry.compress)
-                old_dst = store._entries.get(dst)
+                old_dst = versions.entries.get(dst)
                 nvme = entry.copies.get(Tier.NVME)
                 if nvme is not None:
                     new.persisted = True
                     changes.append((dst, new.generation, _record(new, nvme), None))
-                elif (old_dst is not None and old_dst.persisted) or dst in store._damaged:
+                elif (old_dst is not None and old_dst.persisted) or dst in versions.damaged:
                     changes.append((dst, new.generation, None, None))
                 if entry.persisted:
-                    changes.append((src, next(store._generation), None, None))
+                    changes.append((src, versions.next_generation(), None, None))
                 moved.append((entry, new))
             if changes:
-                results = await asyncio.gather(*store._commits.submit_many(changes), return_exceptions=True)
+                results = await asyncio.gather(*self.commits.submit_many(changes), return_exceptions=True)
                 failed = next((r for r in results if isinstance(r, BaseException)), None)
                 if failed is not None:
                     what = ", ".join(f"{s!r} -> {d!r}" for s, d in pairs)
@@ -89,28 +72,28 @@ class Renames:
                         raise naming_key(failed, "renaming", what) from failed
                     raise failed
             for entry, new in moved:
-                store._install_renamed(entry, new)
+                self._install_renamed(entry, new)
         finally:
-            store._key_locks.release_all(locked)
+            versions.locks.release_all(locked)
 
-    def _install_renamed(self: "TieredStore", entry: Entry, new: Entry) -> None:
+    def _install_renamed(self, entry: Entry, new: Entry) -> None:
         """Give ``entry``'s copies to ``new`` (committed already), make it its key's value and
         retire what that key held before."""
-        store = self
+        versions, tiers = self.versions, self.tiers
         for tier in list(entry.copies):
-            copy = entry.copies.pop(tier)
-            store._resident[tier].discard(entry.key)
-            new.copies[tier] = copy
-            store._resident[tier].add(new.key)
-        del store._entries[entry.key]
-        store._policy.forget(entry.key)
-        old_dst = store._entries.get(new.key)
-        store._entries[new.key] = new
-        if store._damaged.pop(new.key, None) is not None:
+            copy = tiers.detach(entry, tier)
+            tiers.add_copy(new, tier, copy)  # type: ignore[arg-type]
+        del versions.entries[entry.key]
+        entry.retired = True
+        tiers.policy.forget(entry.key)
+        old_dst = versions.entries.get(new.key)
+        versions.entries[new.key] = new
+        if versions.damaged.pop(new.key, None) is not None:
             new.persisted = True
-        store._policy.touch(new.key, access=False)
+        tiers.policy.touch(new.key, access=False)
         if old_dst is not None:
-            store._retire(old_dst)
+            old_dst.retired = True
+            tiers.retire(old_dst)
 
 
 def rename_pairs(pairs: object) -> list[tuple[str, str]]:
