@@ -108,11 +108,11 @@ class Batches:
                   for t, task in e.moving.items() if (top := e.top()) is None or t.rank < top.rank}
         if faster:
             await asyncio.wait(faster)  # a failed prefetch only means we read the slower copy
-            entries = versions.entries_of(keys)
+            entries = [versions.current(e, k) for e, k in zip(entries, keys)]
         # Last, as nothing awaits between this and taking the readers: versions in modify blocks.
-        while editing := [e.editing for e in entries if e.editing is not None]:
+        while editing := [held for e in entries if (held := e.changing) is not None]:
             await asyncio.wait(editing)
-            entries = versions.entries_of(keys)
+            entries = [versions.current(e, k) for e, k in zip(entries, keys)]
         results: list[torch.Tensor] = []
         dsts: list[list[Span]] = []
         last_new: Optional[torch.Tensor] = None

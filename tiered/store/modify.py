@@ -10,8 +10,9 @@ committed), and the block writes that memory directly when it is one contiguous 
 host pool; the device tier without a GPU), or else a CPU copy that goes back into the same memory
 on exit, so a block never needs room in a tier, which other blocks could be holding. An entry held
 only on nvme is read into a new tensor and put on exit (back to nvme unless the caller names a
-tier). Either way the key is locked for the block's duration: its gets wait for the block, and so
-do its puts, deletes, prefetches, flushes and evictions.
+tier). Either way the key is locked and its version held for the block's duration (see
+[Note: holding a version] in tiered.store.versions): its gets wait for the block, and so do its
+puts, deletes, renames, prefetches, flushes and evictions.
 
 A lent copy has a reader, so eviction never picks it, and admission counts it as pinned: a put
 that only its memory could make room for fails with CapacityError instead of waiting for a block
@@ -43,11 +44,11 @@ from tiered.tier import Tier
 class _Edit:
     """One open modification (store loop state)."""
 
-    entry: Entry  # the version gets wait on while the block runs
+    entry: Entry  # the version held while the block runs
     tensor: torch.Tensor
     tier: Tier  # where the lent copy is, or where an nvme entry's value is put on exit
     lent: Optional[Copy]  # the memory copy this version owns; None: an nvme entry, put back on exit
-    done: "asyncio.Future[None]"
+    done: "asyncio.Future[None]"  # the hold: done when the block ends
     in_place: bool = False  # the tensor is the lent copy's memory (else a copy of it, copied back on exit)
     abandoned: bool = False  # the store closed first
 
@@ -144,27 +145,25 @@ class Modifications:
     async def begin(self, key: str, put_to: Optional[Tier]) -> _Edit:
         versions, tiers = self.versions, self.tiers
         await versions.locks.acquire(key)
-        editing: "Optional[asyncio.Future[None]]" = None
+        held: "Optional[asyncio.Future[None]]" = None
         try:
             entry = versions.entry(key)
-            while entry.moving:  # a prefetch or write-down of this version: let it finish first
-                await asyncio.wait(list(entry.moving.values()))
-                entry = versions.entry(key)
-            # From here new gets and transfers of this version wait for the block (the key lock keeps
-            # the version current); gets already reading its memory must finish before it is lent.
-            editing = entry.editing = asyncio.get_running_loop().create_future()
+            # From here transfers and gets of this version wait for the block (see [Note: holding a
+            # version] in tiered.store.versions); gets already reading its memory must finish before
+            # it is lent.
+            held = await versions.hold([entry])
+            entry.editing = True
             while (tier := entry.top()) is not Tier.NVME and entry.copies[tier].readers:  # type: ignore[index]
                 assert tier is not None
                 await tiers.wait_for_change(tier)  # end_read wakes the tier's waiters
             assert tier is not None
             if tier is Tier.NVME:
-                edit = await self._read_for_edit(entry, put_to or Tier.NVME, editing)
+                edit = await self._read_for_edit(entry, put_to or Tier.NVME, held)
             else:
-                edit = await self._lend(entry, tier, editing)
+                edit = await self._lend(entry, tier, held)
         except BaseException:  # nothing changed (a failed _lend leaves a new version with the old bytes)
-            if editing is not None:
-                entry.editing = None
-                editing.set_result(None)
+            if held is not None:
+                versions.release([versions.entries.get(key, entry), entry], held)
             versions.locks.release(key)
             raise
         self._edits.add(edit)
@@ -174,7 +173,7 @@ class Modifications:
             raise StoreClosedError(f"the store closed while {key!r} was being opened for modification")
         return edit
 
-    async def _lend(self, entry: Entry, tier: Tier, editing: "asyncio.Future[None]") -> _Edit:
+    async def _lend(self, entry: Entry, tier: Tier, held: "asyncio.Future[None]") -> _Edit:
         """Make a new version of ``entry`` that owns its ``tier`` copy, and lend that copy's memory:
         as it is when it is one CPU range, else as a CPU tensor copied back into it on exit (so the
         block never needs room in a tier, which other lent copies could be holding)."""
@@ -186,12 +185,12 @@ class Modifications:
         new.pinned = entry.pinned
         tiers.add_copy(new, tier, copy)
         tiers.begin_read(new, tier)  # a copy with a reader is never chosen as an eviction victim
-        new.editing = editing
+        new.held, new.editing = held, True
         memory = self.transfers.memory_spans(tier, copy)
         view = _one_cpu_range(memory, entry)
-        edit = _Edit(new, view if view is not None else torch.empty(0), tier, copy, editing, in_place=view is not None)
-        versions.swap(entry, new)
-        entry.editing = None  # retired: waiters look the key up again and find the new version
+        edit = _Edit(new, view if view is not None else torch.empty(0), tier, copy, held, in_place=view is not None)
+        versions.swap(entry, new)  # waiters on the old version find it retired and look the key up
+        entry.held, entry.editing = None, False
         tiers.policy.touch(key)
         try:
             if entry.persisted:
@@ -205,11 +204,10 @@ class Modifications:
                 self.ops.count_get(new, tier)
         except BaseException:
             tiers.end_read(tier, copy)  # the new version holds the old bytes, unchanged: nothing is lost
-            new.editing = None
             raise
         return edit
 
-    async def _read_for_edit(self, entry: Entry, put_to: Tier, editing: "asyncio.Future[None]") -> _Edit:
+    async def _read_for_edit(self, entry: Entry, put_to: Tier, held: "asyncio.Future[None]") -> _Edit:
         """Read an entry held only on nvme into a new CPU tensor, to be put to ``put_to`` on exit."""
         result, dst = new_result(entry.shape, entry.dtype, "cpu", self.ops.results)
         copy = self.tiers.begin_read(entry, Tier.NVME)
@@ -218,7 +216,7 @@ class Modifications:
         finally:
             self.tiers.end_read(Tier.NVME, copy)
         self.ops.count_get(entry, Tier.NVME)
-        return _Edit(entry, result, put_to, None, editing)
+        return _Edit(entry, result, put_to, None, held)
 
     async def end(self, edit: _Edit) -> None:
         """Put the block's value back (as a put of an nvme entry, or into its lent memory) and give
@@ -236,9 +234,7 @@ class Modifications:
         """Wake the key's waiters and give the key up (lent memory: eviction may take it again)."""
         if edit.lent is not None:
             self.tiers.end_read(edit.tier, edit.lent)
-        edit.entry.editing = None
-        if not edit.done.done():
-            edit.done.set_result(None)
+        self.versions.release([edit.entry], edit.done)
         self._edits.discard(edit)
         self.versions.locks.release(edit.entry.key)
 

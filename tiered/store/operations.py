@@ -110,9 +110,9 @@ class Operations:
             faster = [task for t, task in entry.moving.items() if top is None or t.rank < top.rank]
             if faster:
                 await asyncio.wait(faster)  # a failed prefetch only means we read the slower copy
-            entry = versions.entry(key)
-        if entry.editing is not None:  # last: nothing awaits between this and taking the reader
-            entry = await versions.unedited(key)
+            entry = versions.current(entry, key)
+        if entry.changing is not None:  # last: nothing awaits between this and taking the reader
+            entry = await versions.unedited(entry, key)
         allocated = None
         if out is None:
             result, dst = new_result(entry.shape, entry.dtype, device, self.results)
@@ -180,7 +180,7 @@ class Operations:
             task = self.transfers.materialize(entry, Tier.parse(tier))
             if task is not None:
                 await asyncio.shield(task)
-            entry = self.versions.entry(key)
+            entry = self.versions.current(entry, key)
         entry.pinned = True
 
     async def unpin(self, key: str) -> None:

@@ -75,6 +75,14 @@ class Tiers:
             del self.resident[tier][entry.key]
         return copy
 
+    def rekey(self, entry: Entry, old_key: str) -> None:
+        """``entry`` moved from ``old_key`` to ``entry.key``: its copies are resident under the new key."""
+        for tier in entry.copies:
+            resident = self.resident[tier]
+            if resident.get(old_key) is entry:
+                del resident[old_key]
+            resident[entry.key] = entry
+
     def drop_copy(self, entry: Entry, tier: Tier) -> None:
         """Free ``entry``'s copy in ``tier`` (once its readers finish)."""
         copy = self.detach(entry, tier)
@@ -111,13 +119,13 @@ class Tiers:
 
     def pick_victim(self, tier: Tier) -> Optional[Entry]:
         """The policy's best victim in ``tier`` that may go now: not pinned, not being read or written
-        down, not in a modify block."""
+        down, not held (see [Note: holding a version] in tiered.store.versions)."""
         resident = self.resident[tier]
         for key in self.policy.victims(resident):
             entry = resident.get(key)
             if entry is None:
                 continue
-            if entry.pinned or tier in entry.leaving or entry.copies[tier].readers or entry.editing is not None:
+            if entry.pinned or tier in entry.leaving or entry.copies[tier].readers or entry.holder is not None:
                 continue
             return entry
         return None
@@ -126,4 +134,4 @@ class Tiers:
         """Bytes in ``tier`` that no admission can free by waiting: pinned copies and those lent to
         modify blocks (see [Note: modify blocks] in tiered.store.modify)."""
         return sum(e.copies[tier].footprint for e in self.resident[tier].values()
-                   if e.pinned or e.editing is not None)
+                   if e.pinned or e.changing is not None)

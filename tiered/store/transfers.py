@@ -3,7 +3,7 @@ nvme write with its commit.
 
 Every method runs on the store's loop. It works on versions, never on keys: what it makes for a
 version that was retired meanwhile is discarded (see [Note: versions and copies] in
-tiered.store.entry).
+tiered.store.entry), and a transfer of a version that is held waits until it is not.
 
 [Note: admission and eviction]
 Space in a tier is taken only through ``admit``. A tensor larger than the tier's whole budget is
@@ -177,10 +177,10 @@ class Transfers:
 
     async def _copy_to(self, entry: Entry, tier: Tier) -> None:
         """Make a copy of ``entry`` in ``tier`` from its fastest existing copy, then install it."""
-        if entry.editing is not None:  # a modify block is changing the bytes: copy what it leaves
-            await asyncio.wait([entry.editing])
-            if entry.retired:
-                return
+        while (held := entry.holder) is not None:  # [Note: holding a version] in tiered.store.versions
+            await asyncio.wait([held])
+        if entry.retired:
+            return
         if tier is Tier.NVME:
             await self._write_down(entry)
             return
@@ -191,9 +191,9 @@ class Transfers:
                 self.tiers.discard(tier, new)
                 return
             src_copy = self.tiers.begin_read(entry, source)
+            dst = self.tiers.backends[tier].spans(new)
             try:
-                await self.read_copy(entry, source, src_copy, self.tiers.backends[tier].spans(new),  # type: ignore[arg-type]
-                                     new.allocated)
+                await self.read_copy(entry, source, src_copy, dst, new.allocated)  # type: ignore[arg-type]
             finally:
                 self.tiers.end_read(source, src_copy)
         except BaseException:

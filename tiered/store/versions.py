@@ -10,8 +10,35 @@ come, first served) and run one at a time. ``put_many`` and ``rename_many`` take
 at once, in sorted order so that two calls sharing keys cannot deadlock, and hold them until
 every entry is written, committed and installed. Gets, prefetches, pins, evictions, write-downs
 and flushes take no key lock: they work on the version they found, and what they make for a
-version retired meanwhile is discarded; they wait for a version's ``editing`` future before
-reading bytes a modify block may be changing.
+version retired meanwhile is discarded. Transfers wait while a version is held (see
+[Note: holding a version]); gets wait only for a modify block, which changes the bytes.
+
+[Note: holding a version]
+Two kinds of work change a version. Operations holding its key's lock replace or remove it: put,
+put_many, delete, a modify block, and a rename at both of its keys. Transfers, which take no key
+lock, add copies to it, and a write-down gives it a record: ``persisted`` before its first byte,
+then the nvme copy and its codec. A replacement commits what the version's state calls for: a
+tombstone when it has a record or may get one, the moved record when a rename carries an nvme
+copy. One rule keeps those decisions true: a replacement decides from the state the version has
+at the instant it replaces it.
+
+A put and a delete need no hold. Either they find no record (``persisted`` is false) and
+replace in the same step, with no await between, so a write-down that starts later finds the
+version retired and writes nothing; or they commit a tombstone, which stays right whatever the
+version does meanwhile: its generation is newer than any record of the version, and a write-down
+whose record committed first waits for it before freeing its extents (``Transfers``). A rename
+must commit, before it replaces, what depends on the version's state (the record of its nvme copy
+and codec under the new key; a tombstone if it has a record), so it holds the versions at both
+keys (``hold``): it waits until no transfer of them is in flight, then sets ``Entry.held`` until
+they are moved or the call failed. A transfer asked for meanwhile (an evict, a flush, an eviction's
+write-down, a prefetch) waits for the hold before it starts, and eviction passes a held version
+over, so its record, copies and codec stay as decided. A modify block holds its version the same
+way, for its own reason: the bytes change while the block is open (``editing``: gets wait too).
+
+A rename moves the version itself to the new key, with a new generation (``move``), so a
+transfer that waited for it continues on the moved version: an evict or flush of the old key that
+overlapped the rename writes the value down under the new key, as if it had run first. A put, a
+delete and a modify block leave the old version retired, and such a transfer stops.
 
 [Note: crash safety]
 A process killed at any instant leaves every key with its old or its new value, bit-exact,
@@ -112,13 +139,41 @@ class Versions:
             )
         return KeyNotFoundError(f"key {key!r} is not in the store")
 
-    async def unedited(self, key: str) -> Entry:
-        """The current version of ``key``, once no block is modifying it."""
-        entry = self.entry(key)
-        while entry.editing is not None:
-            await asyncio.wait([entry.editing])
-            entry = self.entry(key)
+    def current(self, entry: Entry, key: str) -> Entry:
+        """The version to read for ``key``, found earlier as ``entry``: ``entry`` while it is a
+        key's value (a rename may have moved it since: the read comes before the rename), else what
+        ``key`` holds now."""
+        return self.entry(key) if entry.retired else entry
+
+    async def unedited(self, entry: Entry, key: str) -> Entry:
+        """:meth:`current`, once no modify block is changing it."""
+        entry = self.current(entry, key)
+        while (held := entry.changing) is not None:
+            await asyncio.wait([held])
+            entry = self.current(entry, key)
         return entry
+
+    # ------------------------------------------------------------------ holding versions
+
+    async def hold(self, entries: Sequence[Entry]) -> "asyncio.Future[None]":
+        """Wait until no transfer of ``entries`` is in flight, then hold them until :meth:`release`
+        (see [Note: holding a version]). The caller holds their keys' locks."""
+        while moving := [task for e in entries for task in e.moving.values()]:
+            await asyncio.wait(moving)
+        held = asyncio.get_running_loop().create_future()
+        for entry in entries:
+            entry.held = held
+        return held
+
+    def release(self, entries: Sequence[Entry], held: "asyncio.Future[None]") -> None:
+        """End :meth:`hold`: transfers waiting for it start, eviction may take the versions again."""
+        for entry in entries:
+            if entry.held is held:
+                entry.held = None
+                entry.editing = False
+        if not held.done():
+            held.set_result(None)
+        self.tiers.wake_all()
 
     # ------------------------------------------------------------------ installing and retiring versions
 
@@ -147,6 +202,24 @@ class Versions:
         self.entries[rec.key] = entry
         self.tiers.add_copy(entry, Tier.NVME, copy)
         self.tiers.policy.touch(rec.key)
+
+    def move(self, entry: Entry, dst: str, generation: int) -> None:
+        """Make the held, current version ``entry`` the value of ``dst`` (whose record, if it has an
+        nvme copy, committed at ``generation``), and retire what ``dst`` held before."""
+        src = entry.key
+        del self.entries[src]
+        self.tiers.policy.forget(src)
+        old = self.entries.get(dst)
+        entry.key, entry.generation = dst, generation
+        entry.persisted = Tier.NVME in entry.copies
+        self.entries[dst] = entry
+        self.tiers.rekey(entry, src)
+        if self.damaged.pop(dst, None) is not None:
+            entry.persisted = True  # the tombstone removed the damaged row; stay on the safe side
+        self.tiers.policy.touch(dst, access=False)
+        if old is not None:
+            old.retired = True
+            self.tiers.retire(old)
 
     def swap(self, old: Entry, new: Entry) -> None:
         """Make ``new`` its key's value in place of ``old`` (now retired, its copies still on it)."""
