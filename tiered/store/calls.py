@@ -16,6 +16,15 @@ cancellation never leaves a transfer half-applied. Below the store the same rule
 cancelled transfer waits for the blocks it submitted, which still use its buffers (see
 [Note: blocks in flight] in tiered.io.blocks), and a cancelled caller of a coalesced batch waits
 until the batch is done with its buffers (tiered.backends.coalesce).
+
+[Note: a store belongs to its process]
+The loop thread, the I/O threads and the directory locks are the opening process's. A child that
+``fork()`` makes has a copy of the store object and none of its threads, so a call there would
+wait for ever for a loop that does not run: at fork, the child marks its copy forked, and from
+then on every call raises StoreForkedError at once, the exit hook leaves it alone
+(tiered.store.process), and the child closes its copies of the locked directories' descriptors
+without unlocking them (see [Note: directory ownership] in tiered.manifest.ownership), so the
+parent can close and reopen its store while the child lives.
 """
 
 from __future__ import annotations
@@ -23,10 +32,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import os
 import weakref
 from typing import Any, Awaitable, Callable, Optional, TypeVar
 
-from tiered.errors import StoreClosedError
+from tiered.errors import StoreClosedError, StoreForkedError
 from tiered.io.mailbox import FutureReply, LoopReply, Mailbox
 from tiered.util.loop import LoopThread
 
@@ -45,6 +55,10 @@ class Calls:
         self.closing = False
         #: close() has finished (or the store never opened).
         self.closed = False
+        #: This is a forked child's copy of the store ([Note: a store belongs to its process]).
+        self.forked = False
+        self._pid = os.getpid()
+        os.register_at_fork(after_in_child=functools.partial(_mark_forked, weakref.ref(self)))
         self._inbox = Mailbox(loop_thread.loop)  # calls from other threads
         self._outboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox]" = weakref.WeakKeyDictionary()
         self._last_outbox: Optional[Mailbox] = None
@@ -52,16 +66,27 @@ class Calls:
     def on_loop_thread(self) -> bool:
         return self.loop_thread.on_loop_thread()
 
+    def check_process(self) -> None:
+        """StoreForkedError in a process forked from the one that opened the store."""
+        if self.forked:
+            raise StoreForkedError(
+                f"the store at {self._path} belongs to process {self._pid}, which opened it; this process "
+                f"({os.getpid()}) was forked from it and cannot use it: open a store of its own (on other "
+                "directories) here, or leave the store to the parent"
+            )
+
     def check_open(self) -> None:
+        """StoreForkedError in a forked child, StoreClosedError once close() has begun."""
+        if self.forked:
+            self.check_process()
         if self.closed or self.closing:
             raise StoreClosedError(f"the store at {self._path} is closed; open it again to use it")
 
     async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``fn(*args)`` on the store's loop and await its outcome, from any loop."""
-        if self.loop_thread.on_loop_thread():
-            self.check_open()
-            return await self.detached(fn, *args)
         self.check_open()
+        if self.loop_thread.on_loop_thread():
+            return await self.detached(fn, *args)
         loop = asyncio.get_running_loop()
         outbox = self._last_outbox
         if outbox is None or outbox.loop is not loop:  # the common case: the same loop as last time
@@ -82,6 +107,7 @@ class Calls:
 
     def submit_sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> "concurrent.futures.Future[T]":
         """:meth:`submit` for the blocking facade, which must not block the store's own loop thread."""
+        self.check_open()
         if self.loop_thread.on_loop_thread():
             raise RuntimeError(
                 "the sync facade (store.sync) cannot be used on the store's own loop thread; await the async method"
@@ -138,3 +164,10 @@ class Calls:
         # One done-callback instead of two (untrack, answer): each costs the loop a scheduled handle.
         self.tasks.discard(task)
         reply.finish(task)
+
+
+def _mark_forked(calls: "weakref.ref[Calls]") -> None:
+    """In a child just forked: its copy of the store takes no calls ([Note: a store belongs to its process])."""
+    copy = calls()
+    if copy is not None:
+        copy.forked = True

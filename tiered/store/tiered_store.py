@@ -206,8 +206,10 @@ class TieredStore:
     async def close(self) -> None:
         """Finish transfers in flight, write dirty entries down (``flush_on_close``), and stop.
 
-        Idempotent. Afterwards every method raises StoreClosedError.
+        Idempotent. Afterwards every method raises StoreClosedError. In a process forked from the
+        one that opened the store, StoreForkedError: the store is the opener's to close.
         """
+        self._calls.check_process()
         if self._calls.closed:
             return
         if self._loop_thread.on_loop_thread():
@@ -220,6 +222,7 @@ class TieredStore:
 
     def _close_blocking(self) -> None:
         """:meth:`close` for callers without a loop (``store.sync.close()``, ``with``, the exit hook)."""
+        self._calls.check_process()
         if self._calls.closed:
             return
         if self._loop_thread.on_loop_thread():
@@ -392,13 +395,16 @@ class TieredStore:
         self._loop_thread.loop.call_soon_threadsafe(self._policy.set_future_order, order)
 
     def __contains__(self, key: object) -> bool:
+        self._calls.check_process()
         return key in self._versions.entries
 
     def __len__(self) -> int:
+        self._calls.check_process()
         return len(self._versions.entries)
 
     def keys(self) -> list[str]:
         """Every key in the store (a key whose manifest record is damaged is not one)."""
+        self._calls.check_process()
         return list(self._versions.entries)
 
     def info(self, key: str) -> EntryInfo:
@@ -407,10 +413,12 @@ class TieredStore:
         Raises TypeError for a key that is not a string, KeyNotFoundError for a key not in the store,
         ManifestError for a key whose manifest record is damaged.
         """
+        self._calls.check_process()
         return self._versions.entry(key).info()
 
     def stats(self) -> StoreStats:
         """A snapshot of occupancy, traffic, hits and misses, evictions and time spent on I/O."""
+        self._calls.check_process()
         s = StoreStats(**{k: v for k, v in vars(self._stats).items() if k != "tiers"})
         for tier, backend in self._tiers.backends.items():
             t = s.tiers[tier]
@@ -446,6 +454,7 @@ class TieredStore:
         A snapshot like :meth:`stats`. With no operation in flight, allocated == charged == entries'
         extents; after a reopen that is exactly the committed records' extents (nothing leaked).
         """
+        self._calls.check_process()
         files = self._nvme.files
         entry_bytes = sum(
             c.footprint for e in list(self._versions.entries.values()) if (c := e.copies.get(Tier.NVME)) is not None
@@ -466,6 +475,7 @@ class TieredStore:
         extents, so it holds until the key is next written, evicted from nvme or deleted. Writing
         anything but the same bytes to these ranges corrupts the entry (its checksums catch that).
         """
+        self._calls.check_process()
         copy = self._versions.entry(key).copies.get(Tier.NVME)
         if copy is None:
             return ()
