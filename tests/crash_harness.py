@@ -8,16 +8,20 @@ How it works
 - Writers are forked from a multiprocessing *forkserver* that has already imported torch and tiered,
   so a writer starts in tens of milliseconds instead of the seconds an import takes.
 - A writer opens the store and runs a few asyncio workers, each owning a disjoint set of keys, that
-  put (every tier, compressed or not, tiny to multi-block), get (checked), delete, evict, prefetch
-  and flush in a loop until killed. Budgets are tight, so puts also cause evictions and write-downs.
+  put (every tier, compressed or not, tiny to multi-block), put_many (atomic or not), get (checked),
+  delete, rename and rename_many (within the worker's keys), modify (in place, checked), evict,
+  prefetch and flush in a loop until killed. Budgets are tight, so puts also cause evictions and
+  write-downs, and a flush or an eviction writes down other workers' keys as they are renamed.
 - Every call is journaled: a ``begin`` line before it is issued and an ``end`` line only after it
   returned (or raised). Lines go to an O_APPEND file with one ``write`` each; a SIGKILL cannot lose
   a line the kernel accepted, and a half-written last line is ignored.
 - The parent replays the journal into a model: for each key, the set of values a reopen may show.
   A returned put to nvme allows exactly its value; a returned put to host/device allows "absent"
   or its value (never the older one: a tombstone committed before it returned); a returned delete
-  allows only "absent"; a returned ``evict(key, "nvme")`` or ``flush()`` pins the current value.
-  An operation still in flight adds its new value (and "absent" for memory-tier puts and deletes).
+  allows only "absent"; a returned rename moves the source's allowed values to the destination and
+  leaves "absent" at the source; a returned modify allows "absent" or the modified value; a returned
+  ``evict(key, "nvme")`` or ``flush()`` pins the current value. An operation still in flight adds
+  its new values (and "absent" for memory-tier puts, deletes, modifies and a rename's source).
 - The parent reopens the store and checks every key bit-exact against its allowed set, that no
   unknown key exists, and that nvme space accounting matches the manifest's records exactly.
   What it observed becomes the known state the next writer starts from, on the same directory.
@@ -81,19 +85,29 @@ class ValueSpec:
     seed: int
     smooth: bool  # compressible (a float's exponent plane, small ints) rather than random bytes
     transposed: bool = False  # a 2-D value made as the transpose of its mirror shape
+    rolls: int = 0  # the value's bytes rotated by this many places (what a modify block makes of it)
 
     def encode(self) -> str:
-        return json.dumps([self.dtype, list(self.shape), self.seed, self.smooth, self.transposed])
+        return json.dumps([self.dtype, list(self.shape), self.seed, self.smooth, self.transposed, self.rolls])
 
     @classmethod
     def decode(cls, text: str) -> "ValueSpec":
-        dtype, shape, seed, smooth, transposed = json.loads(text)
-        return cls(dtype, tuple(shape), seed, smooth, transposed)
+        dtype, shape, seed, smooth, transposed, *rolls = json.loads(text)
+        return cls(dtype, tuple(shape), seed, smooth, transposed, *rolls)
+
+    def modified(self) -> "ValueSpec":
+        """The value a modify block makes of this one (:func:`modify_in_place`)."""
+        return dataclasses.replace(self, rolls=self.rolls + 1)
 
 
 def make_value(spec: ValueSpec, contiguous: bool = True) -> torch.Tensor:
     """The tensor a spec stands for, identical in every process. With ``contiguous=False`` a
     transposed spec comes as the non-contiguous view the writer puts."""
+    if spec.rolls:
+        value = make_value(dataclasses.replace(spec, rolls=0))
+        for _ in range(spec.rolls):
+            modify_in_place(value)
+        return value
     if spec.transposed:
         base = make_value(dataclasses.replace(spec, shape=spec.shape[::-1], transposed=False))
         view = base.t()
@@ -113,6 +127,12 @@ def make_value(spec: ValueSpec, contiguous: bool = True) -> torch.Tensor:
     else:
         flat = torch.from_numpy(gen.integers(0, 256, size=numel * dtype.itemsize, dtype=np.uint8)).view(dtype)
     return flat.reshape(spec.shape)
+
+
+def modify_in_place(t: torch.Tensor) -> None:
+    """Rotate a contiguous tensor's bytes by one place: other bytes, valid for every dtype."""
+    flat = t.reshape(-1).view(torch.uint8)
+    flat.copy_(flat.roll(1))
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
@@ -204,58 +224,135 @@ async def _writer(path: str, layout: str, seed: int, journal: Journal, known: di
     journal.log(opened=True)
     ids = iter(range(1 << 62))
     current = {k: (ValueSpec.decode(v) if v is not None else None) for k, v in known.items()}
-    await asyncio.gather(*(_worker(store, w, random.Random(seed * 1000 + w), journal, ids, current)
+    lent = LentMemory()
+    await asyncio.gather(*(_worker(store, w, random.Random(seed * 1000 + w), journal, ids, current, lent)
                            for w in range(WORKERS)))
 
 
+@dataclasses.dataclass
+class LentMemory:
+    """The writer's modify blocks: while one is open, a memory tier whose room only its lent copy
+    could make refuses an admission with CapacityError ([Note: modify blocks] in tiered.store.modify)."""
+
+    open: int = 0
+    opened: int = 0
+
+    def mark(self) -> int:
+        return -1 if self.open else self.opened
+
+    def refusals(self, mark: int) -> tuple[str, ...]:
+        """("CapacityError",) when a block was open at some moment since ``mark``."""
+        return ("CapacityError",) if mark == -1 or self.open or self.opened != mark else ()
+
+
 async def _worker(store: tiered.TieredStore, worker: int, rng: random.Random, journal: Journal, ids: Any,
-                  current: dict[str, Optional[ValueSpec]]) -> None:
+                  current: dict[str, Optional[ValueSpec]], lent: LentMemory) -> None:
     keys = keys_of(worker)
     while True:
         op_id = next(ids)
         key = rng.choice(keys)
         r = rng.random()
-        if r < 0.5:
-            await _put(store, op_id, key, rng, journal, current)
-        elif r < 0.65:
+        if r < 0.38:
+            await _put(store, op_id, key, rng, journal, current, lent)
+        elif r < 0.45:
+            await _put_many(store, op_id, rng.sample(keys, rng.randint(1, 3)), rng, journal, current)
+        elif r < 0.57:
             await _get(store, op_id, key, journal, current)
-        elif r < 0.75:
+        elif r < 0.64:
             absent = ("KeyNotFoundError",) if current[key] is None else ()
             journal.log(b=op_id, op="delete", key=key)
             error = await _attempt(store.delete(key))
             if error is None:
                 current[key] = None
             _end(journal, op_id, error, allowed=absent)
+        elif r < 0.73:
+            await _rename(store, op_id, rng.sample(keys, 4 if rng.random() < 0.3 else 2), journal, current)
+        elif r < 0.77:
+            await _modify(store, op_id, key, journal, current, lent)
         elif r < 0.85:
             tier = rng.choice(["host", "nvme", "nvme"])
             absent = ("KeyNotFoundError",) if current[key] is None else ()
             journal.log(b=op_id, op="evict", key=key, tier=tier)
-            _end(journal, op_id, await _attempt(store.evict(key, tier)), allowed=absent)
+            mark = lent.mark()
+            error = await _attempt(store.evict(key, tier))
+            _end(journal, op_id, error, allowed=absent + lent.refusals(mark))
         elif r < 0.95:
             tier = rng.choice(["host", "device"])
             absent = ("KeyNotFoundError",) if current[key] is None else ()
             journal.log(b=op_id, op="prefetch", key=key, tier=tier)
+            mark = lent.mark()
             error = None
             try:
                 await store.prefetch(key, tier)
             except Exception as exc:  # noqa: BLE001 - judged by _end
                 error = exc
-            _end(journal, op_id, error, allowed=absent + _too_big(current[key], tier))
+            _end(journal, op_id, error, allowed=absent + _too_big(current[key], tier) + lent.refusals(mark))
         else:
             journal.log(b=op_id, op="flush", keys=keys)
             _end(journal, op_id, await _attempt(store.flush()), allowed=())
 
 
 async def _put(store: tiered.TieredStore, op_id: int, key: str, rng: random.Random, journal: Journal,
-               current: dict[str, Optional[ValueSpec]]) -> None:
+               current: dict[str, Optional[ValueSpec]], lent: LentMemory) -> None:
     spec = random_spec(rng)
     tier = rng.choice(["nvme", "nvme", "host", "device"])
     compress = rng.choice([None, True, False])
     journal.log(b=op_id, op="put", key=key, tier=tier, v=spec.encode())
+    mark = lent.mark()
     error = await _attempt(store.put(key, make_value(spec, contiguous=False), tier=tier, compress=compress))
     if error is None:
         current[key] = spec
-    _end(journal, op_id, error, allowed=_too_big(spec, tier))
+    _end(journal, op_id, error, allowed=_too_big(spec, tier) + lent.refusals(mark))
+
+
+async def _put_many(store: tiered.TieredStore, op_id: int, keys: list[str], rng: random.Random, journal: Journal,
+                    current: dict[str, Optional[ValueSpec]]) -> None:
+    """To nvme, atomic or not, sometimes keeping a write-through copy in a memory tier."""
+    specs = {key: random_spec(rng) for key in keys}
+    journal.log(b=op_id, op="put_many", items={k: v.encode() for k, v in specs.items()}, tier="nvme")
+    items = {k: make_value(v, contiguous=False) for k, v in specs.items()}
+    error = await _attempt(store.put_many(items, compress=rng.choice([None, True, False]), atomic=rng.random() < 0.5,
+                                          keep=rng.choice([None, None, "host", "device"])))
+    if error is None:
+        current.update(specs)
+    _end(journal, op_id, error, allowed=())
+
+
+async def _rename(store: tiered.TieredStore, op_id: int, keys: list[str], journal: Journal,
+                  current: dict[str, Optional[ValueSpec]]) -> None:
+    pairs = list(zip(keys[::2], keys[1::2]))
+    absent = ("KeyNotFoundError",) if any(current[src] is None for src, _ in pairs) else ()
+    journal.log(b=op_id, op="rename", pairs=pairs)
+    error = await _attempt(store.rename_many(pairs) if len(pairs) > 1 else store.rename(*pairs[0]))
+    if error is None:
+        for src, dst in pairs:
+            current[dst], current[src] = current[src], None
+    _end(journal, op_id, error, allowed=absent)
+
+
+async def _modify(store: tiered.TieredStore, op_id: int, key: str, journal: Journal,
+                  current: dict[str, Optional[ValueSpec]], lent: LentMemory) -> None:
+    spec = current[key]
+    if spec is None:  # nothing to modify: a get must say so
+        await _get(store, op_id, key, journal, current)
+        return
+    new = spec.modified()
+    journal.log(b=op_id, op="modify", key=key, v=new.encode())
+    lent.open += 1
+    lent.opened += 1
+    try:
+        async with store.modify(key) as t:
+            if not matches(t, spec):
+                journal.log(e=op_id, error=f"modify lent wrong data: expected {spec}", unexpected=True)
+                os._exit(3)
+            modify_in_place(t)
+    except Exception as exc:  # noqa: BLE001 - judged by _end
+        _end(journal, op_id, exc, allowed=())
+        return
+    finally:
+        lent.open -= 1
+    current[key] = new
+    _end(journal, op_id, None, allowed=())
 
 
 def _too_big(spec: Optional[ValueSpec], tier: str) -> tuple[str, ...]:
@@ -342,25 +439,44 @@ def replay(lines: list[dict], model: dict[str, KeyModel]) -> Replay:
                 _returned(op, model)
     for op in begun.values():
         out.in_flight.append(op)
-        m = model[op["key"]] if "key" in op else None
-        if op["op"] == "put":
-            assert m is not None
-            m.allowed.add(op["v"])
-            if op["tier"] != "nvme":
-                m.allowed.add(ABSENT)  # its tombstone may have committed
-        elif op["op"] == "delete":
-            assert m is not None
-            m.allowed.add(ABSENT)
+        kind = op["op"]
+        if kind in ("put", "put_many"):
+            for key, value in _written(op).items():
+                model[key].allowed.add(value)
+                if op["tier"] != "nvme":
+                    model[key].allowed.add(ABSENT)  # its tombstone may have committed
+        elif kind in ("delete", "modify"):
+            model[op["key"]].allowed.add(ABSENT)
+            if kind == "modify":
+                model[op["key"]].allowed.add(op["v"])
+        elif kind == "rename":  # all pairs or none: each destination may hold its source's value
+            for src, dst in op["pairs"]:
+                model[dst].allowed |= model[src].allowed
+                model[src].allowed.add(ABSENT)
     return out
+
+
+def _written(op: dict) -> dict[str, str]:
+    """key -> value spec of a put or put_many."""
+    return op["items"] if op["op"] == "put_many" else {op["key"]: op["v"]}
 
 
 def _returned(op: dict, model: dict[str, KeyModel]) -> None:
     kind = op["op"]
-    if kind == "put":
+    if kind in ("put", "put_many"):
+        for key, value in _written(op).items():
+            m = model[key]
+            m.current = value
+            # A memory-tier put is not durable, but it durably removed the older value before returning.
+            m.allowed = {value} if op["tier"] == "nvme" else {ABSENT, value}
+    elif kind == "modify":  # a lent memory copy is not durable; the older value was removed durably
         m = model[op["key"]]
         m.current = op["v"]
-        # A memory-tier put is not durable, but it durably removed the older value before returning.
-        m.allowed = {op["v"]} if op["tier"] == "nvme" else {ABSENT, op["v"]}
+        m.allowed = {ABSENT, op["v"]}
+    elif kind == "rename":
+        for src, dst in op["pairs"]:
+            model[dst].current, model[dst].allowed = model[src].current, set(model[src].allowed)
+            model[src].current, model[src].allowed = ABSENT, {ABSENT}
     elif kind == "delete":
         m = model[op["key"]]
         m.current = ABSENT
@@ -411,7 +527,14 @@ def manifest_extent_bytes(path: str) -> tuple[int, int]:
 
 def verify(path: str, layout: str, model: dict[str, KeyModel], in_flight: list[dict]) -> Observation:
     """Reopen the store and check it against the model; raise CrashCheckError on any difference."""
-    changed = {op["key"]: op for op in in_flight if op["op"] in ("put", "delete")}
+    changed: dict[str, Optional[str]] = {}  # key -> the value an operation in flight was giving it
+    for op in in_flight:
+        if op["op"] in ("put", "put_many"):
+            changed.update(_written(op))
+        elif op["op"] in ("delete", "modify"):
+            changed[op["key"]] = op.get("v", ABSENT)
+        elif op["op"] == "rename":
+            changed.update((src, ABSENT) for src, _ in op["pairs"])
     obs = Observation(state={})
     with tiered.TieredStore.open(store_config(path, layout)) as store:
         unknown = set(store.keys()) - set(model)
@@ -421,7 +544,7 @@ def verify(path: str, layout: str, model: dict[str, KeyModel], in_flight: list[d
             found = _find(store, key, m)
             obs.state[key] = found
             if key in changed:
-                new = changed[key].get("v", ABSENT)
+                new = changed[key]
                 if found == new:
                     obs.in_flight_new += 1
                 else:

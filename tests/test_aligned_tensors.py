@@ -127,7 +127,7 @@ async def test_in_place_write_is_checksummed(nvme_config):
     async with await tiered.TieredStore.open_async(nvme_config) as store:
         await store.put("k", t, tier="nvme")
         assert store._io.counters.staged_writes == 0
-        nvme = store._entries["k"].copies[tiered.Tier.NVME]
+        nvme = store._versions.entries["k"].copies[tiered.Tier.NVME]
         assert nvme.crcs is not None and len(nvme.crcs) == 16
         ext = nvme.extents[0]
         path = store._nvme.files[ext.file].path

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import tiered
 from engine.cli.demo_budgets import DEMO_HOST_MIB, size_budgets

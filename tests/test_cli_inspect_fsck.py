@@ -21,7 +21,7 @@ from tiered.cli import main as tiered_main
 from tiered.offline import StoreDirectory, check_store
 from tiered.offline.progress import ByteProgress
 from tiered.offline.render import display_width, fit, safe_text
-from tiered.records import COLUMN_NAMES, row_checksum
+from tiered.manifest.records import COLUMN_NAMES, row_checksum
 
 from conftest import KiB, MiB, random_tensor, same_bytes
 
@@ -217,7 +217,7 @@ def test_a_directory_of_stores_is_inspected_and_checked_store_by_store(tmp_path,
 
 CRASHING_WRITER = """
     import sys, time, torch, tiered
-    from tiered import manifest
+    from tiered.manifest import database
     path, marker = sys.argv[1], sys.argv[2]
     cfg = tiered.StoreConfig(path=path, host_bytes=2 << 20, device_bytes=0, block_size=64 << 10,
                              swap_grow_bytes=1 << 20, prefault_host=False, io_threads=2, queue_depth=4)
@@ -230,7 +230,7 @@ CRASHING_WRITER = """
         open(marker, "w").close()
         time.sleep(600)
 
-    manifest.Manifest.commit = stall
+    database.Manifest.commit = stall
     store.sync.put("lost", torch.full((600_000,), 7.0))
 """
 

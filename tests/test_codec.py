@@ -23,7 +23,7 @@ from tiered.codecs.format import HEADER, Layout, decode_meta, encode_meta
 from tiered.codecs.jobs import run_all
 from tiered.codecs.planes import merge, split
 from tiered.codecs.samples import KINDS, TARGETS, entropy_floor, synthetic
-from tiered.spans import Span
+from tiered.io.spans import Span
 
 from conftest import ALL_DTYPES, KiB, MiB, same_bytes
 

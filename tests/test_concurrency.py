@@ -93,7 +93,7 @@ def check_accounting(store: TieredStore) -> None:
         s = stats.tiers[tier]
         resident = [i for i in infos if tier in i.tiers]
         assert s.entries == len(resident), (tier, s)
-        footprint = store._backends[tier].footprint
+        footprint = store._tiers.backends[tier].footprint
         expected = sum(footprint(i.stored_nbytes if tier is Tier.NVME else i.nbytes) for i in resident)
         assert s.used_bytes == expected, (tier, s.used_bytes, expected)
         if s.budget_bytes is not None:

@@ -11,8 +11,8 @@ import torch
 import tiered
 from tiered.backends import DeviceBackend, HostBackend, NvmeBackend, TierBackend
 from tiered.io import IOEngine
-from tiered.ownership import OwnedDirectories
-from tiered.spans import Span, spans_of_tensor
+from tiered.manifest.ownership import OwnedDirectories
+from tiered.io.spans import Span, spans_of_tensor
 
 from conftest import ALL_DTYPES, KiB, random_tensor, same_bytes
 

@@ -12,7 +12,7 @@ from tests.conftest import random_tensor, same_bytes
 from tiered.config import ALIGNMENT
 from tiered.io import open_file
 from tiered.io.files import direct_io_memory_alignment
-from tiered.spans import Span, aligned_views, spans_of_tensor
+from tiered.io.spans import Span, aligned_views, spans_of_tensor
 
 KiB = 1024
 MiB = 1024 * KiB

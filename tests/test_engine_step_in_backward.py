@@ -22,6 +22,7 @@ import torch
 from engine_models import TinyGPT, gpt_tokens, store_config
 
 import engine
+import tiered
 from engine.optim.step_record import StepRecord
 
 KiB = 1024
@@ -454,6 +455,31 @@ def test_the_updates_hold_no_memory_between_steps(tmp_path):
             eng.step()
             assert eng.store.stats().pool_lent_bytes == 0
         assert eng.stats().optimizer_update_seconds > 0  # AdamW's math, timed inside backward
+
+
+def test_what_the_updates_rename_has_its_record_on_nvme(tmp_path):
+    """The renames inside backward move only versions whose record is on nvme, with the host tier
+    caching clean copies (cache_tier "host", a budget smaller than the model): no write-down can
+    race such a rename ([Note: holding a version] in tiered.store.versions; docs/reliability.md)."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    cfg = config_at(tmp_path, step_in_backward=True)
+    assert cfg.cache_tier == "host"
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=cfg)
+    renamed: list[tiered.EntryInfo] = []
+
+    def on_event(event: str, _batch: int) -> None:
+        if event == "renamed":
+            renamed.extend(eng.store.info(k) for k in eng.store.keys() if "/before/" in k)
+
+    eng._training.on_event = on_event
+    with eng:
+        for step in range(2):
+            eng.backward(loss_of(model, step))
+            eng.step()
+        eng.unwrap()
+    assert renamed and not [i for i in renamed if i.dirty], [i for i in renamed if i.dirty]
+    assert any(tiered.Tier.HOST in i.tiers for i in renamed)  # the cache was at work
 
 
 def test_a_large_batch_is_updated_while_the_one_before_is_written_where_the_plan_leaves_room(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from tiered.backends.host import HostBackend
 from tiered.backends.host_arena import SLAB_BYTES
 from tiered.errors import CapacityError
-from tiered.spans import spans_of_tensor
+from tiered.io.spans import spans_of_tensor
 
 from conftest import MiB
 

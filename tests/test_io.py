@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from short_transfers import capped as chunky
 
 import tiered
-from tiered.extents import Extent, ExtentAllocator
+from tiered.manifest.extents import Extent, ExtentAllocator
 from tiered.io import AlignedBuffer, BlockRead, BlockWrite, IOEngine, Syscalls, open_file
 
 KiB = 1024

@@ -16,7 +16,7 @@ import tiered
 from tiered.io import AlignedBuffer, BlockRead, BlockWrite, IOEngine, ResultPool, open_file
 from tiered.io.crc import CRC32_IMPL, crc32
 from tiered.io.mailbox import Mailbox
-from tiered.spans import DIRECT_RESULT_BYTES, new_result
+from tiered.io.spans import DIRECT_RESULT_BYTES, new_result
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -184,7 +184,8 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_the_engine_uses_only_the_stores_public_names():
     public = {}
     for module in TIERED_PUBLIC_MODULES:
-        path = os.path.join(ROOT, *module.split(".")) + (".py" if module != "tiered" else "/__init__.py")
+        path = os.path.join(ROOT, *module.split("."))
+        path = os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
         names = [node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
@@ -204,6 +205,48 @@ def test_the_engine_uses_only_the_stores_public_names():
 def test_the_store_never_imports_the_engine():
     found = [f"{name}:{line} imports {module}" for name, path in modules("tiered").items()
              for module, _, line in imports(name, path) if module == "engine" or module.startswith("engine.")]
+    assert not found, "\n".join(found)
+
+
+#: Most modules ``tiered/`` keeps at its root (``__init__.py`` included): the public surface and the
+#: commands; everything else lives in the package of its part (store, manifest, io, util, ...).
+TIERED_ROOT_MODULES = 10
+
+
+def test_the_stores_root_holds_only_its_surface():
+    root = sorted(f for f in os.listdir(os.path.join(ROOT, "tiered")) if f.endswith(".py"))
+    assert len(root) <= TIERED_ROOT_MODULES, f"tiered/ holds {len(root)} modules at its root: {root}"
+
+
+def imports_outside_type_checking(name: str, path: str) -> Iterator[tuple[str, int]]:
+    """(module, line) for every import statement in the file, except under ``if TYPE_CHECKING:``."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+               for child in node.body for n in ast.walk(child)}
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            yield base, node.lineno
+
+
+def test_the_stores_parts_never_import_its_facade():
+    """Below ``tiered.store.tiered_store`` the parts take what they work on; none knows the facade
+    (a type-only import excepted), and the facade is the only one that builds them all."""
+    facade = ("tiered.store.tiered_store", "tiered.store")
+    found = [f"{name}:{line} imports {module}" for name, path in modules("tiered").items()
+             if name.startswith("tiered.store.") and name != "tiered.store.tiered_store"
+             for module, line in imports_outside_type_checking(name, path) if module in facade]
     assert not found, "\n".join(found)
 
 

@@ -112,3 +112,30 @@ def test_replay_widens_only_what_was_in_flight():
     assert rep.opened and rep.returned == 4 and len(rep.in_flight) == 1
     assert model[a].allowed == {ABSENT, v2}  # never v1: the host put's tombstone had committed
     assert model[b].allowed == {v3}  # flushed
+
+
+def test_replay_of_renames_put_many_and_modify():
+    a, b, c, d = crash_harness.keys_of(0)
+    v1, v2, v3 = (ValueSpec("uint8", (4,), s, False) for s in (1, 2, 3))
+    model = {k: KeyModel({ABSENT}, ABSENT) for k in crash_harness.ALL_KEYS}
+    lines = [
+        {"opened": True},
+        {"b": 0, "op": "put", "key": a, "tier": "nvme", "v": v1.encode()}, {"e": 0},
+        {"b": 1, "op": "rename", "pairs": [[a, b]]}, {"e": 1},
+        {"b": 2, "op": "modify", "key": b, "v": v1.modified().encode()}, {"e": 2},
+        {"b": 3, "op": "put_many", "items": {a: v2.encode(), c: v3.encode()}, "tier": "nvme"}, {"e": 3},
+        {"b": 4, "op": "rename", "pairs": [[a, b], [c, d]]},  # killed here: both pairs moved, or neither
+    ]
+    rep = crash_harness.replay(lines, model)
+    assert rep.returned == 4 and len(rep.in_flight) == 1
+    assert model[a].allowed == {v2.encode(), ABSENT} and model[c].allowed == {v3.encode(), ABSENT}
+    assert model[b].allowed == {ABSENT, v1.modified().encode(), v2.encode()}  # never v1: it was modified
+    assert model[d].allowed == {ABSENT, v3.encode()}
+
+
+def test_a_modified_value_is_the_rotated_bytes():
+    spec = ValueSpec("bfloat16", (5, 3), 4, True, transposed=True)
+    value = crash_harness.make_value(spec)
+    crash_harness.modify_in_place(value)
+    assert crash_harness.matches(value, spec.modified()) and not crash_harness.matches(value, spec)
+    assert ValueSpec.decode(spec.modified().encode()) == spec.modified()

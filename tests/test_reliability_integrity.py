@@ -45,7 +45,7 @@ import tiered
 from tiered import CapacityError, ManifestError, StoreLockedError, TieredStore
 from tiered.cli import main as tiered_cli
 from tiered.offline import StoreDirectory, check_store
-from tiered.records import COLUMN_NAMES, row_checksum
+from tiered.manifest.records import COLUMN_NAMES, row_checksum
 
 from conftest import KiB, MiB, random_tensor, same_bytes
 from small_filesystems import fill, mounted
@@ -232,7 +232,7 @@ def test_manifest_bit_flips_never_serve_wrong_data_or_phantom_keys(tmp_path):
                 for key in set(values) - keys:
                     with pytest.raises((ManifestError, KeyError)):
                         store.sync.get(key)
-                refused = set(store._damaged)
+                refused = set(store._versions.damaged)
                 missing = set(values) - keys
             outcomes["records refused" if missing else "served whole"] += 1
             if not missing and not refused:

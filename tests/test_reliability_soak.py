@@ -271,7 +271,7 @@ def check_idle_accounting(store: TieredStore) -> None:
     infos = [store.info(k) for k in store.keys()]
     for tier in Tier:
         resident = [i for i in infos if tier in i.tiers]
-        footprint = store._backends[tier].footprint
+        footprint = store._tiers.backends[tier].footprint
         expected = sum(footprint(i.stored_nbytes if tier is Tier.NVME else i.nbytes) for i in resident)
         assert stats.tiers[tier].used_bytes == expected, (tier, stats.tiers[tier], expected)
     space = store.nvme_space()

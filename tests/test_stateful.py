@@ -278,6 +278,55 @@ class TieredStoreMachine(RuleBasedStateMachine):
             self.store.sync.delete(key)
         assert key not in self.store
 
+    @rule(data=st.data(), atomic=st.booleans())
+    def put_many(self, data: st.DataObject, atomic: bool) -> None:
+        """Put one to three tensors in one call (atomic: to nvme, in one transaction)."""
+        items = data.draw(st.dictionaries(keys, tensors(max_bytes=MAX_BYTES // 2), min_size=1, max_size=3),
+                          label="items")
+        tier = Tier.NVME if atomic else data.draw(put_tiers, label="tier")
+        expected = {k: t.contiguous().clone() for k, t in items.items()}
+        self.store.sync.put_many(items, tier, atomic=atomic)
+        for key, value in expected.items():
+            self.model[key] = value
+            self._after_put(key)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def get_many(self, data: st.DataObject) -> None:
+        wanted = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=4, unique=True))
+        for key, got in zip(wanted, self.store.sync.get_many(wanted)):
+            assert_same(got, self.model[key], key)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), many=st.booleans())
+    def rename(self, data: st.DataObject, many: bool) -> None:
+        """Move one or two values to other keys, replacing what those held: the entry keeps its
+        tiers, pin and stored bytes, and no byte is read or written."""
+        sources = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=2 if many else 1,
+                                     unique=True), label="sources")
+        targets = data.draw(st.lists(st.sampled_from([k for k in KEYS if k not in sources]), min_size=len(sources),
+                                     max_size=len(sources), unique=True), label="targets")
+        pairs = list(zip(sources, targets))
+        before = {src: self.store.info(src) for src in sources}
+        moved_bytes = self.store.stats().bytes_written, self.store.stats().bytes_read
+        if many:
+            self.store.sync.rename_many(pairs)
+        else:
+            self.store.sync.rename(*pairs[0])
+        assert (self.store.stats().bytes_written, self.store.stats().bytes_read) == moved_bytes
+        values = {dst: self.model.pop(src) for src, dst in pairs}
+        pinned = self.pinned
+        if pinned in targets and pinned not in sources:
+            self._forget_pin(pinned)  # its value was replaced
+        self.model.update(values)
+        for src, dst in pairs:
+            assert src not in self.store
+            info, old = self.store.info(dst), before[src]
+            assert (info.tiers, info.pinned, info.codec, info.stored_nbytes, info.dirty) == (
+                old.tiers, old.pinned, old.codec, old.stored_nbytes, old.dirty), (old, info)
+            if pinned == src:
+                self.pinned = dst
+
     @precondition(lambda self: self.model)
     @rule(data=st.data(), tier=tiers)
     def prefetch(self, data: st.DataObject, tier: Tier) -> None:
@@ -437,7 +486,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
             s = stats.tiers[tier]
             resident = [self.store.info(k) for k in self.model if tier in self.store.info(k).tiers]
             assert s.entries == len(resident), (tier, s, resident)
-            footprint = self.store._backends[tier].footprint  # what the tier charges per copy
+            footprint = self.store._tiers.backends[tier].footprint  # what the tier charges per copy
             expected = sum(footprint(i.stored_nbytes if tier is Tier.NVME else i.nbytes) for i in resident)
             assert s.used_bytes == expected, (tier, s.used_bytes, expected)
             if s.budget_bytes is not None:

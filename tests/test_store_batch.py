@@ -18,7 +18,7 @@ import test_conformance as conformance
 import tiered
 from tiered import Tier
 from tiered.io import Syscalls
-from tiered.keylocks import KeyLocks
+from tiered.util.keylocks import KeyLocks
 
 from conftest import KiB, MiB, random_tensor, same_bytes
 
@@ -301,7 +301,7 @@ async def test_a_corrupt_entry_fails_only_its_own_key(tmp_path):
     items = {f"k{i}": random_tensor((3000,), torch.float32, seed=i) for i in range(10)}
     async with await tiered.TieredStore.open_async(batch_config(tmp_path / "s")) as store:
         await store.put_many(items)
-        extent = store._entries["k4"].copies[Tier.NVME].extents[0]
+        extent = store._versions.entries["k4"].copies[Tier.NVME].extents[0]
         path = store._nvme.files[extent.file].path
     with open(path, "r+b") as f:  # flip one byte of k4 on disk
         f.seek(extent.offset + 100)

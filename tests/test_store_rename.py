@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import multiprocessing
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -91,6 +94,159 @@ async def test_a_read_racing_a_rename_gets_the_whole_value(tmp_path):
         await store.rename("b", "c")
         await prefetch
         assert same_bytes(await store.get("c"), a)
+        space = store.nvme_space()
+        assert space.allocated_bytes == space.charged_bytes == space.entry_bytes
+
+
+# ------------------------------------------------------------------------------- renames against write-downs
+
+
+class GatedManifest:
+    """The store's manifest, whose commit of a batch that ``stops`` picks waits for :attr:`release`
+    (on the manifest thread: the store's loop runs on meanwhile)."""
+
+    def __init__(self, real, stops) -> None:
+        self._real = real
+        self._stops = stops
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def commit(self, upserts, deletes=()):
+        if not self.release.is_set() and self._stops([r.key for r in upserts], list(deletes)):
+            self.reached.set()
+            self.release.wait(60)
+        return self._real.commit(upserts, deletes)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def gate_commits(store: tiered.TieredStore, stops) -> GatedManifest:
+    gate = GatedManifest(store._commits._manifest, stops)
+    store._commits._manifest = gate
+    return gate
+
+
+async def reached(gate: GatedManifest) -> None:
+    assert await asyncio.to_thread(gate.reached.wait, 60), "the gated commit never came"
+
+
+def assert_consistent(store: tiered.TieredStore, key: str, compressed: bool) -> None:
+    """What info says about a key's nvme copy is what the copy is; no extent is orphaned."""
+    info = store.info(key)
+    if not info.dirty:
+        assert info.stored_nbytes is not None, info
+        assert (info.codec != "raw") == compressed, info
+    space = store.nvme_space()
+    assert space.allocated_bytes == space.charged_bytes == space.entry_bytes, space
+
+
+async def start_write_down(store: tiered.TieredStore, how: str, key: str):
+    """Make ``key``'s host copy go down to nvme: by evict, flush, or a host put that evicts it."""
+    if how == "evict":
+        return asyncio.ensure_future(store.evict(key, "nvme"))
+    if how == "flush":
+        return asyncio.ensure_future(store.flush())
+    return asyncio.ensure_future(store.put("crowd", torch.randn(40_000), tier="host"))
+
+
+@pytest.mark.parametrize("how", ["evict", "flush", "host put"])
+async def test_a_write_down_starting_during_a_rename_follows_the_value(tmp_path, how):
+    # The rename decided what to commit (src had no record); a write-down of src starts while that
+    # commit is on its way. It must not leave a record of src behind (src would come back after a
+    # reopen) nor keep extents nobody names.
+    value = torch.randn(40_000, generator=torch.Generator().manual_seed(5))
+    cfg = rename_config(tmp_path / "s", host_bytes=256 * KiB)
+    async with await tiered.TieredStore.open_async(cfg) as store:
+        await store.put("dst", torch.zeros(1000))
+        await store.put("src", value, tier="host", compress=True)
+        gate = gate_commits(store, lambda upserts, deletes: "dst" in deletes)
+        renaming = asyncio.ensure_future(store.rename("src", "dst"))
+        await reached(gate)
+        writing = await start_write_down(store, how, "src")
+        await asyncio.sleep(0.3)  # long enough for a write-down to commit, were it not held
+        gate.release.set()
+        await renaming
+        await writing
+        assert "src" not in store and same_bytes(await store.get("dst"), value)
+        assert not store.info("dst").dirty, "the write-down asked for src must follow it to dst"
+        assert_consistent(store, "dst", compressed=True)
+    async with await tiered.TieredStore.open_async(cfg) as store:
+        assert "src" not in store, "a key renamed away came back"
+        assert "dst" not in store or same_bytes(await store.get("dst"), value)
+        space = store.nvme_space()
+        assert space.allocated_bytes == space.entry_bytes, space
+
+
+@pytest.mark.parametrize("how", ["evict", "flush"])
+@pytest.mark.parametrize("compress", [True, False])
+async def test_a_write_down_committing_during_a_rename_moves_with_it(tmp_path, how, compress):
+    # The write-down of src is committing when the rename starts: the renamed entry must take its
+    # nvme copy with the codec it was written with, and its record.
+    value = torch.randn(40_000, generator=torch.Generator().manual_seed(6))
+    cfg = rename_config(tmp_path / "s")
+    async with await tiered.TieredStore.open_async(cfg) as store:
+        await store.put("dst", torch.zeros(1000))
+        await store.put("src", value, tier="host", compress=compress)
+        gate = gate_commits(store, lambda upserts, deletes: "src" in upserts)
+        writing = await start_write_down(store, how, "src")
+        await reached(gate)
+        renaming = asyncio.ensure_future(store.rename("src", "dst"))
+        await asyncio.sleep(0.3)  # the rename has started, and waits
+        gate.release.set()
+        await writing
+        await renaming
+        assert_consistent(store, "dst", compressed=compress)
+        assert same_bytes(await store.get("dst"), value), "get returned bytes other than the value"
+        await store.rename("dst", "again")  # no AssertionError
+        await store.rename("again", "dst")
+    async with await tiered.TieredStore.open_async(cfg) as store:
+        assert store.keys() == ["dst"], "the renamed key is lost after a reopen"
+        assert same_bytes(await store.get("dst"), value)
+        assert_consistent(store, "dst", compressed=compress)
+
+
+def racing_renamer(path: str, journal: str, count: int) -> None:
+    """Rename count host keys onto committed ones, each beside an evict of its source; journal what
+    returned, then die without closing."""
+    async def run() -> None:
+        store = await tiered.TieredStore.open_async(rename_config(path))
+        for i in range(count):
+            await store.put(f"dst{i}", torch.zeros(1000))
+            await store.put(f"src{i}", torch.full((1000,), float(i)), tier="host")
+
+        async def pair(i: int) -> bool:
+            renamed, evicted = await asyncio.gather(store.rename(f"src{i}", f"dst{i}"),
+                                                    store.evict(f"src{i}", "nvme"), return_exceptions=True)
+            assert renamed is None, renamed
+            return evicted is None
+
+        evicted = await asyncio.gather(*(pair(i) for i in range(count)))
+        with open(journal, "w") as f:
+            json.dump(evicted, f)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(run())
+
+
+@pytest.mark.timeout(120)
+def test_renames_acknowledged_before_a_crash_stay_renamed(tmp_path):
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "tiered", __name__])
+    path, journal, count = str(tmp_path / "store"), str(tmp_path / "journal"), 50
+    proc = ctx.Process(target=racing_renamer, args=(path, journal, count))
+    proc.start()
+    proc.join(90)
+    assert proc.exitcode == -signal.SIGKILL and os.path.exists(journal), proc.exitcode
+    with open(journal) as f:
+        evicted = json.load(f)
+    with tiered.TieredStore.open(rename_config(path)) as store:
+        assert not [k for k in store.keys() if k.startswith("src")], "acknowledged renames came undone"
+        for i in range(count):
+            if f"dst{i}" in store:
+                assert torch.equal(store.sync.get(f"dst{i}"), torch.full((1000,), float(i))), i
+            else:  # the moved value was in memory only: it may be lost, the old one never comes back
+                assert not evicted[i], f"dst{i}: its source's evict to nvme had returned"
         space = store.nvme_space()
         assert space.allocated_bytes == space.charged_bytes == space.entry_bytes
 

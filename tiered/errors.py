@@ -31,6 +31,11 @@ class StoreClosedError(TieredError, RuntimeError):
     """The store was closed; open it again to use it."""
 
 
+class StoreForkedError(TieredError, RuntimeError):
+    """The store was opened by the process this one was forked from, and belongs to it: a forked
+    child (a DataLoader worker, say) opens a store of its own, on other directories."""
+
+
 class ManifestError(TieredError, RuntimeError):
     """The manifest is unreadable or does not match the configuration it is opened with."""
 

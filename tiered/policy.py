@@ -7,7 +7,7 @@ a get, the start of a modify block, and each record adopted when the store opens
 memory: recent, but not a step in the access order. It calls ``forget(key)`` on delete. A
 transfer that finds the copy already there touches nothing. When a tier is full, the store walks
 ``victims`` over the keys with a copy there and takes the first one it may evict (see
-[Note: admission and eviction] in tiered.store.tiers). ``TieredStore.set_access_order`` hands the
+[Note: admission and eviction] in tiered.store.transfers). ``TieredStore.set_access_order`` hands the
 policy the caller's future access order (the engine's recorded step), which ``FutureOrderPolicy``,
 the default, follows.
 """

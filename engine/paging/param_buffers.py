@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 #: Parameters smaller than this keep torch's allocator: malloc serves them from heap memory already
-#: touched, and below 1 MiB the store does not read in place anyway (tiered.spans.DIRECT_TENSOR_BYTES).
+#: touched, and below 1 MiB the store does not read in place anyway (tiered.io.spans.DIRECT_TENSOR_BYTES).
 POOLED_MIN_BYTES = 1024 * 1024
 
 #: Gives a page-aligned uint8 tensor of exactly the bytes asked for (``TieredStore.host_buffer``).

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 from tiered.errors import CapacityError
-from tiered.spans import Span
+from tiered.io.spans import Span
 from tiered.tier import Tier
 
 
@@ -17,7 +17,7 @@ class Copy:
 
     ``nbytes`` is the logical size of what the copy holds; ``footprint`` what it costs against the
     tier's budget. ``readers`` counts transfers reading it; a copy released while read is freed
-    when the last reader finishes (see [Note: versions and copies] in tiered.entry).
+    when the last reader finishes (see [Note: versions and copies] in tiered.store.entry).
     """
 
     nbytes: int

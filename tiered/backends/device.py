@@ -19,7 +19,7 @@ copy is complete when its coroutine returns. Two rules order them against the ca
    writes, blocking no thread.
 
 tests/test_cuda.py checks each rule against a kernel queued behind a GPU sleep. Blocks staged
-between the disk and GPU memory (tiered.spans.copy_out/copy_in) are copied on the I/O thread with a
+between the disk and GPU memory (tiered.io.spans.copy_out/copy_in) are copied on the I/O thread with a
 blocking copy on the default stream: ordered, but the thread waits for the kernels queued there.
 """
 
@@ -34,7 +34,7 @@ import torch
 
 from tiered.backends.base import Copy, TierBackend
 from tiered.errors import CapacityError
-from tiered.spans import Span, copy_spans
+from tiered.io.spans import Span, copy_spans
 from tiered.tier import Tier
 
 

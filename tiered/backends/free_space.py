@@ -26,7 +26,7 @@ import errno
 import os
 from typing import Sequence
 
-from tiered.extents import Extent
+from tiered.manifest.extents import Extent
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE, _FALLOC_FL_ZERO_RANGE = 0x01, 0x02, 0x10
 

@@ -10,7 +10,7 @@ size classes to tune, nothing is wasted beyond the round-up to 4 KiB, and any re
 than the free total fits, so fragmentation never forces an extra eviction. The price is that a
 host copy is a list of spans, which every copy routine handles anyway. The ranges double as
 O_DIRECT buffers, so moving a copy between host memory and the disk needs no staging copy (see
-[Note: in-place O_DIRECT] in tiered.spans), and pages are reused across copies: the hot path never
+[Note: in-place O_DIRECT] in tiered.io.spans), and pages are reused across copies: the hot path never
 maps memory, and a page is first touched at most once per store. The arena is not asked for huge
 pages: finding them may have the kernel compact memory, which makes taking a slab slow and its
 time erratic.
@@ -27,9 +27,9 @@ from tiered.backends.base import Copy, TierBackend
 from tiered.config import ALIGNMENT
 from tiered.errors import CapacityError
 from tiered.backends.host_arena import HostArena
-from tiered.extents import Extent
 from tiered.io.aligned import round_up
-from tiered.spans import Span, copy_spans
+from tiered.io.spans import Span, copy_spans
+from tiered.manifest.extents import Extent
 from tiered.tier import Tier
 
 

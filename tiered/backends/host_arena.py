@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from tiered.config import ALIGNMENT, MiB
-from tiered.extents import Extent, ExtentAllocator
+from tiered.manifest.extents import Extent, ExtentAllocator
 from tiered.io.aligned import AlignedBuffer
 
 #: Bytes the arena takes at a time (a multiple of the page size and of ALIGNMENT).

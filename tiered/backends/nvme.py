@@ -36,7 +36,7 @@ are exactly a lone put's. A read that fails its check raises ChecksumError namin
 bytes are never served: a get raises (an ``out=`` tensor then holds unspecified bytes) and a
 promotion discards its copy. ``StoreConfig(checksum=False)`` writes records without CRCs and skips
 the check on reads, even of records that have them. The manifest's rows carry a checksum of their
-own: [Note: record checksums] in tiered.records.
+own: [Note: record checksums] in tiered.manifest.records.
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ from tiered.backends.coalesce import Coalescer
 from tiered.backends.free_space import UntouchedRanges, give_back
 from tiered.config import ALIGNMENT
 from tiered.errors import CapacityError
-from tiered.extents import Extent, ExtentAllocator
-from tiered.ownership import OwnedDirectory
 from tiered.io import BlockRead, BlockWrite, FileHandle, IOEngine, open_file, round_up
 from tiered.io.files import direct_io_memory_alignment
-from tiered.spans import Span, aligned_views, copy_in, copy_out
+from tiered.io.spans import Span, aligned_views, copy_in, copy_out
+from tiered.manifest.extents import Extent, ExtentAllocator
+from tiered.manifest.ownership import OwnedDirectory
 from tiered.stats import SwapExtent
 from tiered.tier import Tier
 
@@ -98,7 +98,7 @@ class SwapFile:
 class NvmeBackend(TierBackend):
     """Swap files under one or more directories; an entry's bytes are striped across directories
     (see [Note: swap files]). The store never writes extents a committed record points at (see
-    [Note: crash safety] in tiered.store.tiered_store)."""
+    [Note: crash safety] in tiered.store.versions)."""
 
     tier = Tier.NVME
 

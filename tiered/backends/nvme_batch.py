@@ -19,7 +19,7 @@ from tiered.config import ALIGNMENT
 from tiered.errors import ChecksumError
 from tiered.io import BlockRead, BlockWrite, IOEngine, round_up
 from tiered.io.crc import crc32
-from tiered.spans import Span, aligned_views, copy_in, copy_out
+from tiered.io.spans import Span, aligned_views, copy_in, copy_out
 
 _ZEROS = bytes(ALIGNMENT)
 #: Coalesced runs stop at this size (or ``block_size`` when smaller): a batch of a few MiB then

@@ -20,7 +20,7 @@ import zlib
 from typing import Optional
 
 from tiered.errors import ManifestError
-from tiered.ownership import OwnedDirectory
+from tiered.manifest.ownership import OwnedDirectory
 
 #: The format of the id files this version writes.
 ID_FORMAT = 1
@@ -53,7 +53,7 @@ def read_id(directory: OwnedDirectory, index: int) -> Optional[SwapFileId]:
     """The id beside swap file ``index`` of ``directory``; None when there is no id file.
 
     Raises ManifestError when the id file is damaged or of another format, OSError when it is a
-    symlink or otherwise not a file of the store's own (see :mod:`tiered.ownership`).
+    symlink or otherwise not a file of the store's own (see :mod:`tiered.manifest.ownership`).
     """
     name = id_file_name(index)
     if directory.status(name) is None:

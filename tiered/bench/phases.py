@@ -16,7 +16,7 @@ from tiered.bench.fio import READ, WRITE, FioFile, FioSetting
 from tiered.bench.fio_cache import cached_best, keep_best
 from tiered.bench.fio_sweep import best_setting, fio_best
 from tiered.bench.options import BenchOptions, fill, format_size
-from tiered.progress import Progress
+from tiered.util.progress import Progress
 from tiered.bench.results import (CACHED_SWEEP, FULL_SWEEP, GBPS, OPS, SECONDS, SHORT_SWEEP, BenchResult, Figure,
                                   Run)
 from tiered.bench.store import LargeTensors, StoreUnderTest, prefetch_round, put_all, small_batched_round, small_round

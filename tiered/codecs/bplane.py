@@ -26,7 +26,7 @@ from tiered.codecs.buffers import BufferPool, Encoded
 from tiered.codecs.format import STORED, Layout, decode_meta, encode_meta
 from tiered.codecs.jobs import run_all
 from tiered.codecs.planes import Part, merge, split
-from tiered.spans import Span, copy_in, pieces, total_bytes
+from tiered.io.spans import Span, copy_in, pieces, total_bytes
 
 FRAME_BYTES = 4 * 1024 * 1024
 #: An entry whose encoding saves less than this fraction is stored raw.

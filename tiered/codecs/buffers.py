@@ -6,7 +6,7 @@ import threading
 from typing import Callable, Optional
 
 from tiered.io.aligned import AlignedBuffer
-from tiered.spans import Span
+from tiered.io.spans import Span
 
 #: A cached buffer serves a request only if it is at most this many times larger.
 _MAX_OVERSIZE = 2

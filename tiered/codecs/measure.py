@@ -12,7 +12,7 @@ import torch
 
 from tiered.codecs.bplane import FRAME_BYTES, BytePlaneCodec
 from tiered.codecs.buffers import BufferPool
-from tiered.spans import Span
+from tiered.io.spans import Span
 
 Number = Union[int, float, str, None]
 

@@ -11,7 +11,7 @@ from tiered.codecs.bplane import CACHE_BYTES, FRAME_BYTES, BytePlaneCodec
 from tiered.codecs.buffers import BufferPool, Encoded
 from tiered.codecs.zstd import ZstdCodec
 from tiered.io.aligned import AlignedBuffer
-from tiered.spans import Span
+from tiered.io.spans import Span
 
 #: Codecs a store reads (besides ``raw``): the one it writes first.
 READABLE_CODECS = (BytePlaneCodec.name, ZstdCodec.name)

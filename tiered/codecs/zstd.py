@@ -17,7 +17,7 @@ import zstandard
 from tiered.codecs.buffers import Encoded
 from tiered.codecs.jobs import run_all
 from tiered.io.aligned import AlignedBuffer
-from tiered.spans import Span, copy_in, pieces, total_bytes
+from tiered.io.spans import Span, copy_in, pieces, total_bytes
 
 FRAME_BYTES = 4 * 1024 * 1024
 #: Compression that saves less than this fraction is not worth the CPU: the entry is stored raw.

@@ -19,7 +19,7 @@ in-place write sends the rest of its memory's last page (the host arena's extent
 own buffers run to a page boundary), bytes past the block's length that no CRC covers and no read
 returns. A read fills the same padded length, into the slot or into that padding. A caller's tensor
 offers no memory past its end, so when its length is not a multiple of 4 KiB its last block is
-staged (see [Note: in-place O_DIRECT] in tiered.spans): no transfer reads or writes a byte past a
+staged (see [Note: in-place O_DIRECT] in tiered.io.spans): no transfer reads or writes a byte past a
 caller's tensor.
 """
 

@@ -3,7 +3,7 @@
 ``loop.call_soon_threadsafe`` writes to the loop's self-pipe on every call: a syscall and a
 wakeup each time, which can cost more than the callback itself. When many completions arrive
 together (many small transfers in flight), a Mailbox wakes the loop once and runs all of them in
-that turn. How the store uses them: [Note: calls from any thread] in tiered.store.tiered_store.
+that turn. How the store uses them: [Note: calls from any thread] in tiered.store.calls.
 """
 
 from __future__ import annotations

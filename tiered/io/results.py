@@ -2,7 +2,7 @@
 
 A get that returns a new tensor must put its bytes in memory nobody has touched yet, and first
 touches (a page fault per 4 KiB page) are often slower than copying into memory already mapped.
-So large results (``tiered.spans.DIRECT_RESULT_BYTES`` and up) live in page-aligned mappings that
+So large results (``tiered.io.spans.DIRECT_RESULT_BYTES`` and up) live in page-aligned mappings that
 O_DIRECT reads fill directly, the kernel faulting their pages in on the I/O threads, in parallel;
 and when the caller drops such a tensor, its mapping comes back here, already mapped, for the next
 get of the same size, like a caching allocator. The tensor owns its mapping through a numpy array

@@ -24,9 +24,9 @@ from tiered.config import ALIGNMENT
 from tiered.io.aligned import AlignedBuffer, round_up
 from tiered.io.crc import crc32
 from tiered.io.files import FileHandle, Syscalls, pread_full
+from tiered.manifest.records import Record, Row
 from tiered.offline.space import FileSpace, Reclaimed, account_space, reclaim
 from tiered.offline.storedir import StoreDirectory
-from tiered.records import Record, Row
 
 
 class ProgressSink(Protocol):

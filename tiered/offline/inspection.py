@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from tiered.manifest.records import Record
 from tiered.offline.space import FileSpace, account_space
 from tiered.offline.storedir import StoreDirectory
-from tiered.records import Record
 from tiered.tier import Tier
 
 

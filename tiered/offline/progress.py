@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tiered.offline.render import format_bytes
-from tiered.progress import Progress
+from tiered.util.progress import Progress
 
 
 class ByteProgress(Progress):

@@ -22,8 +22,8 @@ from typing import Iterable, Optional, Sequence
 
 from tiered.config import ALIGNMENT
 from tiered.errors import ManifestError
+from tiered.manifest.records import Row
 from tiered.offline.storedir import StoreDirectory, SwapFileInfo
-from tiered.records import Row
 
 Range = tuple[int, int]  # [start, end) in bytes
 

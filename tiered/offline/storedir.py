@@ -3,7 +3,7 @@
 The manifest is read with SQLite alone: a store that was closed cleanly is read as an immutable
 file (SQLite creates no side files), one with a write-ahead log (a crash, or a store running now)
 through a read-only connection that sees every committed transaction. Rows are parsed as the
-store parses them (tiered/records.py): a field that cannot be parsed, or a record checksum that
+store parses them (tiered/manifest/records.py): a field that cannot be parsed, or a record checksum that
 does not match, becomes a problem of its row, not an exception, so ``fsck`` can report it. SQLite's
 own integrity check is run too. Nothing is ever unpickled.
 
@@ -26,10 +26,10 @@ from typing import Optional, Sequence
 from tiered.backends.swap_ids import SwapFileId, read_id, swap_file_name
 from tiered.codecs import READABLE_CODECS
 from tiered.errors import ManifestError, StoreLockedError
-from tiered.manifest import MANIFEST_NAME, SQLITE_FAILURES, side_files
-from tiered.manifest_meta import Meta, parse_meta
-from tiered.ownership import OwnedDirectory, read_owner
-from tiered.records import SELECT_LEGACY_ROWS, SELECT_ROWS, Row, parse_row
+from tiered.manifest.database import MANIFEST_NAME, SQLITE_FAILURES, side_files
+from tiered.manifest.meta import Meta, parse_meta
+from tiered.manifest.ownership import OwnedDirectory, read_owner
+from tiered.manifest.records import SELECT_LEGACY_ROWS, SELECT_ROWS, Row, parse_row
 
 
 _NO_ID = "it has no id file beside it, so nothing says it is this store's"

@@ -1,9 +1,13 @@
-"""The store itself: :class:`TieredStore` and the pieces it is assembled from.
+"""The store itself: :class:`TieredStore` and the parts it is assembled from.
 
-``tiered_store`` holds its lifecycle, public API and single-key operations; ``batch``, ``modify``
-and ``tiers`` are mixins of it (batched calls, modify blocks, tier bookkeeping); ``sync`` and
-``prefetch`` are the handles callers get; ``validation``, ``error_messages``, ``payload`` and
-``process`` are small helpers. Import the public names from :mod:`tiered`.
+``tiered_store`` is the facade: lifecycle, public API, argument checks. Below it, each part owns
+the state it changes: ``versions`` (which version each key holds, the key locks), ``tiers`` (the
+copies in each tier), ``transfers`` (admission, eviction and every move of bytes), composed into
+the calls by ``operations`` (single keys), ``batch``, ``renames`` and ``modify``; ``calls`` brings
+a call from any thread to the store's loop. ``sync``, ``prefetch`` and ``modify.Modification`` are
+the handles callers get; ``entry``, ``validation``, ``error_messages``, ``payload``, ``opening``
+and ``process`` are small helpers. None of the parts imports the facade. Import the public names
+from :mod:`tiered`.
 """
 
 from tiered.store.modify import Modification

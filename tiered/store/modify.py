@@ -1,6 +1,7 @@
 """modify: change a stored tensor in place, with no copy out and back when it lives in CPU memory.
 
-A mixin of TieredStore: its methods run on the store's state, and the private ones on its loop.
+``Modification`` is the handle callers get; ``Modifications`` opens and ends the blocks on the
+store's loop.
 
 [Note: modify blocks]
 An entry whose fastest copy is in host or device memory is lent: the store swaps the entry for a
@@ -9,8 +10,9 @@ committed), and the block writes that memory directly when it is one contiguous 
 host pool; the device tier without a GPU), or else a CPU copy that goes back into the same memory
 on exit, so a block never needs room in a tier, which other blocks could be holding. An entry held
 only on nvme is read into a new tensor and put on exit (back to nvme unless the caller names a
-tier). Either way the key is locked for the block's duration: its gets wait for the block, and so
-do its puts, deletes, prefetches, flushes and evictions.
+tier). Either way the key is locked and its version held for the block's duration (see
+[Note: holding a version] in tiered.store.versions): its gets wait for the block, and so do its
+puts, deletes, renames, prefetches, flushes and evictions.
 
 A lent copy has a reader, so eviction never picks it, and admission counts it as pinned: a put
 that only its memory could make room for fails with CapacityError instead of waiting for a block
@@ -25,30 +27,28 @@ import asyncio
 import concurrent.futures
 import dataclasses
 from types import TracebackType
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from tiered.backends import Copy
-from tiered.entry import Entry
 from tiered.errors import StoreClosedError
-from tiered.spans import Span, new_result, spans_of_tensor, typed_view
-from tiered.store.validation import check_key
+from tiered.io.spans import Span, new_result, spans_of_tensor, typed_view
+from tiered.store.calls import Calls
+from tiered.store.entry import Entry
+from tiered.store.operations import Operations
 from tiered.tier import Tier
-
-if TYPE_CHECKING:
-    from tiered.store.tiered_store import TieredStore
 
 
 @dataclasses.dataclass(eq=False)
 class _Edit:
     """One open modification (store loop state)."""
 
-    entry: Entry  # the version gets wait on while the block runs
+    entry: Entry  # the version held while the block runs
     tensor: torch.Tensor
     tier: Tier  # where the lent copy is, or where an nvme entry's value is put on exit
     lent: Optional[Copy]  # the memory copy this version owns; None: an nvme entry, put back on exit
-    done: "asyncio.Future[None]"
+    done: "asyncio.Future[None]"  # the hold: done when the block ends
     in_place: bool = False  # the tensor is the lent copy's memory (else a copy of it, copied back on exit)
     abandoned: bool = False  # the store closed first
 
@@ -61,8 +61,9 @@ class Modification:
     that is written back on exit (False).
     """
 
-    def __init__(self, store: "TieredStore", key: str, tier: Optional[Tier]) -> None:
-        self._store = store
+    def __init__(self, calls: Calls, blocks: "Modifications", key: str, tier: Optional[Tier]) -> None:
+        self._calls = calls
+        self._blocks = blocks
         self._key = key
         self._tier = tier
         self._edit: Optional[_Edit] = None
@@ -76,7 +77,7 @@ class Modification:
 
     async def __aenter__(self) -> torch.Tensor:
         self._check_unused()
-        opening = asyncio.ensure_future(self._store._call(self._store._begin_modify, self._key, self._tier))
+        opening = asyncio.ensure_future(self._calls.call(self._blocks.begin, self._key, self._tier))
         try:
             self._edit = await asyncio.shield(opening)
         except asyncio.CancelledError:
@@ -87,11 +88,11 @@ class Modification:
     async def __aexit__(self, exc_type: Optional[type], exc: Optional[BaseException],
                         tb: Optional[TracebackType]) -> None:
         edit = self._release()
-        await self._store._call(self._store._end_modify, edit)
+        await self._calls.call(self._blocks.end, edit)
 
     def __enter__(self) -> torch.Tensor:
         self._check_unused()
-        opening = self._store._submit_sync(self._store._begin_modify, self._key, self._tier)
+        opening = self._calls.submit_sync(self._blocks.begin, self._key, self._tier)
         try:
             self._edit = opening.result()
         except BaseException:  # KeyboardInterrupt while waiting: the block opens anyway, end it then
@@ -101,14 +102,14 @@ class Modification:
 
     def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         edit = self._release()
-        self._store._call_sync(self._store._end_modify, edit)
+        self._calls.call_sync(self._blocks.end, edit)
 
     def _end_unclaimed(self, opening: "asyncio.Future[_Edit] | concurrent.futures.Future[_Edit]") -> None:
         """End a block whose caller stopped waiting for it to open (else its key would stay locked)."""
         if opening.cancelled() or opening.exception() is not None:
             return
         try:
-            self._store._submit(self._store._end_modify, opening.result())
+            self._calls.submit(self._blocks.end, opening.result())
         except StoreClosedError:
             pass  # the close ended it
 
@@ -118,7 +119,8 @@ class Modification:
 
     def _release(self) -> _Edit:
         edit, self._edit = self._edit, None
-        assert edit is not None, "exit without enter"
+        if edit is None:
+            raise RuntimeError(f"modification of {self._key!r} is not open: exit without enter")
         if edit.abandoned:
             raise StoreClosedError(
                 f"the store closed while {self._key!r} was being modified; "
@@ -129,142 +131,120 @@ class Modification:
 
 
 class Modifications:
-    """:meth:`modify` of :class:`~tiered.TieredStore` (mixed into it)."""
+    """The open modify blocks, and opening and ending them on the store's loop."""
 
-    def modify(self: "TieredStore", key: str, tier: "Tier | str | None" = None) -> Modification:
-        """Change the value of ``key`` in place: ``async with store.modify(key) as t: t.mul_(2)``.
+    def __init__(self, operations: Operations) -> None:
+        self.ops = operations
+        self.versions = operations.versions
+        self.tiers = operations.tiers
+        self.transfers = operations.transfers
+        self._edits: set[_Edit] = set()
+        #: close() has begun: a block that opens now is ended at once (see [Note: modify blocks]).
+        self.closing = False
 
-        ``t`` has the entry's dtype and shape. When the entry's fastest copy is one contiguous range
-        of CPU memory (host tier; device tier without a GPU), ``t`` is that memory and nothing is
-        copied. Otherwise ``t`` is a new CPU tensor holding the value, written back when the block
-        exits: into the same memory when the entry was in host or device memory, else put to
-        ``tier`` (None: back to nvme, durably). The new value replaces the old as a put would (an
-        older committed version is retired; one in memory is written down when evicted, flushed or
-        on close).
-
-        Until the block exits, the key's gets, puts, deletes and transfers wait for it: do not call
-        them for the same key inside the block (they would wait for ever), and do not use ``t``
-        after it. If the block raises, the key keeps what the block wrote so far, as a tensor
-        changed in place by a failing function would. KeyNotFoundError if the key is absent.
-        """
-        self._check_open()
-        check_key(key)
-        return Modification(self, key, None if tier is None else Tier.parse(tier))
-
-    # ------------------------------------------------------------------ store loop
-
-    async def _begin_modify(self: "TieredStore", key: str, put_to: Optional[Tier]) -> _Edit:
-        await self._key_locks.acquire(key)
-        editing: "Optional[asyncio.Future[None]]" = None
+    async def begin(self, key: str, put_to: Optional[Tier]) -> _Edit:
+        versions, tiers = self.versions, self.tiers
+        await versions.locks.acquire(key)
+        held: "Optional[asyncio.Future[None]]" = None
         try:
-            entry = self._entry(key)
-            while entry.moving:  # a prefetch or write-down of this version: let it finish first
-                await asyncio.wait(list(entry.moving.values()))
-                entry = self._entry(key)
-            # From here new gets and transfers of this version wait for the block (the key lock keeps
-            # the version current); gets already reading its memory must finish before it is lent.
-            editing = entry.editing = asyncio.get_running_loop().create_future()
+            entry = versions.entry(key)
+            # From here transfers and gets of this version wait for the block (see [Note: holding a
+            # version] in tiered.store.versions); gets already reading its memory must finish before
+            # it is lent.
+            held = await versions.hold([entry])
+            entry.editing = True
             while (tier := entry.top()) is not Tier.NVME and entry.copies[tier].readers:  # type: ignore[index]
                 assert tier is not None
-                waiter = asyncio.get_running_loop().create_future()
-                self._space_waiters[tier].append(waiter)  # _end_read wakes the tier's waiters
-                await waiter
+                await tiers.wait_for_change(tier)  # end_read wakes the tier's waiters
             assert tier is not None
             if tier is Tier.NVME:
-                edit = await self._read_for_edit(entry, put_to or Tier.NVME, editing)
+                edit = await self._read_for_edit(entry, put_to or Tier.NVME, held)
             else:
-                edit = await self._lend(entry, tier, editing)
+                edit = await self._lend(entry, tier, held)
         except BaseException:  # nothing changed (a failed _lend leaves a new version with the old bytes)
-            if editing is not None:
-                entry.editing = None
-                editing.set_result(None)
-            self._key_locks.release(key)
+            if held is not None:
+                versions.release([versions.entries.get(key, entry), entry], held)
+            versions.locks.release(key)
             raise
         self._edits.add(edit)
-        if self._closing:  # the close has already ended the blocks open when it started
+        if self.closing:  # the close has already ended the blocks open when it started
             edit.abandoned = True
-            self._finish_edit(edit)
-            self._check_open()
+            self._finish(edit)
+            raise StoreClosedError(f"the store closed while {key!r} was being opened for modification")
         return edit
 
-    async def _lend(self: "TieredStore", entry: Entry, tier: Tier, editing: "asyncio.Future[None]") -> _Edit:
+    async def _lend(self, entry: Entry, tier: Tier, held: "asyncio.Future[None]") -> _Edit:
         """Make a new version of ``entry`` that owns its ``tier`` copy, and lend that copy's memory:
         as it is when it is one CPU range, else as a CPU tensor copied back into it on exit (so the
         block never needs room in a tier, which other lent copies could be holding)."""
+        versions, tiers = self.versions, self.tiers
         key = entry.key
-        copy = entry.copies.pop(tier)
-        new = Entry(key, entry.dtype, entry.shape, entry.nbytes, next(self._generation), compress=entry.compress)
+        copy = tiers.detach(entry, tier)
+        assert copy is not None
+        new = Entry(key, entry.dtype, entry.shape, entry.nbytes, versions.next_generation(), compress=entry.compress)
         new.pinned = entry.pinned
-        new.copies[tier] = copy
-        self._begin_read(new, tier)  # a copy with a reader is never chosen as an eviction victim
-        new.editing = editing
-        memory = self._memory_spans(tier, copy)
+        tiers.add_copy(new, tier, copy)
+        tiers.begin_read(new, tier)  # a copy with a reader is never chosen as an eviction victim
+        new.held, new.editing = held, True
+        memory = self.transfers.memory_spans(tier, copy)
         view = _one_cpu_range(memory, entry)
-        edit = _Edit(new, view if view is not None else torch.empty(0), tier, copy, editing, in_place=view is not None)
-        self._entries[key] = new
-        entry.editing = None  # retired: waiters look the key up again and find the new version
-        self._policy.touch(key)
+        edit = _Edit(new, view if view is not None else torch.empty(0), tier, copy, held, in_place=view is not None)
+        versions.swap(entry, new)  # waiters on the old version find it retired and look the key up
+        entry.held, entry.editing = None, False
+        tiers.policy.touch(key)
         try:
             if entry.persisted:
                 # The old version must not come back after a crash once this one replaced it.
-                await self._retire_durably(entry, new.generation)
+                await versions.retire_durably(entry, new.generation)
             else:
-                self._retire(entry)
+                tiers.retire(entry)
             if view is None:
-                edit.tensor, dst = new_result(entry.shape, entry.dtype, "cpu", self._results)
-                await self._device.copy(dst, memory)
-                self._count_get(new, tier)
+                edit.tensor, dst = new_result(entry.shape, entry.dtype, "cpu", self.ops.results)
+                await self.transfers.device.copy(dst, memory)
+                self.ops.count_get(new, tier)
         except BaseException:
-            self._end_read(tier, copy)  # the new version holds the old bytes, unchanged: nothing is lost
-            new.editing = None
+            tiers.end_read(tier, copy)  # the new version holds the old bytes, unchanged: nothing is lost
             raise
         return edit
 
-    async def _read_for_edit(self: "TieredStore", entry: Entry, put_to: Tier, editing: "asyncio.Future[None]"
-                             ) -> _Edit:
+    async def _read_for_edit(self, entry: Entry, put_to: Tier, held: "asyncio.Future[None]") -> _Edit:
         """Read an entry held only on nvme into a new CPU tensor, to be put to ``put_to`` on exit."""
-        result, dst = new_result(entry.shape, entry.dtype, "cpu", self._results)
-        copy = self._begin_read(entry, Tier.NVME)
+        result, dst = new_result(entry.shape, entry.dtype, "cpu", self.ops.results)
+        copy = self.tiers.begin_read(entry, Tier.NVME)
         try:
-            await self._read_copy(entry, Tier.NVME, copy, dst)
+            await self.transfers.read_copy(entry, Tier.NVME, copy, dst)
         finally:
-            self._end_read(Tier.NVME, copy)
-        self._count_get(entry, Tier.NVME)
-        return _Edit(entry, result, put_to, None, editing)
+            self.tiers.end_read(Tier.NVME, copy)
+        self.ops.count_get(entry, Tier.NVME)
+        return _Edit(entry, result, put_to, None, held)
 
-    async def _end_modify(self: "TieredStore", edit: _Edit) -> None:
+    async def end(self, edit: _Edit) -> None:
+        """Put the block's value back (as a put of an nvme entry, or into its lent memory) and give
+        the key up."""
         try:
             if edit.lent is None:
-                await self._put_locked(edit.entry.key, edit.tensor, edit.tier, edit.entry.compress)
+                await self.ops.put_locked(edit.entry.key, edit.tensor, edit.tier, edit.entry.compress)
             elif not edit.in_place:
-                await self._device.copy(self._memory_spans(edit.tier, edit.lent), spans_of_tensor(edit.tensor))
+                await self.transfers.device.copy(self.transfers.memory_spans(edit.tier, edit.lent),
+                                                 spans_of_tensor(edit.tensor))
         finally:
-            self._finish_edit(edit)
+            self._finish(edit)
 
-    def _finish_edit(self: "TieredStore", edit: _Edit) -> None:
+    def _finish(self, edit: _Edit) -> None:
         """Wake the key's waiters and give the key up (lent memory: eviction may take it again)."""
         if edit.lent is not None:
-            self._end_read(edit.tier, edit.lent)
-        edit.entry.editing = None
-        if not edit.done.done():
-            edit.done.set_result(None)
+            self.tiers.end_read(edit.tier, edit.lent)
+        self.versions.release([edit.entry], edit.done)
         self._edits.discard(edit)
-        self._key_locks.release(edit.entry.key)
+        self.versions.locks.release(edit.entry.key)
 
-    def _abandon_modifications(self: "TieredStore") -> None:
+    def abandon_all(self) -> None:
         """At close: end every open block as it stands (a lent entry keeps the bytes written so
         far, which the close then writes down; a copy is never put back)."""
+        self.closing = True
         for edit in list(self._edits):
             edit.abandoned = True
-            self._finish_edit(edit)
-
-    async def _unedited(self: "TieredStore", key: str) -> Entry:
-        """The current version of ``key``, once no block is modifying it."""
-        entry = self._entry(key)
-        while entry.editing is not None:
-            await asyncio.wait([entry.editing])
-            entry = self._entry(key)
-        return entry
+            self._finish(edit)
 
 
 def _one_cpu_range(memory: Optional[list[Span]], entry: Entry) -> Optional[torch.Tensor]:

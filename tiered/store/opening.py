@@ -1,6 +1,6 @@
 """Opening a store's files: owning its directories, reading its manifest, and checking that every
-record's swap files are there, before the store touches any of them (tiered/ownership.py,
-tiered/manifest.py, tiered/backends/swap_ids.py)."""
+record's swap files are there, before the store touches any of them (tiered/manifest/ownership.py,
+tiered/manifest/database.py, tiered/backends/swap_ids.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Sequence
 from tiered.backends.swap_ids import id_file_name, swap_file_name
 from tiered.config import StoreConfig
 from tiered.errors import ManifestError
-from tiered.manifest import MANIFEST_NAME, Loaded, Manifest, side_files
-from tiered.ownership import OWNER_NOTE, OwnedDirectories, OwnedDirectory
-from tiered.records import Record
+from tiered.manifest.database import MANIFEST_NAME, Loaded, Manifest, side_files
+from tiered.manifest.ownership import OWNER_NOTE, OwnedDirectories, OwnedDirectory
+from tiered.manifest.records import Record
 
 
 @dataclasses.dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from tiered.backends import NvmeCopy
-from tiered.entry import RAW, Entry
-from tiered.records import Record, dtype_name
-from tiered.spans import Span
+from tiered.io.spans import Span
+from tiered.manifest.records import Record, dtype_name
+from tiered.store.entry import RAW, Entry
 
 
 class Payload:

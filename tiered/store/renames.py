@@ -1,21 +1,20 @@
-"""rename / rename_many: move entries to other keys without moving a byte.
-
-A mixin of TieredStore: its methods run on the store's state, and the private ones on its loop.
+"""rename / rename_many on the store's loop: move entries to other keys without moving a byte.
 
 [Note: Renames]
-A rename gives an entry's copies to a new entry under the new key and retires the old key; the
-bytes stay where they are. On nvme the new key's record names the same extents, CRCs and codec as
-the old one's, under a new generation; it is committed together with the old key's tombstone (and
-with every other pair of the call) in one manifest transaction (CommitLog.submit_many), so after a
-crash either every pair has moved or none has. Only once that transaction has committed does the
-store's memory change: the new entry takes the copies, the old key disappears and the value the
-new key had before is retired (its extents freed, since no committed record names them any
-more). An entry without an nvme copy moves in memory alone; tombstones still commit first for the
-old key and for a destination that had a committed value, as a put to host does, so a crash never
-brings back a value older than what the call replaced. The keys' locks are held throughout: puts,
-deletes and modify blocks of these keys wait, and reads see the old keys until the commit.
-Transfers of the old entry still in flight (a prefetch, a write-down) find it superseded when they
-end and drop what they produced, as they do after a put.
+A rename moves a version to a new key; no byte moves. On nvme the new key's record names the same
+extents, CRCs and codec as the old one's, under a new generation; it is committed together with
+the old key's tombstone (and with every other pair of the call) in one manifest transaction
+(CommitLog.submit_many), so after a crash either every pair has moved or none has. Only once that
+transaction has committed does the store's memory change: the version becomes the new key's value
+(``Versions.move``), the old key disappears and the value the new key had before is retired (its
+extents freed, since no committed record names them any more). A version without an nvme copy
+moves in memory alone; tombstones still commit first for the old key and for a destination that
+had a record, as a put to host does, so a crash never brings back a value older than what the
+call replaced. The keys' locks are held throughout, so puts, deletes and modify blocks of these
+keys wait; the versions at both keys are held (see [Note: holding a version] in
+tiered.store.versions), so what the transaction says about them stays true until it lands. Gets
+keep reading the old keys until the commit; a transfer asked for on the old key meanwhile starts
+once the rename is done, on the version at its new key.
 """
 
 from __future__ import annotations
@@ -23,94 +22,74 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from tiered.entry import Entry
 from tiered.errors import TieredError
-from tiered.records import Record, dtype_name
+from tiered.manifest.records import Record, dtype_name
+from tiered.store.entry import Entry
 from tiered.store.error_messages import naming_key
 from tiered.store.validation import check_distinct, check_key
+from tiered.store.versions import Versions
 from tiered.tier import Tier
 
 if TYPE_CHECKING:
     from tiered.backends import NvmeCopy
-    from tiered.store.tiered_store import TieredStore
 
 
 class Renames:
-    """The rename calls of :class:`~tiered.TieredStore` (mixed into it)."""
+    """rename_many on the store's loop."""
 
-    async def rename(self, src: str, dst: str) -> None:
-        """Move the value of ``src`` to the key ``dst`` (replacing any value ``dst`` had); ``src`` is
-        gone afterwards. No byte is read or written: the entry keeps its copies and extents.
+    def __init__(self, versions: Versions) -> None:
+        self.versions = versions
+        self.commits = versions.commits
 
-        Durable when it returns, and atomic: after a crash at any moment either the value is under
-        ``dst`` and ``src`` is absent, or both keys are as they were ([Note: Renames]).
-
-        Raises:
-            TypeError / ValueError: a key that is not a valid string, or ``src == dst``.
-            KeyNotFoundError: ``src`` is not in the store (ManifestError: its record is damaged).
-            CapacityError / ManifestError: the manifest could not commit; nothing changed.
-        """
-        await self.rename_many([(src, dst)])
-
-    async def rename_many(self: "TieredStore", pairs: Iterable[tuple[str, str]]) -> None:
-        """:meth:`rename` of several ``(src, dst)`` pairs as one transaction: every pair moves, or
-        (when the call raises, or after a crash) none does. A key may appear once in the whole call."""
-        checked = rename_pairs(pairs)
-        return await self._call(self._rename_many, checked)
-
-    async def _rename_many(self: "TieredStore", pairs: list[tuple[str, str]]) -> None:
-        store = self
-        keys = [k for pair in pairs for k in pair]
-        locked = await store._key_locks.acquire_all(keys)
+    async def rename_many(self, pairs: list[tuple[str, str]]) -> None:
+        versions = self.versions
+        locked = await versions.locks.acquire_all([k for pair in pairs for k in pair])
         try:
-            entries = [store._entry(src) for src, _ in pairs]
-            changes: list[tuple[str, int, Optional[Record], Optional["NvmeCopy"]]] = []
-            moved: list[tuple[Entry, Entry]] = []
-            for (src, dst), entry in zip(pairs, entries):
-                new = Entry(dst, entry.dtype, entry.shape, entry.nbytes, next(store._generation),
-                            codec=entry.codec, codec_meta=entry.codec_meta, stored_nbytes=entry.stored_nbytes,
-                            pinned=entry.pinned, compress=entry.compress)
-                old_dst = store._entries.get(dst)
-                nvme = entry.copies.get(Tier.NVME)
-                if nvme is not None:
-                    new.persisted = True
-                    changes.append((dst, new.generation, _record(new, nvme), None))
-                elif (old_dst is not None and old_dst.persisted) or dst in store._damaged:
-                    changes.append((dst, new.generation, None, None))
-                if entry.persisted:
-                    changes.append((src, next(store._generation), None, None))
-                moved.append((entry, new))
-            if changes:
-                results = await asyncio.gather(*store._commits.submit_many(changes), return_exceptions=True)
-                failed = next((r for r in results if isinstance(r, BaseException)), None)
-                if failed is not None:
-                    what = ", ".join(f"{s!r} -> {d!r}" for s, d in pairs)
-                    if isinstance(failed, (OSError, TieredError)):
-                        raise naming_key(failed, "renaming", what) from failed
-                    raise failed
-            for entry, new in moved:
-                store._install_renamed(entry, new)
+            moving = [versions.entry(src) for src, _ in pairs]
+            replaced = [e for _, dst in pairs if (e := versions.entries.get(dst)) is not None]
+            held = await versions.hold(moving + replaced)  # see [Note: holding a version]
+            try:
+                changes, generations = self._changes(pairs, moving)
+                if changes:
+                    await self._commit(changes, pairs)
+                for (_, dst), entry, generation in zip(pairs, moving, generations):
+                    versions.move(entry, dst, generation)
+            finally:
+                versions.release(moving + replaced, held)
         finally:
-            store._key_locks.release_all(locked)
+            versions.locks.release_all(locked)
 
-    def _install_renamed(self: "TieredStore", entry: Entry, new: Entry) -> None:
-        """Give ``entry``'s copies to ``new`` (committed already), make it its key's value and
-        retire what that key held before."""
-        store = self
-        for tier in list(entry.copies):
-            copy = entry.copies.pop(tier)
-            store._resident[tier].discard(entry.key)
-            new.copies[tier] = copy
-            store._resident[tier].add(new.key)
-        del store._entries[entry.key]
-        store._policy.forget(entry.key)
-        old_dst = store._entries.get(new.key)
-        store._entries[new.key] = new
-        if store._damaged.pop(new.key, None) is not None:
-            new.persisted = True
-        store._policy.touch(new.key, access=False)
-        if old_dst is not None:
-            store._retire(old_dst)
+    def _changes(self, pairs: list[tuple[str, str]], moving: list[Entry]
+                 ) -> tuple[list[tuple[str, int, Optional[Record], None]], list[int]]:
+        """The manifest changes that move every pair at once, and each moved version's new
+        generation: the source's record under the destination key, tombstones for what each
+        source and each destination had or may have had ([Note: Renames])."""
+        versions = self.versions
+        changes: list[tuple[str, int, Optional[Record], None]] = []
+        generations = []
+        for (src, dst), entry in zip(pairs, moving):
+            generation = versions.next_generation()
+            generations.append(generation)
+            old = versions.entries.get(dst)
+            nvme = entry.copies.get(Tier.NVME)
+            if nvme is not None:
+                changes.append((dst, generation, _record(entry, dst, generation, nvme), None))  # type: ignore[arg-type]
+            elif (old is not None and old.persisted) or dst in versions.damaged:
+                changes.append((dst, generation, None, None))
+            if entry.persisted:
+                changes.append((src, versions.next_generation(), None, None))
+        return changes, generations
+
+    async def _commit(self, changes: list[tuple[str, int, Optional[Record], None]],
+                      pairs: list[tuple[str, str]]) -> None:
+        """Commit ``changes`` in one transaction; an error names every pair and changes nothing."""
+        results = await asyncio.gather(*self.commits.submit_many(changes), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            what = ", ".join(f"{s!r} -> {d!r}" for s, d in pairs)
+            if isinstance(failed, (OSError, TieredError)):
+                raise naming_key(failed, "renaming", what) from failed
+            raise failed
 
 
 def rename_pairs(pairs: object) -> list[tuple[str, str]]:
@@ -131,12 +110,10 @@ def rename_pairs(pairs: object) -> list[tuple[str, str]]:
     return checked
 
 
-def _record(entry: Entry, copy: "NvmeCopy") -> Record:
-    """The manifest record of ``entry`` whose nvme copy is ``copy`` (already written and committed
-    under another key)."""
-    assert entry.stored_nbytes is not None
+def _record(entry: Entry, key: str, generation: int, copy: "NvmeCopy") -> Record:
+    """The manifest record of ``entry``'s nvme copy (written and committed under its old key) under
+    ``key`` at ``generation``."""
     return Record(
-        entry.key, dtype_name(entry.dtype), entry.shape, entry.nbytes, entry.stored_nbytes, entry.codec,
-        entry.codec_meta, copy.chunk, tuple(copy.extents), tuple(copy.crcs) if copy.crcs is not None else None,
-        entry.generation,
+        key, dtype_name(entry.dtype), entry.shape, entry.nbytes, copy.nbytes, entry.codec, entry.codec_meta,
+        copy.chunk, tuple(copy.extents), tuple(copy.crcs) if copy.crcs is not None else None, generation,
     )

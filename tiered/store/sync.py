@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from tiered.store.batch import Batches
+from tiered.store.calls import Calls
+from tiered.store.operations import Operations
+from tiered.store.prefetch import Prefetch
+from tiered.store.renames import Renames, rename_pairs
 from tiered.store.validation import (
     batch_compress,
     batch_items,
@@ -16,12 +21,9 @@ from tiered.store.validation import (
     key_list,
     ready_event,
 )
-from tiered.store.prefetch import Prefetch
-from tiered.store.renames import rename_pairs
 from tiered.tier import Tier
 
 if TYPE_CHECKING:
-    from tiered.store.tiered_store import TieredStore
     from tiered.store.modify import Modification
 
 
@@ -31,8 +33,16 @@ class SyncStore:
     Works from any thread except the store's own loop thread.
     """
 
-    def __init__(self, store: TieredStore) -> None:
-        self._store = store
+    def __init__(self, calls: Calls, operations: Operations, batches: Batches, renames: Renames,
+                 prefetch: Callable[[str, "Tier | str"], Prefetch],
+                 modify: "Callable[[str, Tier | str | None], Modification]", close: Callable[[], None]) -> None:
+        self._calls = calls
+        self._ops = operations
+        self._batches = batches
+        self._renames = renames
+        self._prefetch = prefetch
+        self._modify = modify
+        self._close = close
 
     def put(
         self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None, *,
@@ -40,7 +50,7 @@ class SyncStore:
     ) -> None:
         """Blocking :meth:`TieredStore.put`."""
         check_keep(keep, tier)
-        self._store._call_sync(self._store._put, key, tensor, tier, compress, ready_event(tensor), keep)
+        self._calls.call_sync(self._ops.put, key, tensor, tier, compress, ready_event(tensor), keep)
 
     def get(
         self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None,
@@ -48,7 +58,7 @@ class SyncStore:
     ) -> torch.Tensor:
         """Blocking :meth:`TieredStore.get`."""
         check_keep(keep)
-        return self._store._call_sync(self._store._get, key, device, out, ready_event(out), keep)
+        return self._calls.call_sync(self._ops.get, key, device, out, ready_event(out), keep)
 
     def put_many(
         self, items: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]", tier: "Tier | str" = Tier.NVME,
@@ -69,7 +79,7 @@ class SyncStore:
         compresses = batch_compress(compress, pairs)
         check_atomic(atomic, tier)
         check_keep(keep, tier)
-        return self._store._submit_sync(self._store._put_many, pairs, tier, compresses,
+        return self._calls.submit_sync(self._batches.put_many, pairs, tier, compresses,
                                         [ready_event(t) for _, t in pairs], atomic, keep)
 
     def get_many(
@@ -78,7 +88,7 @@ class SyncStore:
     ) -> list[torch.Tensor]:
         """Blocking :meth:`TieredStore.get_many`."""
         keys, outs = batch_keys(keys, out)
-        return self._store._call_sync(self._store._get_many, keys, device, outs, [ready_event(o) for o in outs or ()])
+        return self._calls.call_sync(self._batches.get_many, keys, device, outs, [ready_event(o) for o in outs or ()])
 
     def get_future(
         self, key: str, device: "torch.device | str" = "cpu", *, out: Optional[torch.Tensor] = None,
@@ -91,7 +101,7 @@ class SyncStore:
         handed back may still be read by queued kernels).
         """
         check_keep(keep)
-        return self._store._submit(self._store._get, key, device, out, ready_event(out), keep)
+        return self._calls.submit(self._ops.get, key, device, out, ready_event(out), keep)
 
     def put_future(
         self, key: str, tensor: torch.Tensor, tier: "Tier | str" = Tier.NVME, compress: Optional[bool] = None, *,
@@ -99,40 +109,40 @@ class SyncStore:
     ) -> "concurrent.futures.Future[None]":
         """Start :meth:`TieredStore.put` and return at once; ``tensor`` must stay unchanged until the future is done."""
         check_keep(keep, tier)
-        return self._store._submit(self._store._put, key, tensor, tier, compress, ready_event(tensor), keep)
+        return self._calls.submit(self._ops.put, key, tensor, tier, compress, ready_event(tensor), keep)
 
     def prefetch(self, key: str, tier: "Tier | str" = Tier.HOST) -> Prefetch:
         """Same as :meth:`TieredStore.prefetch` (it never blocks)."""
-        return self._store.prefetch(key, tier)
+        return self._prefetch(key, tier)
 
     def evict(self, key: str, tier: "Tier | str" = Tier.NVME) -> None:
         """Blocking :meth:`TieredStore.evict`."""
-        self._store._call_sync(self._store._evict, key, tier)
+        self._calls.call_sync(self._ops.evict, key, tier)
 
     def delete(self, key: str) -> None:
         """Blocking :meth:`TieredStore.delete`."""
-        self._store._call_sync(self._store._delete, key)
+        self._calls.call_sync(self._ops.delete, key)
 
     def delete_future(self, key: str) -> "concurrent.futures.Future[None]":
         """Start :meth:`TieredStore.delete` and return at once; the future raises ``KeyError`` for a missing key."""
-        return self._store._submit(self._store._delete, key)
+        return self._calls.submit(self._ops.delete, key)
 
     def pin(self, key: str, tier: "Tier | str | None" = None) -> None:
         """Blocking :meth:`TieredStore.pin`."""
-        self._store._call_sync(self._store._pin, key, tier)
+        self._calls.call_sync(self._ops.pin, key, tier)
 
     def unpin(self, key: str) -> None:
         """Blocking :meth:`TieredStore.unpin`."""
-        self._store._call_sync(self._store._unpin, key)
+        self._calls.call_sync(self._ops.unpin, key)
 
     def modify(self, key: str, tier: "Tier | str | None" = None) -> "Modification":
         """:meth:`TieredStore.modify` as a plain context manager: ``with store.sync.modify(key) as t: ...``."""
-        return self._store.modify(key, tier)
+        return self._modify(key, tier)
 
     def flush(self, keys: Optional[Sequence[str]] = None) -> None:
         """Blocking :meth:`TieredStore.flush`."""
         checked = None if keys is None else key_list(keys, "flush")
-        self._store._call_sync(self._store._flush, checked)
+        self._calls.call_sync(self._ops.flush, checked)
 
     def rename(self, src: str, dst: str) -> None:
         """Blocking :meth:`TieredStore.rename`."""
@@ -140,17 +150,8 @@ class SyncStore:
 
     def rename_many(self, pairs: Iterable[tuple[str, str]]) -> None:
         """Blocking :meth:`TieredStore.rename_many`."""
-        self._store._call_sync(self._store._rename_many, rename_pairs(pairs))
+        self._calls.call_sync(self._renames.rename_many, rename_pairs(pairs))
 
     def close(self) -> None:
         """Blocking :meth:`TieredStore.close`."""
-        store = self._store
-        if store._closed:
-            return
-        if store._loop_thread.on_loop_thread():
-            raise RuntimeError("TieredStore.close() cannot run on the store's own loop thread")
-        try:
-            store._loop_thread.submit(store._close()).result()
-        finally:
-            store._closed = True
-            store._loop_thread.stop()
+        self._close()

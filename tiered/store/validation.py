@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from tiered.entry import Entry
+from tiered.store.entry import Entry
 from tiered.tier import Tier
 
 QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})

@@ -1,7 +1,7 @@
 """Per-key mutual exclusion for the coroutines of one event loop, free of cost when uncontended.
 
 Which store operations take a key's lock, and which rely on versions instead: see [Note: key locks]
-in tiered.store.tiered_store.
+in tiered.store.versions.
 """
 
 from __future__ import annotations

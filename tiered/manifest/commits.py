@@ -19,7 +19,7 @@ failure reaches every request of its batch. Each step is a round trip from the s
 worker thread, which can cost as much as a flush, so when the batch's bytes lie in one swap file
 (the common case) the manifest thread flushes it and writes the records in one job; a batch spread
 over several files flushes them in parallel on I/O threads first. Why the order matters: see
-[Note: crash safety] in tiered.store.tiered_store.
+[Note: crash safety] in tiered.store.versions.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import dataclasses
 from typing import Any, Optional, Protocol, Sequence
 
 from tiered.backends import NvmeCopy
-from tiered.manifest import Manifest, Record
+from tiered.manifest.database import Manifest, Record
 
 
 @dataclasses.dataclass

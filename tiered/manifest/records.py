@@ -28,8 +28,10 @@ import torch
 
 from tiered.backends.nvme import FileExtent
 from tiered.config import ALIGNMENT
-from tiered.entry import RAW
 from tiered.errors import ManifestError
+
+#: The codec name of bytes stored as they are.
+RAW = "raw"
 
 #: The ``entries`` table: each column and its SQL declaration, in row order.
 COLUMNS: tuple[tuple[str, str], ...] = (

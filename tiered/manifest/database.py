@@ -2,7 +2,7 @@
 
 A record is written only after its bytes are durable, in the same transaction that removes the
 record it replaces, so a reopened store sees either the old or the new version, never a torn one
-(see [Note: group commit] in tiered.commits and [Note: crash safety] in tiered.store.tiered_store).
+(see [Note: group commit] in tiered.manifest.commits and [Note: crash safety] in tiered.store.versions).
 Each record carries a checksum of its own (records.py); a row that fails it is reported, never
 served, and the rest of the store stays usable. The meta table (manifest_meta.py) holds the
 store's id and the layout of its swap files. SQLite opens the database by path, so the manifest
@@ -20,9 +20,9 @@ import warnings
 from typing import Callable, Iterable, Optional, Sequence
 
 from tiered.errors import CapacityError, ManifestError
-from tiered.manifest_meta import FORMAT_VERSION, LEGACY_FORMAT, Meta, new_meta, parse_meta
-from tiered.ownership import OwnedDirectory
-from tiered.records import (
+from tiered.manifest.meta import FORMAT_VERSION, LEGACY_FORMAT, Meta, new_meta, parse_meta
+from tiered.manifest.ownership import OwnedDirectory
+from tiered.manifest.records import (
     COLUMN_NAMES,
     COLUMNS,
     LEGACY_COLUMN_NAMES,

@@ -15,7 +15,8 @@
 
 The modules they come from are the store's internals and may move; these names stay. The engine
 (``engine/``) reaches the store through ``tiered``, this module and the ``tiered`` command's
-:mod:`tiered.cli` only.
+:mod:`tiered.cli` only. This package's own submodules (``loop``, ``keylocks``, ``progress``) are
+small utilities of the store, not public.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from tiered.io.aligned import anonymous_map, round_up
 from tiered.io.bulk import RangeReader, SequentialWriter
 from tiered.io.crc import crc32
 from tiered.io.futures import wait_all
+from tiered.io.spans import DIRECT_RESULT_BYTES as POOLED_RESULT_BYTES
 from tiered.offline.progress import ByteProgress
 from tiered.offline.render import format_bytes
-from tiered.ownership import OwnedDirectory
-from tiered.spans import DIRECT_RESULT_BYTES as POOLED_RESULT_BYTES
+from tiered.manifest.ownership import OwnedDirectory
 
 _UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
           "g": GiB, "gb": GiB, "gib": GiB}

@@ -8,6 +8,12 @@ descriptor closes or the process dies, that no file operation inside the directo
 device and inode are, so a symlink or a bind mount of a directory in use is refused as in use.
 The ``LOCK`` file only tells a refused opener who the owner is (pid and store path).
 
+A ``flock`` belongs to the open file description, which a ``fork()`` shares with the child: the
+lock would last as long as any child's copy of the descriptor (a DataLoader worker's, say), and
+the owner could not reopen its directory after closing it. So a child closes its copies of the
+descriptors as it is forked (``os.register_at_fork``), without unlocking: the lock stays the
+parent's, and goes when the parent closes its own.
+
 Files inside an owned directory are opened relative to its descriptor with ``O_NOFOLLOW`` and
 must be regular files of this user with one link: a planted symlink, hard link, FIFO or device
 is an error naming it, never followed. A directory that belongs to another user is refused.
@@ -17,8 +23,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
 import stat
+import weakref
 from typing import Iterable, Optional, Sequence
 
 from tiered.errors import StoreLockedError
@@ -74,7 +82,9 @@ class OwnedDirectory:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, (st.st_dev, st.st_ino), exclusive, role)
+        directory = cls(path, fd, (st.st_dev, st.st_ino), exclusive, role)
+        os.register_at_fork(after_in_child=functools.partial(_forget_in_child, weakref.ref(directory)))
+        return directory
 
     def close(self) -> None:
         """Release the lock and the descriptor (idempotent)."""
@@ -137,6 +147,18 @@ class OwnedDirectory:
             raise unusable(exc, self.path, self.role, f"cannot write {OWNER_NOTE}") from exc
         finally:
             os.close(fd)
+
+
+def _forget_in_child(ref: "weakref.ref[OwnedDirectory]") -> None:
+    """In a child just forked: close its copy of the locked descriptor, leaving the lock to the
+    parent (see [Note: directory ownership])."""
+    directory = ref()
+    if directory is not None and directory.fd >= 0:
+        fd, directory.fd = directory.fd, -1
+        try:
+            os.close(fd)  # never flock(LOCK_UN): that would unlock the parent's description too
+        except OSError:
+            pass
 
 
 def read_owner(directory_fd: int) -> tuple[str, str]:
