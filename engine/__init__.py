@@ -47,7 +47,36 @@ _HOMES = {
     "wrap": "engine.engine",
 }
 
-__all__ = sorted(_HOMES)
+__all__ = [
+    "AdamW",
+    "CheckpointError",
+    "DeepSpeedEngine",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineError",
+    "EngineStats",
+    "LossScaling",
+    "MemoryBudgetError",
+    "MemoryEstimate",
+    "OptimizerStateError",
+    "OverflowAwareScheduler",
+    "ReleasedParameterError",
+    "SafetensorsFormatError",
+    "ShardLayout",
+    "StepRecordError",
+    "add_config_arguments",
+    "checkpoint_state_dict",
+    "estimate_memory",
+    "export_checkpoint",
+    "from_pretrained",
+    "import_deepspeed_checkpoint",
+    "init_distributed",
+    "initialize",
+    "load_checkpoint_and_dispatch",
+    "param_key",
+    "wrap",
+]
 
 def __getattr__(name: str) -> Any:
     """A public name, imported from its module when first asked for."""

@@ -312,3 +312,16 @@ def test_every_cited_note_exists_once():
     assert not {t: w for t, w in defined.items() if len(w) > 1}, "notes defined twice"
     missing = {title: where for title, where in cited.items() if title not in defined}
     assert not missing, f"cited notes that no comment block defines: {missing}"
+
+
+@pytest.mark.parametrize("package", ["tiered", "tiered.util", "engine"])
+def test_each_public_name_loads_from_the_module_its_package_names(package):
+    """The packages import their public names on first use, from a table: every name of ``__all__`` is
+    in it, resolves, and loads no optional dependency beyond its own (in a fresh process)."""
+    code = (f"import importlib; m = importlib.import_module({package!r}); "
+            "missing = [n for n in m.__all__ if n not in m._HOMES and n not in vars(m)]; "
+            "assert not missing, missing; [getattr(m, n) for n in m.__all__ if n in m._HOMES and "
+            "not n.startswith(('initialize', 'add_config', 'DeepSpeed', 'import_deepspeed', 'from_pretrained', "
+            "'load_checkpoint_and'))]")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -39,7 +39,34 @@ _HOMES = {
     "round_trip_seconds": "tiered.codecs",
 }
 
-__all__ = sorted(_HOMES)
+__all__ = [
+    "CapacityError",
+    "ChecksumError",
+    "EntryInfo",
+    "EvictionPolicy",
+    "FutureOrderPolicy",
+    "KeyNotFoundError",
+    "LRUPolicy",
+    "ManifestError",
+    "Modification",
+    "NvmeSpace",
+    "Prefetch",
+    "StoreClosedError",
+    "StoreConfig",
+    "StoreForkedError",
+    "StoreLockedError",
+    "StoreStats",
+    "SwapExtent",
+    "SyncStore",
+    "Tier",
+    "TierStats",
+    "TieredError",
+    "TieredStore",
+    "TransferError",
+    "empty_aligned",
+    "measure_codec",
+    "round_trip_seconds",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,22 +21,41 @@ small utilities of the store, not public.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
 from types import TracebackType
-from typing import Mapping, Optional, TextIO, Union
+from typing import Any, Mapping, Optional, TextIO, Union
 
-from tiered.codecs.bplane import CACHE_BYTES as CODEC_CACHE_BYTES
 from tiered.config import GiB, KiB, MiB
-from tiered.io.aligned import anonymous_map, round_up
-from tiered.io.bulk import RangeReader, SequentialWriter
-from tiered.io.crc import crc32
-from tiered.io.futures import wait_all
-from tiered.io.spans import DIRECT_RESULT_BYTES as POOLED_RESULT_BYTES
-from tiered.offline.progress import ByteProgress
-from tiered.offline.render import format_bytes
-from tiered.manifest.ownership import OwnedDirectory
+
+#: Where each name this module passes on lives (under another name for the two constants): imported
+#: on first use, so that the store's own modules may import this package's submodules (``loop``,
+#: ``keylocks``, ``progress``) without loading the offline tools these come from.
+_HOMES = {
+    "CODEC_CACHE_BYTES": ("tiered.codecs.bplane", "CACHE_BYTES"),
+    "POOLED_RESULT_BYTES": ("tiered.io.spans", "DIRECT_RESULT_BYTES"),
+    "ByteProgress": ("tiered.offline.progress", "ByteProgress"),
+    "OwnedDirectory": ("tiered.manifest.ownership", "OwnedDirectory"),
+    "RangeReader": ("tiered.io.bulk", "RangeReader"),
+    "SequentialWriter": ("tiered.io.bulk", "SequentialWriter"),
+    "anonymous_map": ("tiered.io.aligned", "anonymous_map"),
+    "crc32": ("tiered.io.crc", "crc32"),
+    "format_bytes": ("tiered.offline.render", "format_bytes"),
+    "round_up": ("tiered.io.aligned", "round_up"),
+    "wait_all": ("tiered.io.futures", "wait_all"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A name this module passes on, imported from its home when first asked for."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tiered.util' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home[0]), home[1])
+    globals()[name] = value  # later lookups find it without this function
+    return value
 
 _UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
           "g": GiB, "gb": GiB, "gib": GiB}
