@@ -357,18 +357,20 @@ class Training:
         started = time.perf_counter()
         self._check_stepping()
         state = self._state
-        if state.record.applying is not None:  # the step that failed part way: this call finishes it
-            self._after.finish_applying(first_attempt=False, started=started)
-            return
         self._micro_batch.clear()
-        self._inside.step_ended()
-        if self._inside.pending is not None and self._inside.commit(started) is not Outcome.REDO:
-            return
-        self._inside.check_gradients_left()
-        if self._after.hyperparameters_changed():
-            self._inside.policy.keep_grads()
-        bound = self._after.run(started)
-        self._inside.policy.after_step(inside=False, bound=bound)
+        try:
+            if state.record.applying is not None:  # the step that failed part way: this call finishes it
+                self._after.finish_applying(first_attempt=False, started=started)
+                return
+            if self._inside.pending is not None and self._inside.commit(started) is not Outcome.REDO:
+                return
+            self._inside.check_gradients_left()
+            if self._after.hyperparameters_changed():
+                self._inside.policy.keep_grads()
+            bound = self._after.run(started)
+            self._inside.policy.after_step(inside=False, bound=bound)
+        finally:
+            self._inside.step_ended()  # the next step decides its way afresh
 
     def _check_stepping(self) -> None:
         """RuntimeError when the engine is closed or the model is running; drops what was prefetched."""
