@@ -60,6 +60,7 @@ from bench_output import (
     write_json,
 )
 from beyond_memory_deepspeed import needed_disk_bytes as deepspeed_disk_bytes
+from beyond_memory_deepspeed import new_port, remove_shared_buffers
 from beyond_memory_engine import STEP_IN_BACKWARD
 from beyond_memory_engine import estimate as engine_estimate
 from beyond_memory_verdicts import (
@@ -145,11 +146,13 @@ def run_rounds(args: argparse.Namespace, cfg: LlamaConfig, workdir: str, floors:
             print(f"round {k}: {name}", flush=True)
             rundir = os.path.join(workdir, label)
             os.makedirs(rundir)
+            spec = {**contender_spec(args, cfg, rundir), "port": new_port()}
             try:
-                run = run_contender(CONTENDERS[name], contender_spec(args, cfg, rundir), workdir, label,
-                                    rss_limit=rss_limit, env=env)
+                run = run_contender(CONTENDERS[name], spec, workdir, label, rss_limit=rss_limit, env=env)
             finally:
                 shutil.rmtree(rundir, ignore_errors=True)
+                if name == "deepspeed":
+                    remove_shared_buffers(spec["port"])
             for i, s in enumerate(run.get("steps", [])):
                 s.update(round=k, step=i, bytes_per_param=(s["bytes_read"] + s["bytes_written"]) / cfg.num_params,
                          written_per_param=s["bytes_written"] / cfg.num_params,

@@ -92,11 +92,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: str) -> None:
-    """One process, world size 1: gloo on the CPU accelerator, nccl on a GPU."""
+def new_port() -> int:
+    """A port for a DeepSpeed process's rendezvous (the spec's ``port``); :func:`remove_shared_buffers`
+    takes it once the process has ended."""
+    return _free_port()
+
+
+def remove_shared_buffers(port: int) -> None:
+    """Delete the shared-memory all-reduce buffers DeepSpeed's CPU accelerator left in /dev/shm for the
+    process that used ``port`` (it does not remove them itself, even on a clean exit: gigabytes of RAM)."""
+    import glob
+
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def init_distributed(device: str, port: int) -> None:
+    """One process, world size 1: gloo on the CPU accelerator, nccl on a GPU; rendezvous on ``port``."""
     import deepspeed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_SIZE="1")
     deepspeed.init_distributed(dist_backend="nccl" if device.startswith("cuda") else "gloo")
 
@@ -146,7 +164,7 @@ def run(spec: dict[str, Any], report: Callable[[dict[str, Any]], None]) -> None:
                            "phase": "loading its ops"}
     report(out)
     out["ops_load_seconds"] = load_ops()
-    init_distributed(spec["device"])
+    init_distributed(spec["device"], spec["port"])
     torch.manual_seed(spec["seed"])
     tokens = torch.randint(0, cfg.vocab_size, (1, spec["tokens"] + 1))
     out["rss_before_wrap"] = rss_bytes()
