@@ -30,7 +30,9 @@ own: its peak RSS is its own, and a contender killed for memory is reported, not
 With ``--device cuda`` the model computes on the GPU (the state is still sized from host RAM and
 streamed from nvme through host memory), and the compute floor is the GPU's.
 
-The loss must fall every step; the run exits 1 if it does not or the engine fails, 2 when the disk
+The loss must be finite at every step and end below where it began (AdamW on one fixed batch may
+overshoot for a step once the loss is small); the run exits 1 if it does not, if the engine fails or
+if its losses differ between rounds, 2 when the disk
 has no room for the run, fio is missing or ``--device`` names a device this machine lacks. Each
 target is judged on the steps after the first (median and range).
 
@@ -201,9 +203,9 @@ def first_losses(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Optional[fl
 
 
 def falling(run: dict[str, Any]) -> bool:
-    """Whether the loss fell at every step of ``run``."""
+    """Whether the loss of ``run`` stayed finite and ended below where it began."""
     losses = [s["loss"] for s in run.get("steps", [])]
-    return all(later < earlier for earlier, later in zip(losses, losses[1:]))
+    return len(losses) > 1 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -401,7 +403,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, rs in runs.items():
         for k, run in enumerate(rs):
             if not falling(run):
-                print(f"error: {name}'s loss did not fall every step in round {k}: "
+                print(f"error: {name}'s loss did not fall (or was not finite) in round {k}: "
                       f"{[s['loss'] for s in run['steps']]}", file=sys.stderr)
                 code = 1
     return code
