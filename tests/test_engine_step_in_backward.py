@@ -347,6 +347,9 @@ CHILD = textwrap.dedent("""
     for step in range(2):
         eng.backward(loss_of(model, step))
         eng.step()
+    if {reload!r}:  # the loaded state goes to the other key set, which is live from then on
+        eng.save_checkpoint({path!r} + ".ckpt")
+        eng.load_checkpoint({path!r} + ".ckpt")
 
     def kill(event, batch):
         if event == {event!r} and batch >= {batch!r}:
@@ -360,11 +363,13 @@ CHILD = textwrap.dedent("""
 """)
 
 KILLS = {
-    # name: (train dtype, clip norm, event, batch, what runs between backward and step)
-    "fp32, keeping aside": (None, None, "renamed", 2, ""),
-    "bf16, clip binds, redoing": ("bfloat16", 1e-3, "write", 1, ""),
-    "bf16, written": ("bfloat16", None, "written", 2, ""),
-    "fp32 clipped, set aside for a forward": (None, 1e4, "set aside", 0, "model(gpt_tokens(seed=5))"),
+    # name: (train dtype, clip norm, event, batch, what runs between backward and step, a checkpoint
+    # saved and loaded before the step)
+    "fp32, keeping aside": (None, None, "renamed", 2, "", False),
+    "bf16, clip binds, redoing": ("bfloat16", 1e-3, "write", 1, "", False),
+    "bf16, written": ("bfloat16", None, "written", 2, "", False),
+    "fp32 clipped, set aside for a forward": (None, 1e4, "set aside", 0, "model(gpt_tokens(seed=5))", False),
+    "bf16, written after a checkpoint load": ("bfloat16", None, "written", 2, "", True),
 }
 
 
@@ -373,10 +378,10 @@ def test_a_kill_in_a_step_inside_backward_resumes_from_the_last_committed_step(t
     """SIGKILL while updates inside backward keep values aside, write, are redone after backward, or wait
     set aside for a forward: the resume rolls the step back (or finishes a redo the record says is
     under way), nothing is left aside, and training continues equal to torch."""
-    dtype, clip, event, batch, between = KILLS[case]
+    dtype, clip, event, batch, between, reload = KILLS[case]
     path = str(tmp_path / "store")
     code = CHILD.format(tests=os.path.dirname(__file__), lr=LR, path=path, event=event, batch=batch, dtype=dtype,
-                        clip=clip, between=between)
+                        clip=clip, between=between, reload=reload)
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
     torch.manual_seed(0)

@@ -50,9 +50,6 @@ from engine.paging.layout import after_key, before_key, optim_keys, param_key
 from engine.paging.shard_io import delete_keys
 from tiered import TieredStore
 
-#: The entries an update inside backward replaces, by role.
-ROLES = ("param", "master", "exp_avg", "exp_avg_sq")
-
 #: A shard's entries an update inside backward replaces: its name, and its live store key by role.
 Entries = tuple[str, dict[str, str]]
 
@@ -66,11 +63,11 @@ def entries_of(shard: OptimShard) -> Entries:
     return shard.name, keys
 
 
-def entries_named(name: str) -> Entries:
-    """The entries of the parameter called ``name`` in the layout updates inside backward run on (state
-    on nvme, one key set), every role: what a resume rolls back before it knows the shards' layout
-    (a role a shard does not have has no entries to move)."""
-    master, exp_avg, exp_avg_sq = optim_keys(name, 0)
+def entries_named(name: str, slot: int) -> Entries:
+    """The entries of the parameter called ``name`` whose live optimizer state is in key set ``slot``
+    (a checkpoint load writes the other set), every role: what a resume rolls back before it knows
+    the shards' layout (a role a shard does not have has no entries to move)."""
+    master, exp_avg, exp_avg_sq = optim_keys(name, slot)
     return name, {"param": param_key(name), "master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 

@@ -55,7 +55,7 @@ def roll_back_interrupted_step(store: TieredStore) -> None:
     if record is None or record.in_backward is None:
         return
     fresh = {name for name, state in record.shards.items() if state.slot == NO_STATE}
-    roll_back(store, [entries_named(name) for name in record.shards], fresh)
+    roll_back(store, [entries_named(name, max(state.slot, 0)) for name, state in record.shards.items()], fresh)
     record.replace(in_backward=None).write(store)
 
 
