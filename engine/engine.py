@@ -130,6 +130,7 @@ class Engine:
                     updates_buffer_bytes=memory_plan.updates_buffer_bytes if memory_plan is not None else 0,
                     pool_bounds=(memory_plan.pool_bytes, memory_plan.after_backward_pool_bytes)
                     if memory_plan is not None and memory_plan.after_backward_pool_bytes is not None else None,
+                    on_gradients_dropped=self._accumulation.restart_window,
                 )
                 if shard_io.collectives is not None:  # global-norm clipping sums squares over ranks
                     self._training.all_reduce = shard_io.all_reduce_sum

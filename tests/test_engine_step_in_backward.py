@@ -526,3 +526,57 @@ def test_a_large_batch_is_updated_while_the_one_before_is_written_where_the_plan
     assert paired > 0, events
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
+
+
+class TwoBlocks(torch.nn.Module):
+    """``b`` takes part in the first micro-batch of each step only, so its gradient is final before the
+    last micro-batch's backward and its update waits for the step, which runs it after backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, micro: int) -> torch.Tensor:
+        return self.a(x) + self.b(x) if micro == 0 else self.a(x)
+
+
+
+def test_a_step_that_fails_before_its_waiting_updates_start_is_run_again(tmp_path, monkeypatch):
+    """The step after backward for the updates that waited fails before its record is written (the
+    gradients cannot be made durable): nothing of the step stands, the next forward puts the last
+    completed step back, and the step run again equals torch's, with no shard updated twice."""
+    torch.manual_seed(0)
+    model = TwoBlocks()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1),
+                      config=config_at(tmp_path, step_in_backward=True, gradient_accumulation_steps=2))
+    inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(s)) for s in range(8)]
+
+    def run(m: torch.nn.Module, step: int, backward) -> None:
+        for micro in range(2):
+            backward(m(inputs[2 * step + micro], micro).pow(2).mean())
+            if m is model:
+                eng.step()
+
+    with eng:
+        for step in range(3):
+            run(ref, step, lambda loss: (loss / 2).backward())
+            ref_opt.step()
+            ref_opt.zero_grad()
+            if step == 1:
+                with monkeypatch.context() as patch:
+                    def fail(keys):
+                        raise OSError("injected")
+                    patch.setattr(eng.store.sync, "flush", fail)
+                    with pytest.raises(OSError, match="injected") as failure:
+                        run(model, step, eng.backward)
+                assert "run that step's batch again" in "".join(failure.value.__notes__)
+                assert eng.completed_steps == 1
+            run(model, step, eng.backward)
+        assert eng._training.counters.steps_inside >= 1
+        assert eng.completed_steps == 3
+        eng.unwrap()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)

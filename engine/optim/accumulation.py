@@ -44,6 +44,11 @@ class GradientAccumulation:
         """One ``eng.step()`` call has completed (a boundary's optimizer step included)."""
         self.micro_steps += 1
 
+    def restart_window(self) -> None:
+        """The window's gradients were dropped (a step that failed and must run its batch again): the
+        next ``eng.backward`` is the window's first micro-batch again."""
+        self.micro_steps -= self.micro_steps % self.steps
+
     def check_zero_grad(self) -> None:
         """Refuse ``eng.zero_grad()`` while a window holds the gradients of some of its micro-batches."""
         done = self.micro_steps % self.steps

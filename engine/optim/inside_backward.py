@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -18,7 +18,7 @@ from engine.optim.clip import clip_coefficient, shard_norms
 from engine.optim.grad_offload import exact_dtype
 from engine.optim.speculation import StepInBackward, StepModePolicy, discard_kept, put_back, roll_back, set_aside
 from engine.optim.step_record import InBackward, ShardState, StepRecord
-from engine.optim.training_state import TrainingState
+from engine.optim.training_state import TrainedParam, TrainingState
 from engine.optim.types import OptimStepStats
 from engine.paging.handle import HandleState, ParamHandle
 from engine.paging.layout import grad_key
@@ -36,12 +36,15 @@ class UpdatesInsideBackward:
     """The engine's side of the updates inside backward of one ``engine.AdamW``."""
 
     def __init__(self, state: TrainingState, after: StepAfterBackward, *, updates_buffer_bytes: int = 0,
-                 pool_bounds: Optional[tuple[int, int]] = None) -> None:
+                 pool_bounds: Optional[tuple[int, int]] = None,
+                 on_dropped: Optional[Callable[[], None]] = None) -> None:
         """``updates_buffer_bytes``: the memory plan's bound on the worker's buffers
         (``MemoryPlan.updates_buffer_bytes``; 0 keeps them to the settings' sizes); ``pool_bounds``: the
         store's pool bound in forward and backward of a step inside backward and of one after it, where
-        the plan bounds them apart (each step sets its own when its way is decided)."""
+        the plan bounds them apart (each step sets its own when its way is decided); ``on_dropped``: called
+        when a failed step's gradients are dropped (its batch runs again from the first micro-batch)."""
         self._state = state
+        self._on_dropped = on_dropped
         self._after = after
         self._pool_bounds = pool_bounds
         config = state.config
@@ -227,9 +230,7 @@ class UpdatesInsideBackward:
         waiting = [p for p in state.params if p.name in inside.waiting]
         bound = False
         if waiting:  # updates stopped by the running norm (or the gradients of earlier micro-batches alone)
-            self._step = None
-            bound = self._after.start_applying(waiting, stored_norm, inside.grad_scale, started,
-                                               tuple(inside.updated))
+            bound = self._apply_waiting(inside, waiting, stored_norm, started)
         else:
             self._commit_record(inside)
         state.last_grad_norm = float(stored_norm) * inside.grad_scale  # a power of two: exactly unscaled
@@ -256,6 +257,18 @@ class UpdatesInsideBackward:
         self.failed = False
         if state.record.in_backward is not None:
             state.commit(state.record.replace(in_backward=None))
+
+    def drop_failed_step(self) -> None:
+        """After an update (or the start of the step) failed: roll the step back and drop its gradients,
+        every micro-batch's, so that running its batch again does not count them twice."""
+        self.roll_back()
+        self._drop_gradients()
+
+    def _drop_gradients(self) -> None:
+        self._state.clip_to = None
+        self._state.grads.zero(set_to_none=True)
+        if self._on_dropped is not None:
+            self._on_dropped()
 
     def close(self) -> None:
         """Roll back a step no ``eng.step()`` took (its gradients are lost, as in torch), stop the worker."""
@@ -350,7 +363,7 @@ class UpdatesInsideBackward:
 
     def _raise_if_failed(self, inside: StepInBackward) -> None:
         if self.failed:
-            self.roll_back()
+            self.drop_failed_step()
             raise RuntimeError(
                 f"an optimizer update inside backward of step {inside.step} failed, so the step was not applied: "
                 "the parameters are back at the last completed step. Run that step's batch again (forward and "
@@ -376,8 +389,7 @@ class UpdatesInsideBackward:
         state = self._state
         self.roll_back()
         self.policy.keep_grads()
-        state.clip_to = None
-        state.grads.zero(set_to_none=True)
+        self._drop_gradients()
         raise RuntimeError(
             f"step {inside.step} was not applied: its updates ran inside backward before "
             + ("clip_grad_norm_ asked for clipping that binds" if binds else
@@ -386,6 +398,30 @@ class UpdatesInsideBackward:
             "that step's batch again (forward and backward), then eng.step(). Later steps keep the gradients a "
             "redo needs"
         )
+
+    def _apply_waiting(self, inside: StepInBackward, waiting: list[TrainedParam], stored_norm: torch.Tensor,
+                       started: float) -> bool:
+        """Run the step after backward for the shards whose updates waited, counting the updates inside
+        backward as part of it; returns whether its clip norm bound. Once its ``applying`` record is
+        committed the step is finished from it, never undone; a failure before that leaves the updates
+        inside backward to be rolled back (the batch is run again)."""
+        state = self._state
+        try:
+            bound = self._after.start_applying(waiting, stored_norm, inside.grad_scale, started,
+                                               tuple(inside.updated))
+        except BaseException as exc:
+            if state.record.applying is not None:
+                self._step = None  # the next eng.step() (or forward, or resume) finishes it from its record
+                raise
+            exc.add_note(f"step {inside.step} was not applied: the parameters are back at the last completed step; "
+                         "run that step's batch again (forward and backward), then eng.step()")
+            try:
+                self.drop_failed_step()
+            except Exception:  # noqa: BLE001 - the store fails still: the next forward rolls it back
+                self.failed = True
+            raise
+        self._step = None
+        return bound
 
     def _commit_record(self, inside: StepInBackward) -> None:
         """Commit the step whose every update ran inside backward, then drop the values kept aside."""

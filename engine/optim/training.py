@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -95,11 +95,14 @@ class Training:
         *,
         updates_buffer_bytes: int = 0,
         pool_bounds: Optional[tuple[int, int]] = None,
+        on_gradients_dropped: Optional[Callable[[], None]] = None,
     ) -> None:
         """``updates_buffer_bytes``: the memory plan's bound on the buffers of the updates inside backward
         (``MemoryPlan.updates_buffer_bytes``; 0 keeps them to the settings' sizes); ``pool_bounds``: the
         store's pool bound in forward and backward of a step whose updates run inside backward and of
-        one after it, where the plan bounds them apart (``MemoryPlan.after_backward_pool_bytes``)."""
+        one after it, where the plan bounds them apart (``MemoryPlan.after_backward_pool_bytes``);
+        ``on_gradients_dropped``: called when a failed step drops its gradients and its batch must run
+        again from the first micro-batch (the engine restarts its accumulation window)."""
         if optimizer.bound:
             raise ValueError("this engine.AdamW is already bound to a model; create one optimizer per engine.wrap")
         self._handles = list(by_id.values())
@@ -123,7 +126,7 @@ class Training:
         )
         self._after = StepAfterBackward(self._state)
         self._inside = UpdatesInsideBackward(self._state, self._after, updates_buffer_bytes=updates_buffer_bytes,
-                                             pool_bounds=pool_bounds)
+                                             pool_bounds=pool_bounds, on_dropped=on_gradients_dropped)
         self._comm = shard_io.collectives if shard_io.world > 1 else None
         #: True while ``eng.backward`` runs a scaled backward (gradients of any other backward are refused).
         self.scaled_backward = False
@@ -305,7 +308,7 @@ class Training:
     def on_forward(self, inputs: tuple) -> None:
         """The wrapped model's forward starts (outside backward) with ``inputs``, its ``(args, kwargs)``."""
         if self._inside.failed:
-            self._inside.roll_back()
+            self._inside.drop_failed_step()
         self.complete_pending("read")
         if torch.is_grad_enabled():
             self._inside.decide()
