@@ -580,3 +580,35 @@ def test_a_step_that_fails_before_its_waiting_updates_start_is_run_again(tmp_pat
         eng.unwrap()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_a_non_finite_gradient_without_loss_scaling_is_applied_as_torch_applies_it(tmp_path, max_norm):
+    """No loss scaling: NaN gradients are no overflow to skip; torch's AdamW (and clip_grad_norm_'s NaN
+    coefficient) turn the parameters into NaN, and the updates inside backward do the same."""
+    torch.manual_seed(0)
+    model = TwoBlocks()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR, weight_decay=0.1),
+                      config=config_at(tmp_path, step_in_backward=True, max_grad_norm=max_norm))
+    inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    def loss_at(m: torch.nn.Module, step: int) -> torch.Tensor:
+        loss = m(inputs[step], 0).pow(2).mean()
+        return loss * float("nan") if step == 1 else loss
+
+    with eng:
+        for step in range(3):
+            loss_at(ref, step).backward()
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            eng.backward(loss_at(model, step))
+            eng.step()
+        assert eng.completed_steps == 3
+        eng.unwrap()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
+    assert any(p.isnan().any() for p in model.parameters())

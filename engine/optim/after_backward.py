@@ -69,6 +69,12 @@ class StepAfterBackward:
             return
         self.prefetch.start(state.live_shards(), [state.has_state(p.name) for p in state.params])
 
+    def forget_step(self) -> None:
+        """The step runs (or ran) its updates inside backward: what was read ahead for a step after
+        backward, and the hyperparameters of its first gradient, belong to no step."""
+        self.prefetch.discard()
+        self._hypers_at_first_grad = None
+
     def hyperparameters_changed(self) -> bool:
         """Whether the hyperparameters changed since this step's first gradient (then forgotten)."""
         before, self._hypers_at_first_grad = self._hypers_at_first_grad, None

@@ -221,7 +221,7 @@ class UpdatesInsideBackward:
             self.roll_back()
             self._after.skip()
             return Outcome.SKIPPED
-        binds = self._binds(stored_norm * inside.grad_scale if inside.grad_scale != 1.0 else stored_norm)
+        binds = inside.binds or self._binds(stored_norm * inside.grad_scale if inside.grad_scale != 1.0 else stored_norm)
         changed = tuple(state.optimizer.hyperparameters()) != inside.hypers
         if (binds or changed) and inside.updated:
             self._refuse_without_kept_gradients(inside, binds)
@@ -288,11 +288,12 @@ class UpdatesInsideBackward:
         way (a crash from here on is rolled back at resume, [Note: Speculative updates])."""
         state = self._state
         state.grads.drop_consumed()  # the last step's, which no update inside backward would delete
+        self._after.forget_step()  # state read ahead in earlier micro-batches: the updates are about to change it
         state.commit(state.record.replace(in_backward=InBackward(state.record.step + 1)))
         scale = 1.0 / state.scaler.scale if state.scaler is not None else 1.0
         self._step = StepInBackward(
             step=state.record.step + 1, keeps_grads=self.policy.keeps_grads, max_norm=state.clip_norm(),
-            grad_scale=scale, hypers=tuple(state.optimizer.hyperparameters()),
+            grad_scale=scale, hypers=tuple(state.optimizer.hyperparameters()), scaled=state.scaler is not None,
         )
         return self._step
 
@@ -378,9 +379,10 @@ class UpdatesInsideBackward:
                 inside.waiting[p.name] = state.grads.norms[p.name]
 
     def _binds(self, norm: torch.Tensor) -> bool:
-        """Whether the clip coefficient at ``norm`` (the unscaled global norm) is below 1."""
+        """Whether the clip coefficient at ``norm`` (the unscaled global norm) is below 1, or NaN (a
+        non-finite norm: torch's clip_grad_norm_ multiplies every gradient by NaN)."""
         max_norm = self._state.clip_norm()
-        return max_norm is not None and float(clip_coefficient(norm, max_norm)) < 1.0
+        return max_norm is not None and not float(clip_coefficient(norm, max_norm)) >= 1.0
 
     def _refuse_without_kept_gradients(self, inside: StepInBackward, binds: bool) -> None:
         """Roll back and raise when the step must be redone but no gradient was kept."""
@@ -435,6 +437,7 @@ class UpdatesInsideBackward:
             record = record.replace(loss_scale=state.scaler_state())
         state.commit(record)  # the commit point
         self._step = None
+        self._after.forget_step()
         state.clip_to = None
         state.set_shard_steps()
         discard_kept(state.store, state.entries(list(inside.updated)))

@@ -141,6 +141,8 @@ class StepInBackward:
     grad_scale: float
     #: The hyperparameters the updates ran with.
     hypers: tuple[AdamHyper, ...]
+    #: Loss scaling is on: a non-finite gradient is an overflow, and the step is skipped.
+    scaled: bool = False
     #: Shards updated inside backward, in the order their gradients became final, with their norms.
     updated: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: Shards with a final gradient whose update waits for the step (its gradient is stored).
@@ -157,8 +159,12 @@ class StepInBackward:
         """Count ``name``'s gradient norm in; True when its update should run now, False when the step
         will clip (its update waits) or skip (an overflow)."""
         value = float(norm)
-        if not math.isfinite(value):
+        if not math.isfinite(value) and self.scaled:
             self.overflow = True
+        elif not math.isfinite(value):
+            # Unscaled, torch applies it: AdamW spreads the inf or NaN, and clip_grad_norm_'s coefficient
+            # is NaN for every gradient, which the step after backward applies as torch does.
+            self.binds = self.binds or self.max_norm is not None
         else:
             self.sum_squares += value * value
             if self.max_norm is not None and math.sqrt(self.sum_squares) * self.grad_scale > self.max_norm:
