@@ -118,7 +118,7 @@ class StepAfterBackward:
         state.store.sync.flush([grad_key(p.name) for p in with_grad])
         applying = Applying(
             state.record.step + 1, tuple(p.name for p in with_grad), tuple(state.optimizer.hyperparameters()),
-            float(grad_scale), None if coef is None else float(coef), self._scaler_after(), inside,
+            float(grad_scale), None if coef is None else float(coef), self.scaler_after(), inside,
         )
         delete_keys(state.store, progress_keys(state.store))  # leftovers of no step in flight
         state.commit(state.record.replace(applying=applying, in_backward=None))  # finished from here, never undone
@@ -196,7 +196,7 @@ class StepAfterBackward:
 
     # ------------------------------------------------------------------ internals
 
-    def _scaler_after(self) -> Optional[dict]:
+    def scaler_after(self) -> Optional[dict]:
         """The loss scaler's state once this step is applied (None without loss scaling)."""
         scaler = self._state.scaler
         if scaler is None:

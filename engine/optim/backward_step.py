@@ -303,7 +303,7 @@ class BackwardUpdates:
         masters = []
         for job, read in zip(batch, reads):
             if job.master is None:  # backward did not read the master (an embedding, a bias, a first step)
-                source = _master_source(job.shard, job.steps)
+                source = _master_source(job.shard, job.steps > 0)
                 read = read if read is not None else store.sync.get_future(before_key(job.shard.name, source))
                 value = read.result().view(-1)
                 counters.bytes_read += value.numel() * value.element_size()
@@ -388,7 +388,7 @@ class BackwardUpdates:
                 continue
             self._ahead[shard.name] = _Ahead(
                 get(shard.exp_avg_key) if moments else None, get(shard.exp_avg_sq_key) if moments else None,
-                get(entries_of(shard)[1][_master_source(shard, moments)]) if master else None, nbytes)
+                get(entries_of(shard)[1][_master_source(shard, bool(moments))]) if master else None, nbytes)
             self._ahead_bytes += nbytes
 
     def _drop_ahead(self) -> list["concurrent.futures.Future[torch.Tensor]"]:
@@ -400,7 +400,7 @@ class BackwardUpdates:
         return [f for a in ahead.values() for f in (a.exp_avg, a.exp_avg_sq, a.master) if f is not None]
 
 
-def _master_source(shard: OptimShard, has_state: "bool | int") -> str:
+def _master_source(shard: OptimShard, has_state: bool) -> str:
     """The role of the entry that holds ``shard``'s fp32 master before its update: the parameter when it
     is its own master, or when the shard has no state yet (its master is the parameter upcast)."""
     return "master" if has_state and not shard.master_is_param else "param"

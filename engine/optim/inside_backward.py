@@ -125,7 +125,7 @@ class UpdatesInsideBackward:
         shard, accumulated = self._final_shard(handle)
         norm = shard_norms([shard])[0]
         run_now = inside.admit(name, norm)
-        if inside.keeps_grads and not inside.overflow:
+        if inside.keeps_grads or not run_now:  # a waiting update (or an overflow the step checks) needs it
             state.grads.keep(name, shard, exact_dtype(handle, accumulated, state.io.world), norm)
         if not run_now:
             return True
@@ -223,7 +223,8 @@ class UpdatesInsideBackward:
             return Outcome.SKIPPED
         binds = inside.binds or self._binds(stored_norm * inside.grad_scale if inside.grad_scale != 1.0 else stored_norm)
         changed = tuple(state.optimizer.hyperparameters()) != inside.hypers
-        if (binds or changed) and inside.updated:
+        # Every rank takes the same branch: binds and changed are global, and so is whether any rank updated.
+        if (binds or changed) and self._updated_on_any_rank(inside):
             self._refuse_without_kept_gradients(inside, binds)
             self._redo()
             return Outcome.REDO
@@ -234,7 +235,7 @@ class UpdatesInsideBackward:
         else:
             self._commit_record(inside)
         state.last_grad_norm = float(stored_norm) * inside.grad_scale  # a power of two: exactly unscaled
-        self.policy.after_step(inside=True, bound=bound)
+        self.policy.after_step(bound=bound)
         state.counters.steps_inside += bool(inside.updated)
         self.used_up = not inside.keeps_grads
         self._count(inside, started, alone=not waiting)
@@ -343,7 +344,7 @@ class UpdatesInsideBackward:
         """Roll the updates inside backward back and leave the step to run after backward from the stored
         gradients (every final gradient was kept)."""
         inside = self._step
-        assert inside is not None and inside.keeps_grads
+        assert inside is not None
         self._wait()
         self.roll_back()
         self.this_step = False  # the rest of this step's gradients go to the store
@@ -377,6 +378,12 @@ class UpdatesInsideBackward:
         for p in state.params:
             if not inside.seen(p.name) and state.grads.current(p.name):
                 inside.waiting[p.name] = state.grads.norms[p.name]
+
+    def _updated_on_any_rank(self, inside: StepInBackward) -> bool:
+        """Whether an update inside backward ran on any rank (a collective at world size > 1)."""
+        all_reduce = self._state.all_reduce
+        count = torch.tensor(float(len(inside.updated)))
+        return bool(all_reduce(count) > 0) if all_reduce is not None else bool(inside.updated)
 
     def _binds(self, norm: torch.Tensor) -> bool:
         """Whether the clip coefficient at ``norm`` (the unscaled global norm) is below 1, or NaN (a
@@ -431,11 +438,9 @@ class UpdatesInsideBackward:
         record = StepRecord(state.record.step + 1, {
             n: ShardState(s.steps + 1, max(s.slot, 0)) if n in inside.updated else s
             for n, s in state.record.shards.items()
-        }, state.scaler_state(), state.record.master_in_param)
-        if state.scaler is not None:
-            state.scaler.update(overflow=False)
-            record = record.replace(loss_scale=state.scaler_state())
+        }, self._after.scaler_after(), state.record.master_in_param)
         state.commit(record)  # the commit point
+        state.restore_scaler(record.loss_scale)
         self._step = None
         self._after.forget_step()
         state.clip_to = None

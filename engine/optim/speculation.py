@@ -234,8 +234,8 @@ class StepModePolicy:
         self.reason = "updates inside backward" + (", gradients kept for a redo" if self.keeps_grads else "")
         return True
 
-    def after_step(self, *, inside: bool, bound: bool) -> None:
-        """A step completed (``inside``: its updates ran inside backward; ``bound``: its clip norm bound)."""
+    def after_step(self, *, bound: bool) -> None:
+        """A step completed, either way (``bound``: its clip norm bound)."""
         self.watched = True
         self.last_bound = bound
 

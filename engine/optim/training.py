@@ -371,7 +371,7 @@ class Training:
             if self._after.hyperparameters_changed():
                 self._inside.policy.keep_grads()
             bound = self._after.run(started)
-            self._inside.policy.after_step(inside=False, bound=bound)
+            self._inside.policy.after_step(bound=bound)
         finally:
             self._inside.step_ended()  # the next step decides its way afresh
 

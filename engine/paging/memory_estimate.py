@@ -184,13 +184,16 @@ def estimate_memory(
         else:
             after[config.optimizer_tier] += parts[2].charged  # the new slot beside the old one
         inside = dict(during)
-        inside[parts[1].tier] -= parts[1].charged  # no gradient goes to grad_tier in such a step
+        accumulating = config.gradient_accumulation_steps > 1
+        if not accumulating:
+            inside[parts[1].tier] -= parts[1].charged  # no gradient goes to grad_tier in such a step
         # Every entry an update replaces, kept until the step commits (parameters, masters, moments), one
         # batch's new values beside them, and with clipping the gradients kept for a redo (in bf16 or
-        # fp16 where that holds them exactly: engine/optim/grad_offload.py).
+        # fp16 where that holds them exactly: engine/optim/grad_offload.py). With accumulation the earlier
+        # micro-batches' sums stay in grad_tier until the step, and a kept gradient replaces its sum there.
         inside["nvme"] += parts[0].charged + parts[2].charged + 3 * group + group * sizes.extra_itemsize // 4
-        if config.max_grad_norm is not None:
-            narrow = sizes.extra_itemsize == 2 and world_size == 1 and config.gradient_accumulation_steps == 1
+        if config.max_grad_norm is not None and not (accumulating and parts[1].tier == "nvme"):
+            narrow = sizes.extra_itemsize == 2 and world_size == 1 and not accumulating
             inside["nvme"] += sizes.fp32_bytes // 2 if narrow else sizes.fp32_bytes
         ways = [w for name, w in (("after", after), ("inside", inside)) if name in _step_ways(config)]
         during = {t: max(_apply_budgets(w, budgets)[t] for w in ways) for t in during}
