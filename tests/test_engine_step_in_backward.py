@@ -612,3 +612,34 @@ def test_a_non_finite_gradient_without_loss_scaling_is_applied_as_torch_applies_
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
     assert any(p.isnan().any() for p in model.parameters())
+
+
+def test_a_load_that_is_refused_between_backward_and_step_keeps_the_step(tmp_path):
+    """A checkpoint or optimizer-state load between backward and step that is refused (a missing
+    checkpoint, a malformed state dict) changes nothing: the step's updates inside backward still
+    commit, equal to torch."""
+    torch.manual_seed(0)
+    ref = Reference(TinyGPT(), torch.float32, 1, None)
+    ref_losses = [ref.step(step)[0] for step in range(3)]
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = engine.AdamW(lr=LR, weight_decay=0.1)
+    eng = engine.wrap(model, optimizer=opt, config=config_at(tmp_path / "store", step_in_backward=True))
+    with eng:
+        losses = []
+        for step in range(3):
+            loss = loss_of(model, step)
+            eng.backward(loss)
+            if step == 1:
+                assert eng._training._inside.pending is not None
+                with pytest.raises((ValueError, OSError)):
+                    eng.load_checkpoint(tmp_path / "no checkpoint here")
+                whole = opt.state_dict()
+                whole["param_groups"] = [{k: v for k, v in g.items() if k != "lr"} for g in whole["param_groups"]]
+                with pytest.raises(ValueError, match="lack"):
+                    opt.load_state_dict(whole)
+            eng.step()
+            losses.append(loss.item())
+        assert losses == ref_losses
+        assert eng._training.counters.steps_inside == 3
+        ref.assert_masters_equal(eng)

@@ -81,7 +81,7 @@ def load_state_dict(parts: EngineParts, sd: Mapping[str, Any]) -> None:
     ``parts``' engine: moments, masters, step counts and loss scale, committed at once. The
     hyperparameters are the caller's (the optimizer loads ``param_groups`` itself). ValueError or
     TypeError naming what does not fit, before anything changes; RuntimeError at world size > 1."""
-    check_between_steps(parts, "load the optimizer's state", intent="discard")
+    check_between_steps(parts, "load the optimizer's state")  # a pending step waits aside until the checks pass
     training = parts.training
     assert training is not None
     entries = _checked_entries(parts, sd)
@@ -96,6 +96,7 @@ def load_state_dict(parts: EngineParts, sd: Mapping[str, Any]) -> None:
     loss_scale = extra.get("loss_scale") if scaler is not None else None
     if loss_scale is not None:
         type(scaler)(scaler.policy).load_state_dict(loss_scale)  # checked on a copy: ValueError changes nothing
+    training.complete_pending("discard")  # the load replaces the state a step under way started from
     store, config = parts.io.store, parts.config
     written: list[str] = []
     try:

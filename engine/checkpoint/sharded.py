@@ -356,7 +356,7 @@ def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_
 
     def check() -> None:
         nonlocal files
-        check_between_steps(parts, "load a checkpoint", intent="discard")
+        check_between_steps(parts, "load a checkpoint")  # a pending step waits aside until the checks pass
         if tag is None:
             _recover_interrupted_overwrite(root)
         directory = resolve_checkpoint(root, tag)
@@ -368,6 +368,8 @@ def load_checkpoint(parts: EngineParts, path: "str | os.PathLike[str]", *, load_
     try:
         agree(io, attempt(check), f"checking checkpoint {root!r}")
         assert files is not None
+        if parts.training is not None:
+            parts.training.complete_pending("discard")  # the load replaces the state a step under way started from
         with parts.pager.lock:
             parts.pager.drop_prefetched()  # their values are about to change
         client_state: dict[str, Any] = {}

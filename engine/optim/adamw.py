@@ -13,6 +13,9 @@ from engine.optim.step_io import AsyncTensorStore
 from engine.optim.types import AdamHyper, OptimShard, OptimStepStats
 
 
+#: The keys of a parameter group the update reads.
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
 class WholeState(Protocol):
     """What the engine gives a bound ``engine.AdamW`` to read and load its whole state
     (``engine.checkpoint.optimizer_state``)."""
@@ -236,13 +239,16 @@ class AdamW(torch.optim.Optimizer):
                 "engine's store: load it after engine.wrap(model, optimizer=this optimizer)"
             )
         groups = sd.get("param_groups")
-        if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups if isinstance(g, Mapping)] != [
-                len(g["params"]) for g in self.param_groups]:
+        ours = [len(g["params"]) for g in self.param_groups]
+        if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+                                                   for g in groups) or [len(g["params"]) for g in groups] != ours:
             raise ValueError(
                 f"the state dict's parameter groups do not match this optimizer's ({len(self.param_groups)} group(s) "
-                f"of {[len(g['params']) for g in self.param_groups]} parameters): build the optimizer as the run "
-                "that saved it did"
+                f"of {ours} parameters): build the optimizer as the run that saved it did"
             )
+        missing = sorted({key for g in groups for key in _HYPERPARAMETERS if key not in g})
+        if missing:
+            raise ValueError(f"the state dict's parameter groups lack {missing}: it is not an AdamW state dict")
         self._whole_state.load(sd)
         super().load_state_dict({"state": {}, "param_groups": groups})
 
