@@ -25,7 +25,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineClosedError
 from engine.extensions import DEFAULT_EXTENSIONS, Extensions
 from engine.io.progress import byte_progress
-from engine.io.weights import StateDictLike, open_weights
+from engine.io.weights import StateDictLike, WeightSource, open_weights
 from engine.optim.accumulation import GradientAccumulation
 from engine.optim.scaled_loss import scale_in_backward
 from engine.paging.backward import BackwardTracker, SavedTensorHooks, register_grad_final_hooks
@@ -868,7 +868,9 @@ def wrap(
     try:
         store = TieredStore.open(rank_store_config(store_config, rank, world))
     except BaseException:
-        if source is not None:
+        # A source the caller opened stays open: a wrap refused before it began (the store locked by
+        # another engine) may be retried with it, as the DeepSpeed integration does in another directory.
+        if source is not None and not isinstance(state_dict, WeightSource):
             source.close()
         raise
     try:

@@ -111,7 +111,11 @@ def make_work_directory(path: str, option: str = "--dir") -> list[str]:
     while not os.path.lexists(at):
         missing.append(at)
         at = os.path.dirname(at)
-    if os.path.islink(at) or not os.path.isdir(at):
+    if os.path.islink(at):
+        what = "is a symbolic link" if at == directory else f"cannot be made: {at} is a symbolic link"
+        raise ValueError(f"{option} {directory} {what}, which the store does not follow; pass the directory it "
+                         "points to, or another one")
+    if not os.path.isdir(at):
         what = "is not a directory" if at == directory else f"cannot be made: {at} is not a directory"
         raise ValueError(f"{option} {directory} {what}; pass a new or existing directory")
     made: list[str] = []

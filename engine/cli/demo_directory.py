@@ -62,7 +62,11 @@ class DemoDirectory:
             except OSError as exc:
                 raise ValueError(f"--dir {directory} cannot be used: {exc.strerror or exc}") from None
             try:
-                inherited = _clear_earlier_run(directory, out)
+                try:
+                    inherited = _clear_earlier_run(directory, out)
+                except OSError as exc:  # unreadable, or a file that cannot be removed
+                    raise ValueError(f"--dir {directory} cannot be used: {exc.strerror or exc}"
+                                     + (f" ({exc.filename})" if exc.filename else "")) from None
                 if not created:  # an earlier run made the directory: this one removes it in its place
                     created = inherited
                 _write_marker(directory, created)

@@ -166,8 +166,8 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
     parser = build_parser()
     args = parser.parse_args(argv)
     if not (args.demo or args.beyond_memory):
-        parser.error("choose the model: `tiered train --demo` (a small GPT, seconds) or `tiered train "
-                     "--beyond-memory` (a model larger than this machine's memory)")
+        _usage("choose the model: `tiered train --demo` (a small GPT, seconds) or `tiered train --beyond-memory` "
+               "(a model larger than this machine's memory)")
     defaults = BEYOND_MEMORY_DEFAULTS if args.beyond_memory else DEMO_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -187,7 +187,10 @@ def main(argv: Optional[Sequence[str]] = None, *, out: TextIO = sys.stdout) -> i
         args.device = _compute_device(args.device)
     except ValueError as exc:
         _usage(str(exc))
-    built = _model(args)
+    try:
+        built = _model(args)
+    except ValueError as exc:
+        _usage(str(exc))
     store_path = os.path.join(os.path.abspath(args.dir), "store")
     try:
         args.host_mib, args.device_mib = size_budgets(
