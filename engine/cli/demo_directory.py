@@ -85,6 +85,9 @@ class DemoDirectory:
             if keep:
                 return
             shutil.rmtree(self.store_path, ignore_errors=True)
+            if os.path.lexists(self.store_path):
+                print(f"could not remove the store at {self.store_path}: remove it by hand", file=out)
+                return
             try:
                 os.unlink(os.path.join(self.path, MARKER))
             except FileNotFoundError:

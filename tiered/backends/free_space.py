@@ -12,7 +12,7 @@ references ("orphaned") is left only by a store that did not close cleanly.
 
 Only space this store has known to be free is touched: ranges that held records it read at open
 or that it allocated since, never freed by a committed record that still points there (rule 2 of
-[Note: crash safety] in tiered.store.tiered_store). Ranges already free at open and never
+[Note: crash safety] in tiered.store.versions). Ranges already free at open and never
 allocated since are left as they are, with the file's length over them: they may hold what a crash
 left, or the bytes of a record a damaged manifest no longer names, which ``tiered fsck`` reports
 and only ``--reclaim`` drops.

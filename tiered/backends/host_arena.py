@@ -70,7 +70,7 @@ class HostArena:
         return _split_at_slabs(extents)
 
     def free(self, extents: list[Extent]) -> None:
-        """Give extents from :meth:`allocate` back (their slabs stay taken)."""
+        """Give extents from :meth:`take` back (their slabs stay taken)."""
         self._alloc.free(extents)
 
     async def close(self) -> None:

@@ -71,14 +71,18 @@ def keep_best(path: str, directory: str, details: dict[str, Any]) -> Optional[st
         "fio": details.get("fio", ""), "nbytes": details["nbytes"], "settings": len(details["grid"]),
         "best_write": details["best_write"], "best_read": details["best_read"],
     }
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(entries, f, indent=1)
             f.write("\n")
         os.replace(tmp, path)
     except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
         return f"cannot write {path}: {exc.strerror or exc}"
     return None
 

@@ -9,8 +9,8 @@ before the next starts) meet DeepSpeed moving one tensor at a time (its requests
 then the next), and those awaited together meet DeepSpeed's x N then ``wait()``.
 Input is equal: the store's rows on page-aligned tensors (``empty_aligned``) are held against
 DeepSpeed's page-locked tensors (``new_cpu_locked_tensor``, its fast path), and its rows on plain
-``torch.empty`` tensors against DeepSpeed given the same plain tensors. fio is held against all, when its figure is the disk's
-limit: not after a short sweep (``--quick`` without a kept full sweep: tiered.bench.fio_cache).
+``torch.empty`` tensors against DeepSpeed given the same plain tensors. fio is held against all,
+when its figure is the disk's limit: not after a short sweep (``--quick`` without a kept full sweep: tiered.bench.fio_cache).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class EngineCheckpointCallback(TrainerCallback):  # type: ignore[misc]
     def __init__(self, eng: Any, *, exclude_frozen_parameters: bool = False) -> None:
         self._eng = eng
         self._exclude_frozen = exclude_frozen_parameters
-        leave_state_to_checkpoints(eng)
+        _leave_state_to_checkpoints(eng)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Called by the Trainer right after it wrote ``checkpoint-<global_step>``."""
@@ -266,7 +266,7 @@ class EngineTrainer(Trainer):  # type: ignore[misc]
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
 
-def leave_state_to_checkpoints(eng: Any) -> None:
+def _leave_state_to_checkpoints(eng: Any) -> None:
     """Have ``eng``'s ``engine.AdamW`` (if it has one) leave its moments and masters out of its
     ``state_dict()``: the caller saves the engine's checkpoint, which holds them, beside it."""
     leave = getattr(getattr(eng, "optimizer", None), "leave_state_to_checkpoints", None)
