@@ -395,7 +395,6 @@ class UpdatesInsideBackward:
         """Roll back and raise when the step must be redone but no gradient was kept."""
         if inside.keeps_grads:
             return
-        state = self._state
         self.roll_back()
         self.policy.keep_grads()
         self._drop_gradients()
