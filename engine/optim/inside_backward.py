@@ -223,10 +223,13 @@ class UpdatesInsideBackward:
             return Outcome.SKIPPED
         binds = inside.binds or self._binds(stored_norm * inside.grad_scale if inside.grad_scale != 1.0 else stored_norm)
         changed = tuple(state.optimizer.hyperparameters()) != inside.hypers
-        # Every rank takes the same branch: binds and changed are global, and so is whether any rank updated.
-        if (binds or changed) and self._updated_on_any_rank(inside):
+        # Every rank takes the same branch: binds and changed are global, and so is the share updated.
+        updated_share = self._updated_share(inside) if binds or changed else 0.0
+        if updated_share > 0:
             self._refuse_without_kept_gradients(inside, binds)
             self._redo()
+            if binds:
+                self.policy.redone_for_clipping(updated_share)
             return Outcome.REDO
         waiting = [p for p in state.params if p.name in inside.waiting]
         bound = False
@@ -379,11 +382,15 @@ class UpdatesInsideBackward:
             if not inside.seen(p.name) and state.grads.current(p.name):
                 inside.waiting[p.name] = state.grads.norms[p.name]
 
-    def _updated_on_any_rank(self, inside: StepInBackward) -> bool:
-        """Whether an update inside backward ran on any rank (a collective at world size > 1)."""
-        all_reduce = self._state.all_reduce
-        count = torch.tensor(float(len(inside.updated)))
-        return bool(all_reduce(count) > 0) if all_reduce is not None else bool(inside.updated)
+    def _updated_share(self, inside: StepInBackward) -> float:
+        """The share of the model's trainable elements that updates inside backward changed, over
+        every rank (collectives at world size > 1)."""
+        state = self._state
+        updated = torch.tensor(float(sum(state.by_name[name].numel for name in inside.updated)), dtype=torch.float64)
+        total = torch.tensor(float(sum(p.numel for p in state.params)), dtype=torch.float64)
+        if state.all_reduce is not None:
+            updated, total = state.all_reduce(updated), state.all_reduce(total)
+        return float(updated) / max(float(total), 1.0)
 
     def _binds(self, norm: torch.Tensor) -> bool:
         """Whether the clip coefficient at ``norm`` (the unscaled global norm) is below 1, or NaN (a

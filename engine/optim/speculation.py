@@ -30,11 +30,15 @@ way, and :func:`roll_back` (delete ``after`` entries, rename ``before`` entries 
 shard's new state) restores the last committed step whichever transition the crash cut short. The
 loop then runs the step again, as after any crash before a commit.
 
-A step whose norm binds costs more than the step after backward would have (its updates ran once
-for nothing), so :class:`StepModePolicy` runs the step after a binding one after backward, and
-goes back inside backward after a step whose norm did not bind. Within a step the running sum of
-squared gradient norms only grows: once it alone exceeds the clip norm, the remaining shards are
-not updated (only their gradients are kept) and the step redoes what ran before that point.
+Within a step the running sum of squared gradient norms only grows: once it alone exceeds the
+clip norm, the remaining shards are not updated (only their gradients are kept) and the step
+redoes what ran before that point. A binding step therefore costs what the step after backward
+costs (the gradients kept inside backward are the ones it would have stored), plus the updates
+that ran before the running norm crossed. Usually it crosses at the first large gradient (an
+output layer's), and the steps stay inside backward. Where more than
+:data:`WASTED_UPDATES_TO_FALL_BACK` of the parameters were updated for nothing, the policy
+(:class:`StepModePolicy`) runs the following steps after backward while the norm keeps binding,
+and goes back inside backward after the first step whose norm does not bind.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ from typing import Optional, Sequence
 import torch
 
 from engine.optim.types import AdamHyper, OptimShard
+
+#: The share of the parameters a binding step may have updated inside backward for nothing (rolled
+#: back and redone) before the following steps run after backward while the norm keeps binding.
+WASTED_UPDATES_TO_FALL_BACK = 0.01
 from engine.paging.layout import after_key, before_key, optim_keys, param_key
 from engine.paging.shard_io import delete_keys
 from tiered import TieredStore
@@ -204,7 +212,8 @@ class StepModePolicy:
         self.keeps_grads = clipping
         self.loop_fits = True  # no second backward into one step seen
         self.watched = setting is True  # a step after backward has shown the loop (not needed when asked for)
-        self.last_bound = False
+        self.falling_back = False  # the norm binds late: steps run after backward while it binds
+        self._wasted = False  # this step updated more than WASTED_UPDATES_TO_FALL_BACK for nothing
         self.reason = ""
         self.decide()
 
@@ -228,16 +237,22 @@ class StepModePolicy:
         if not self.watched:
             self.reason = "the step after backward for the first step, then updates inside backward"
             return False
-        if self.last_bound:
-            self.reason = "the step after backward while the clip norm binds"
+        if self.falling_back:
+            self.reason = "the step after backward while the clip norm binds after updates ran inside backward"
             return False
         self.reason = "updates inside backward" + (", gradients kept for a redo" if self.keeps_grads else "")
         return True
 
+    def redone_for_clipping(self, updated_share: float) -> None:
+        """The clip norm bound after updates inside backward of ``updated_share`` of the parameters
+        ran (they are rolled back and redone)."""
+        self._wasted = updated_share > WASTED_UPDATES_TO_FALL_BACK
+
     def after_step(self, *, bound: bool) -> None:
         """A step completed, either way (``bound``: its clip norm bound)."""
         self.watched = True
-        self.last_bound = bound
+        self.falling_back = bound and (self._wasted or self.falling_back)
+        self._wasted = False
 
     def second_backward(self) -> None:
         """A shard had two final gradients in one micro-batch: the loop accumulates by itself."""

@@ -22,6 +22,7 @@ within the capacity (an engine's memory plan does) keeps the whole pool within i
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import weakref
 from typing import Optional
@@ -45,6 +46,7 @@ class ResultPool:
         self._bytes = 0
         self._lent = 0
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child gives nothing back: the lock may be held by a thread it lacks
         self._closed = False
         self.hits = 0
         self.misses = 0
@@ -129,6 +131,8 @@ class ResultPool:
         return old
 
     def _give_back(self, buf: mmap.mmap) -> None:
+        if os.getpid() != self._pid:
+            return  # the parent's mapping: the child's copy goes when the process does
         size = len(buf)
         evicted: list[mmap.mmap] = []
         with self._lock:

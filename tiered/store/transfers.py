@@ -145,12 +145,17 @@ class Transfers:
         room or the policy values it over what would go for it; else nothing ([Note: Kept copies])."""
         if tier in entry.copies or tier in entry.moving or entry.retired:
             return
+        # The call this copy serves has succeeded already: a copy that cannot be made (no room, a
+        # victim's write-down failing) is simply not kept.
         try:
             copy = await self.admit(tier, entry.nbytes, optional_for=entry.key)
-        except (_NotKept, CapacityError):
+        except (_NotKept, CapacityError, TransferError, OSError):
             return
         try:
             await self.store_memory(tier, copy, src)
+        except Exception:
+            self.tiers.discard(tier, copy)
+            return
         except BaseException:
             self.tiers.discard(tier, copy)
             raise
