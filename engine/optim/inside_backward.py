@@ -96,7 +96,9 @@ class UpdatesInsideBackward:
             self.this_step = self.possible and self.policy.decide()
             if self._pool_bounds is not None:  # [Note: Updates inside backward, in memory]
                 self._state.store.resize_result_pool(self._pool_bounds[0 if self.this_step else 1])
-            if self.this_step and self._ahead_order:
+            # After a binding step the next one may bind at its first gradient too: state read ahead
+            # would then be read for nothing (the step after backward reads it again).
+            if self.this_step and self._ahead_order and not self.policy.last_bound:
                 assert self._worker is not None
                 # Read now, not when the last step committed: anything between the steps (a step after
                 # backward, a load, a set_full_*) may have changed the state.

@@ -35,7 +35,8 @@ clip norm, the remaining shards are not updated (only their gradients are kept) 
 redoes what ran before that point. A binding step therefore costs what the step after backward
 costs (the gradients kept inside backward are the ones it would have stored), plus the updates
 that ran before the running norm crossed. Usually it crosses at the first large gradient (an
-output layer's), and the steps stay inside backward. Where more than
+output layer's), and the steps stay inside backward; a step after a binding one reads no state
+ahead, so that one binding at once reads nothing for nothing. Where more than
 :data:`WASTED_UPDATES_TO_FALL_BACK` of the parameters were updated for nothing, the policy
 (:class:`StepModePolicy`) runs the following steps after backward while the norm keeps binding,
 and goes back inside backward after the first step whose norm does not bind.
@@ -213,6 +214,8 @@ class StepModePolicy:
         self.loop_fits = True  # no second backward into one step seen
         self.watched = setting is True  # a step after backward has shown the loop (not needed when asked for)
         self.falling_back = False  # the norm binds late: steps run after backward while it binds
+        #: The last step's clip norm bound (the next step reads nothing ahead: it may bind at once too).
+        self.last_bound = False
         self._wasted = False  # this step updated more than WASTED_UPDATES_TO_FALL_BACK for nothing
         self.reason = ""
         self.decide()
@@ -251,6 +254,7 @@ class StepModePolicy:
     def after_step(self, *, bound: bool) -> None:
         """A step completed, either way (``bound``: its clip norm bound)."""
         self.watched = True
+        self.last_bound = bound
         self.falling_back = bound and (self._wasted or self.falling_back)
         self._wasted = False
 
