@@ -450,6 +450,7 @@ def replay(lines: list[dict], model: dict[str, KeyModel]) -> Replay:
             if kind == "modify":
                 model[op["key"]].allowed.add(op["v"])
         elif kind == "rename":  # all pairs or none: each destination may hold its source's value
+            op["sources_before"] = {src: set(model[src].allowed) for src, _ in op["pairs"]}
             for src, dst in op["pairs"]:
                 model[dst].allowed |= model[src].allowed
                 model[src].allowed.add(ABSENT)
@@ -559,9 +560,30 @@ def verify(path: str, layout: str, model: dict[str, KeyModel], in_flight: list[d
             )
         if records != len(store):
             raise CrashCheckError(f"{len(store)} entries after reopen but {records} records in the manifest")
+    for op in in_flight:
+        if op["op"] == "rename":
+            _check_all_or_none(op, obs.state)
         obs.bytes_committed = extent_bytes
         obs.swap_file_bytes = space.file_bytes
     return obs
+
+
+def _check_all_or_none(op: dict, state: dict[str, Optional[str]]) -> None:
+    """A rename in flight at the kill moved every pair or none: a pair whose source is still there
+    beside one whose durable source is gone is a torn rename, and a source that is gone must have
+    left its value at the destination."""
+    moved, kept = [], []
+    for src, dst in op["pairs"]:
+        before = op["sources_before"][src]
+        if state[src] is not ABSENT:
+            kept.append(src)
+        elif ABSENT not in before:  # it was durable: only the rename can have removed it
+            if state[dst] not in before:
+                raise CrashCheckError(f"rename {src!r} -> {dst!r} in flight: the source is gone and the destination "
+                                      f"holds {state[dst]!r}, not its value ({_show(before)})")
+            moved.append(src)
+    if moved and kept:
+        raise CrashCheckError(f"rename_many {op['pairs']} in flight was torn: {moved} moved, {kept} did not")
 
 
 def _find(store: tiered.TieredStore, key: str, m: KeyModel) -> Optional[str]:

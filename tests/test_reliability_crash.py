@@ -139,3 +139,22 @@ def test_a_modified_value_is_the_rotated_bytes():
     crash_harness.modify_in_place(value)
     assert crash_harness.matches(value, spec.modified()) and not crash_harness.matches(value, spec)
     assert ValueSpec.decode(spec.modified().encode()) == spec.modified()
+
+
+def test_checker_catches_a_torn_rename_many_and_a_moved_value_lost():
+    a, b, c, d = crash_harness.keys_of(0)
+    v1, v2 = (ValueSpec("uint8", (4,), s, False).encode() for s in (1, 2))
+    model = {k: KeyModel({ABSENT}, ABSENT) for k in crash_harness.ALL_KEYS}
+    lines = [
+        {"opened": True},
+        {"b": 0, "op": "put_many", "items": {a: v1, c: v2}, "tier": "nvme"}, {"e": 0},
+        {"b": 1, "op": "rename", "pairs": [[a, b], [c, d]]},  # killed here
+    ]
+    rep = crash_harness.replay(lines, model)
+    (op,) = rep.in_flight
+    crash_harness._check_all_or_none(op, {a: ABSENT, b: v1, c: ABSENT, d: v2})  # all moved
+    crash_harness._check_all_or_none(op, {a: v1, b: ABSENT, c: v2, d: ABSENT})  # none moved
+    with pytest.raises(crash_harness.CrashCheckError, match="torn"):
+        crash_harness._check_all_or_none(op, {a: ABSENT, b: v1, c: v2, d: ABSENT})
+    with pytest.raises(crash_harness.CrashCheckError, match="source is gone"):
+        crash_harness._check_all_or_none(op, {a: ABSENT, b: ABSENT, c: ABSENT, d: v2})
