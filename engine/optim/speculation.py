@@ -51,13 +51,13 @@ from typing import Optional, Sequence
 import torch
 
 from engine.optim.types import AdamHyper, OptimShard
+from engine.paging.layout import after_key, before_key, optim_keys, param_key
+from engine.paging.shard_io import delete_keys
+from tiered import TieredStore
 
 #: The share of the parameters a binding step may have updated inside backward for nothing (rolled
 #: back and redone) before the following steps run after backward while the norm keeps binding.
 WASTED_UPDATES_TO_FALL_BACK = 0.01
-from engine.paging.layout import after_key, before_key, optim_keys, param_key
-from engine.paging.shard_io import delete_keys
-from tiered import TieredStore
 
 #: A shard's entries an update inside backward replaces: its name, and its live store key by role.
 Entries = tuple[str, dict[str, str]]
