@@ -643,3 +643,25 @@ def test_a_load_that_is_refused_between_backward_and_step_keeps_the_step(tmp_pat
         assert losses == ref_losses
         assert eng._training.counters.steps_inside == 3
         ref.assert_masters_equal(eng)
+
+
+def test_steps_stay_inside_backward_while_the_norm_binds_before_any_update_runs():
+    """A binding step that updated nothing (or next to nothing) inside backward cost what the step after
+    backward costs, so the next step stays inside; one that updated more than 1% of the parameters for
+    nothing sends the following steps after backward while the norm keeps binding, and the first step
+    that does not bind brings them back."""
+    from engine.optim.speculation import WASTED_UPDATES_TO_FALL_BACK, StepModePolicy
+
+    policy = StepModePolicy(None, None, clipping=True)
+    policy.after_step(bound=False)  # the first step, watched after backward
+    assert policy.decide()
+    policy.redone_for_clipping(WASTED_UPDATES_TO_FALL_BACK / 2)
+    policy.after_step(bound=True)
+    assert policy.decide() and policy.last_bound  # inside, reading nothing ahead
+    policy.redone_for_clipping(0.5)
+    policy.after_step(bound=True)
+    assert not policy.decide()
+    policy.after_step(bound=True)  # after backward, still binding
+    assert not policy.decide()
+    policy.after_step(bound=False)
+    assert policy.decide() and not policy.last_bound
