@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable
 
 import torch
-from compute_floor import synchronize
+from bench_output import synchronize
 from contender_process import child_main
 from process_stats import Sampler, StepMeter, rss_bytes
 

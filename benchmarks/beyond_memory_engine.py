@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
-from compute_floor import synchronize
+from bench_output import synchronize
 from contender_process import child_main
 from process_stats import Sampler, StepMeter, rss_bytes
 

@@ -15,13 +15,9 @@ from typing import Optional
 
 import torch
 
+from bench_output import synchronize
+
 from engine.demo.llama import Llama, LlamaConfig
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (a GPU's kernels run after the call that queued them)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class InMemoryStep:

@@ -10,14 +10,15 @@ import threading
 import time
 from typing import Optional
 
+from engine.paging.machine_memory import memory_sizes
+
 
 def ram_bytes() -> int:
     """The machine's memory (MemTotal)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemTotal line")
+    sizes = memory_sizes()
+    if sizes is None:
+        raise RuntimeError("/proc/meminfo gives no MemTotal and MemAvailable")
+    return sizes[0]
 
 
 def cpu_flags() -> set[str]:
@@ -63,15 +64,6 @@ def rss_bytes(pid: str = "self") -> int:
     """The resident set size of process ``pid`` (this one by default) now."""
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
 def oom_kills() -> Optional[int]:

@@ -388,11 +388,11 @@ class UpdatesInsideBackward:
         """The share of the model's trainable elements that updates inside backward changed, over
         every rank (collectives at world size > 1)."""
         state = self._state
-        updated = torch.tensor(float(sum(state.by_name[name].numel for name in inside.updated)), dtype=torch.float64)
-        total = torch.tensor(float(sum(p.numel for p in state.params)), dtype=torch.float64)
+        counts = torch.tensor([float(sum(state.by_name[name].numel for name in inside.updated)),
+                               float(sum(p.numel for p in state.params))], dtype=torch.float64)
         if state.all_reduce is not None:
-            updated, total = state.all_reduce(updated), state.all_reduce(total)
-        return float(updated) / max(float(total), 1.0)
+            counts = state.all_reduce(counts)
+        return float(counts[0]) / max(float(counts[1]), 1.0)
 
     def _binds(self, norm: torch.Tensor) -> bool:
         """Whether the clip coefficient at ``norm`` (the unscaled global norm) is below 1, or NaN (a

@@ -63,9 +63,6 @@ class Calls:
         self._outboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox]" = weakref.WeakKeyDictionary()
         self._last_outbox: Optional[Mailbox] = None
 
-    def on_loop_thread(self) -> bool:
-        return self.loop_thread.on_loop_thread()
-
     def check_process(self) -> None:
         """StoreForkedError in a process forked from the one that opened the store."""
         if self.forked:

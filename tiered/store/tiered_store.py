@@ -172,11 +172,8 @@ class TieredStore:
             direct=cfg.direct_io,
             coalesce_bytes=cfg.coalesce_bytes,
         )
-        self._tiers = Tiers({
-            Tier.DEVICE: self._device,
-            Tier.HOST: HostBackend(cfg.host_bytes, self._cpu_pool, pin=cuda, prefault=cfg.prefault_host),
-            Tier.NVME: self._nvme,
-        }, self._policy)
+        self._host = HostBackend(cfg.host_bytes, self._cpu_pool, pin=cuda, prefault=cfg.prefault_host)
+        self._tiers = Tiers({Tier.DEVICE: self._device, Tier.HOST: self._host, Tier.NVME: self._nvme}, self._policy)
         self._codec = Codecs(self._cpu_pool, cache_bytes=cfg.codec_cache_bytes)
         self._compression = CompressionPolicy(cfg.compress, cfg.compress_policy)
         records = self._files.loaded.records
@@ -210,29 +207,35 @@ class TieredStore:
         Idempotent. Afterwards every method raises StoreClosedError. In a process forked from the
         one that opened the store, StoreForkedError: the store is the opener's to close.
         """
-        self._calls.check_process()
-        if self._calls.closed:
+        if not self._may_close():
             return
-        if self._loop_thread.on_loop_thread():
-            raise RuntimeError("TieredStore.close() cannot run on the store's own loop thread")
         try:
             await asyncio.wrap_future(self._loop_thread.submit(self._close()))
         finally:
-            self._calls.closed = True
-            self._loop_thread.stop()
+            self._stop()
 
     def _close_blocking(self) -> None:
         """:meth:`close` for callers without a loop (``store.sync.close()``, ``with``, the exit hook)."""
-        self._calls.check_process()
-        if self._calls.closed:
+        if not self._may_close():
             return
-        if self._loop_thread.on_loop_thread():
-            raise RuntimeError("TieredStore.close() cannot run on the store's own loop thread")
         try:
             self._loop_thread.submit(self._close()).result()
         finally:
-            self._calls.closed = True
-            self._loop_thread.stop()
+            self._stop()
+
+    def _may_close(self) -> bool:
+        """Both ways of closing: False when closed already; StoreForkedError in a forked child,
+        RuntimeError on the store's own loop thread (it would wait for itself)."""
+        self._calls.check_process()
+        if self._calls.closed:
+            return False
+        if self._loop_thread.on_loop_thread():
+            raise RuntimeError("TieredStore.close() cannot run on the store's own loop thread")
+        return True
+
+    def _stop(self) -> None:
+        self._calls.closed = True
+        self._loop_thread.stop()
 
     async def _close(self) -> None:
         if self._close_task is None:
@@ -261,11 +264,9 @@ class TieredStore:
         loop = asyncio.get_running_loop()
         if hasattr(self, "_manifest"):
             await loop.run_in_executor(self._manifest_thread, self._manifest.close)
-        if hasattr(self, "_tiers"):
-            for backend in self._tiers.backends.values():
-                await backend.close()
-        elif hasattr(self, "_device"):
-            await self._device.close()
+        for name in ("_device", "_nvme", "_host"):  # those an open that failed part way had made
+            if hasattr(self, name):
+                await getattr(self, name).close()
         if hasattr(self, "_codec"):
             self._codec.close()
         if hasattr(self, "_io"):

@@ -248,9 +248,7 @@ class Versions:
         self.entries[key] = entry
         if self.damaged.pop(key, None) is not None:
             entry.persisted = True  # a damaged row of the key is on disk: a delete must remove it
-        self.tiers.settle(tier, copy)
-        self.tiers.add_copy(entry, tier, copy)
-        self.tiers.wake(tier)
+        self.tiers.install(entry, tier, copy)
         self.stats.puts += 1
         if tier is not Tier.NVME:  # write_nvme counted nvme's bytes_in
             self.stats.tiers[tier].bytes_in += entry.nbytes
