@@ -333,6 +333,9 @@ class Pager:
             handle.future.result()
             self._io.finish_fetch(handle)
         except BaseException:
+            # An interrupt (Ctrl-C) can come while the read still fills the storage: let it finish
+            # before the storage goes.
+            wait_all([handle.future], raise_errors=False)
             handle.state = HandleState.READY
             self._free(handle, force=True)
             raise
