@@ -136,9 +136,9 @@ async def test_a_puts_data_is_flushed_before_its_record_is_written(tmp_path, str
             events.append(("data", fd))
             os.fdatasync(fd)
 
-        def commit(upserts, deletes) -> None:
+        def commit(upserts, deletes, **flush) -> None:
             events.append(("record", tuple(r.key for r in upserts)))
-            write_records(upserts, deletes)
+            write_records(upserts, deletes, **flush)
 
         store._io.syscalls = Syscalls(fdatasync=flush_data)
         store._manifest.commit = commit
@@ -200,10 +200,10 @@ class FailingManifest:
         self.error = error
         self.armed = True
 
-    def commit(self, upserts, deletes=()):
+    def commit(self, upserts, deletes=(), **flush):
         if self.armed:
             raise self.error
-        return self._real.commit(upserts, deletes)
+        return self._real.commit(upserts, deletes, **flush)
 
     def __getattr__(self, name):
         return getattr(self._real, name)

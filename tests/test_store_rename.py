@@ -53,6 +53,40 @@ def test_a_rename_moves_the_value_without_io_and_survives_a_reopen(tmp_path):
         assert space.allocated_bytes == space.entry_bytes
 
 
+def test_a_rename_without_a_flush_moves_at_once_and_is_flushed_by_the_next_durable_change(tmp_path):
+    """``durable=False``: the transaction is written without flushing the manifest's log; the next
+    durable change flushes it (SQLite's WAL keeps them in order), and a reopen finds the keys moved."""
+    a, b = random_tensor((50_000,), torch.float32, seed=1), random_tensor((300,), torch.float64, seed=2)
+    with tiered.TieredStore.open(rename_config(tmp_path / "s")) as store:
+        store.sync.put_many({"a": a, "b": b})
+        manifest = store._commits._manifest
+        flushes: list[bool] = []
+        commit = manifest.commit
+
+        def spy(upserts, deletes=(), *, flush=True):
+            flushes.append(flush)
+            commit(upserts, deletes, flush=flush)
+
+        manifest.commit = spy
+        try:
+            store.sync.rename_many([("a", "a2"), ("b", "b2")], durable=False)
+            assert flushes == [False]
+            assert "a" not in store and same_bytes(store.sync.get("a2"), a) and same_bytes(store.sync.get("b2"), b)
+            future = store.sync.rename_many_future([("b2", "b3")], durable=False)
+            future.result(30)
+            store.sync.put("c", torch.ones(8))  # durable: flushes what came before it too
+            assert flushes == [False, False, True]
+            with pytest.raises(TypeError, match="pairs"):
+                store.sync.rename_many_future("ab")  # refused before anything is queued
+        finally:
+            manifest.commit = commit
+    with tiered.TieredStore.open(rename_config(tmp_path / "s")) as store:
+        assert sorted(store.keys()) == ["a2", "b3", "c"]
+        assert same_bytes(store.sync.get("a2"), a) and same_bytes(store.sync.get("b3"), b)
+        space = store.nvme_space()
+        assert space.allocated_bytes == space.charged_bytes == space.entry_bytes
+
+
 def test_bad_renames_change_nothing(tmp_path):
     with tiered.TieredStore.open(rename_config(tmp_path / "s")) as store:
         store.sync.put_many({"a": torch.ones(4), "b": torch.zeros(4)})
@@ -111,11 +145,11 @@ class GatedManifest:
         self.reached = threading.Event()
         self.release = threading.Event()
 
-    def commit(self, upserts, deletes=()):
+    def commit(self, upserts, deletes=(), **flush):
         if not self.release.is_set() and self._stops([r.key for r in upserts], list(deletes)):
             self.reached.set()
             self.release.wait(60)
-        return self._real.commit(upserts, deletes)
+        return self._real.commit(upserts, deletes, **flush)
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -256,7 +290,7 @@ def test_renames_acknowledged_before_a_crash_stay_renamed(tmp_path):
 KEYS = 12
 
 
-def renamer(path: str, journal: str) -> None:
+def renamer(path: str, journal: str, durable: bool = True) -> None:
     """Move every key from side x to side y and back, one rename_many per round; journal each round."""
     fd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with tiered.TieredStore.open(rename_config(path)) as store:
@@ -264,13 +298,14 @@ def renamer(path: str, journal: str) -> None:
         for r in range(10**9):
             other = "y" if side == "x" else "x"
             os.write(fd, f"begin {r}\n".encode())
-            store.sync.rename_many([(f"{side}{i}", f"{other}{i}") for i in range(KEYS)])
+            store.sync.rename_many([(f"{side}{i}", f"{other}{i}") for i in range(KEYS)], durable=durable)
             os.write(fd, f"end {r}\n".encode())
             side = other
 
 
 @pytest.mark.timeout(120)
-def test_a_rename_many_killed_mid_way_moves_every_key_or_none(tmp_path):
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "without-a-flush"])
+def test_a_rename_many_killed_mid_way_moves_every_key_or_none(tmp_path, durable):
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tiered", __name__])
     rng = random.Random(11)
@@ -280,7 +315,7 @@ def test_a_rename_many_killed_mid_way_moves_every_key_or_none(tmp_path):
         store.sync.put_many({f"x{i}": v for i, v in values.items()})
     for kill in range(5):
         journal = str(tmp_path / f"journal-{kill}")
-        proc = ctx.Process(target=renamer, args=(path, journal))
+        proc = ctx.Process(target=renamer, args=(path, journal, durable))
         proc.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (os.path.exists(journal) and "end 1" in open(journal).read()):

@@ -44,6 +44,7 @@ and goes back inside backward after the first step whose norm does not bind.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 from typing import Optional, Sequence
@@ -80,13 +81,15 @@ def entries_named(name: str, slot: int) -> Entries:
     return name, {"param": param_key(name), "master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
-def keep_before(store: TieredStore, shards: Sequence[OptimShard]) -> None:
-    """Rename the live entries of ``shards`` that exist to their ``before`` keys, in one atomic call
-    (the first half of an update inside backward)."""
+def keep_before(store: TieredStore, shards: Sequence[OptimShard]) -> "Optional[concurrent.futures.Future[None]]":
+    """Start renaming the live entries of ``shards`` that exist to their ``before`` keys, in one atomic
+    call (the first half of an update inside backward); returns the rename's future (None: nothing to
+    rename). The values already read stay valid: a rename moves no byte. The renames need no flush of
+    their own: the write of the new values that follows them is durable, and flushes them with it; a
+    crash before it finds the entries live, as if the update had not begun."""
     pairs = [(key, before_key(name, role)) for name, keys in map(entries_of, shards) for role, key in keys.items()
              if key in store]
-    if pairs:
-        store.sync.rename_many(pairs)
+    return store.sync.rename_many_future(pairs, durable=False) if pairs else None
 
 
 def roll_back(store: TieredStore, entries: Sequence[Entries], fresh: set[str]) -> None:

@@ -20,6 +20,14 @@ worker thread, which can cost as much as a flush, so when the batch's bytes lie 
 (the common case) the manifest thread flushes it and writes the records in one job; a batch spread
 over several files flushes them in parallel on I/O threads first. Why the order matters: see
 [Note: crash safety] in tiered.store.versions.
+
+[Note: changes without a flush]
+A change that names no new bytes (a rename's records and tombstones) may be submitted with
+``flush=False``: a batch made only of such changes writes its transaction without flushing the
+log. SQLite's WAL keeps transactions in order and recovers a prefix of them, so such a batch is
+durable once any later batch is flushed, and a crash before that loses it whole, with everything
+after it. A caller that sets values aside this way and then durably writes the values that replace
+them pays one flush for both (``TieredStore.rename_many(durable=False)``).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ class _Request:
     record: Optional[Record]  # None: delete the key
     copy: Optional[NvmeCopy]
     done: "asyncio.Future[bool]"
+    flush: bool = True  # False: durable with the next flushed batch ([Note: changes without a flush])
 
 
 class DataSync(Protocol):
@@ -83,11 +92,15 @@ class CommitLog:
         self.commits = 0
 
     def submit(
-        self, key: str, generation: int, record: Optional[Record], copy: Optional[NvmeCopy]
+        self, key: str, generation: int, record: Optional[Record], copy: Optional[NvmeCopy], *, flush: bool = True
     ) -> "asyncio.Future[bool]":
-        """Queue a record (or a deletion when ``record`` is None); await the result."""
+        """Queue a record (or a deletion when ``record`` is None); await the result. ``flush=False``
+        (only for a change whose ``copy`` is None): applied in order, durable with the next flushed
+        batch ([Note: changes without a flush])."""
+        if not flush and copy is not None:
+            raise ValueError(f"a change of {key!r} that names new bytes must be flushed")
         done = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(key, generation, record, copy, done))
+        self._pending.append(_Request(key, generation, record, copy, done, flush))
         self._outstanding.add(done)  # removed by _run once its batch is through (no callback per request)
         self._wakeup.set()
         if self._task is None:
@@ -95,12 +108,12 @@ class CommitLog:
         return done
 
     def submit_many(
-        self, changes: Sequence[tuple[str, int, Optional[Record], Optional[NvmeCopy]]]
+        self, changes: Sequence[tuple[str, int, Optional[Record], Optional[NvmeCopy]]], *, flush: bool = True
     ) -> "list[asyncio.Future[bool]]":
         """Queue several changes, each ``(key, generation, record or None, copy)``, to commit in one
         transaction: queued together, they are taken into the same batch, whose records the manifest
         writes all or none of. One future per change, as :meth:`submit` returns."""
-        return [self.submit(*change) for change in changes]
+        return [self.submit(*change, flush=flush) for change in changes]
 
     def committed_generation(self, key: str) -> Optional[int]:
         """The generation of ``key``'s last committed change (a record or a tombstone), if any."""
@@ -161,7 +174,8 @@ class CommitLog:
         upserts = [r.record for r in applied.values() if r.record is not None]
         deletes = [r.key for r in applied.values() if r.record is None]
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._thread, self._write_records, flush_with_records, upserts, deletes)
+        flush = any(r.flush for r in batch)
+        await loop.run_in_executor(self._thread, self._write_records, flush_with_records, upserts, deletes, flush)
         self._generations.update(generations)
         self.commits += 1
         for req, ok in verdicts:
@@ -170,9 +184,12 @@ class CommitLog:
             if not req.done.done():
                 req.done.set_result(final)
 
-    def _write_records(self, files: Sequence[Any], upserts: list[Record], deletes: list[str]) -> None:
+    def _write_records(self, files: Sequence[Any], upserts: list[Record], deletes: list[str], flush: bool) -> None:
         """On the manifest thread: flush ``files`` (data first, so no record ever names bytes that
-        are not down), then write and flush the records."""
+        are not down), then write the records, and flush them unless no change of the batch asks."""
         for f in files:
             self._data.sync_file(f)
-        self._manifest.commit(upserts, deletes)
+        if flush:
+            self._manifest.commit(upserts, deletes)
+        else:
+            self._manifest.commit(upserts, deletes, flush=False)

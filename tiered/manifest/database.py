@@ -236,8 +236,13 @@ class Manifest:
         self._db.execute("DELETE FROM meta")
         self._db.executemany("INSERT INTO meta VALUES (?, ?)", rows.items())
 
-    def commit(self, upserts: Sequence[Record], deletes: Iterable[str] = ()) -> None:
+    def commit(self, upserts: Sequence[Record], deletes: Iterable[str] = (), *, flush: bool = True) -> None:
         """Write records and remove keys in one durable transaction (all or nothing).
+
+        ``flush=False`` leaves out the flush of the log: the transaction is applied, in order after
+        every earlier one, and becomes durable with the next flushed one (or the checkpoint at close);
+        a crash before that loses it, and only it and what came after it, whole (SQLite's WAL with
+        ``synchronous=NORMAL``).
 
         A full disk raises CapacityError, any other SQLite failure ManifestError; either way the
         transaction is rolled back and what was committed before stays as it was.
@@ -246,7 +251,14 @@ class Manifest:
             self._db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in deletes])
             self._db.executemany(_INSERT, [to_row(r) for r in upserts])
 
-        self._transaction("writing", write)
+        if flush:
+            self._transaction("writing", write)
+            return
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        try:
+            self._transaction("writing", write)
+        finally:
+            self._db.execute("PRAGMA synchronous=FULL")
 
     def _transaction(self, doing: str, body: Callable[[], None]) -> None:
         """Run ``body`` in one durable transaction; CapacityError on a full disk, ManifestError on any

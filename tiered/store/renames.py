@@ -41,7 +41,7 @@ class Renames:
         self.versions = versions
         self.commits = versions.commits
 
-    async def rename_many(self, pairs: list[tuple[str, str]]) -> None:
+    async def rename_many(self, pairs: list[tuple[str, str]], durable: bool = True) -> None:
         versions = self.versions
         locked = await versions.locks.acquire_all([k for pair in pairs for k in pair])
         try:
@@ -51,7 +51,7 @@ class Renames:
             try:
                 changes, generations = self._changes(pairs, moving)
                 if changes:
-                    await self._commit(changes, pairs)
+                    await self._commit(changes, pairs, durable)
                 for (_, dst), entry, generation in zip(pairs, moving, generations):
                     versions.move(entry, dst, generation)
             finally:
@@ -81,9 +81,10 @@ class Renames:
         return changes, generations
 
     async def _commit(self, changes: list[tuple[str, int, Optional[Record], None]],
-                      pairs: list[tuple[str, str]]) -> None:
-        """Commit ``changes`` in one transaction; an error names every pair and changes nothing."""
-        results = await asyncio.gather(*self.commits.submit_many(changes), return_exceptions=True)
+                      pairs: list[tuple[str, str]], durable: bool) -> None:
+        """Commit ``changes`` in one transaction (flushed when ``durable``); an error names every pair
+        and changes nothing."""
+        results = await asyncio.gather(*self.commits.submit_many(changes, flush=durable), return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
             what = ", ".join(f"{s!r} -> {d!r}" for s, d in pairs)

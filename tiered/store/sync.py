@@ -148,9 +148,15 @@ class SyncStore:
         """Blocking :meth:`TieredStore.rename`."""
         self.rename_many([(src, dst)])
 
-    def rename_many(self, pairs: Iterable[tuple[str, str]]) -> None:
+    def rename_many(self, pairs: Iterable[tuple[str, str]], *, durable: bool = True) -> None:
         """Blocking :meth:`TieredStore.rename_many`."""
-        self._calls.call_sync(self._renames.rename_many, rename_pairs(pairs))
+        self._calls.call_sync(self._renames.rename_many, rename_pairs(pairs), bool(durable))
+
+    def rename_many_future(self, pairs: Iterable[tuple[str, str]], *, durable: bool = True
+                           ) -> "concurrent.futures.Future[None]":
+        """Start :meth:`TieredStore.rename_many` and return at once (bad pairs raise here, before anything
+        is queued); the future is done once every pair has moved, or raises as the call would."""
+        return self._calls.submit_sync(self._renames.rename_many, rename_pairs(pairs), bool(durable))
 
     def close(self) -> None:
         """Blocking :meth:`TieredStore.close`."""

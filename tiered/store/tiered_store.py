@@ -555,11 +555,18 @@ class TieredStore:
         """
         await self.rename_many([(src, dst)])
 
-    async def rename_many(self, pairs: Iterable[tuple[str, str]]) -> None:
+    async def rename_many(self, pairs: Iterable[tuple[str, str]], *, durable: bool = True) -> None:
         """:meth:`rename` of several ``(src, dst)`` pairs as one transaction: every pair moves, or
-        (when the call raises, or after a crash) none does. A key may appear once in the whole call."""
+        (when the call raises, or after a crash) none does. A key may appear once in the whole call.
+
+        ``durable=False`` skips the flush of the manifest that makes the renames durable on their
+        own: they are applied at once and in order with every other change, and become durable with
+        the next change that is (a put to nvme, a delete, a durable rename, a flush that writes
+        down, close). A crash before that finds none of the pairs moved, as if the call had not been
+        made. For keeping values aside before writing their replacements: the write's flush then
+        covers both ([Note: changes without a flush] in tiered.manifest.commits)."""
         checked = rename_pairs(pairs)
-        return await self._calls.call(self._renames.rename_many, checked)
+        return await self._calls.call(self._renames.rename_many, checked, bool(durable))
 
     def modify(self, key: str, tier: "Tier | str | None" = None) -> Modification:
         """Change the value of ``key`` in place: ``async with store.modify(key) as t: t.mul_(2)``.
