@@ -216,6 +216,39 @@ def test_the_default_watches_the_first_step_and_a_loop_that_adds_backwards_up_st
         assert torch.equal(p, q)
 
 
+def test_the_first_step_inside_backward_reads_ahead_along_the_order_of_the_step_before_it(tmp_path):
+    """By default the first step runs after backward; the order its gradients became final in is the
+    order the next step's updates take, so that step reads their moments ahead from its forward on,
+    as every later one does, and trains as torch does."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    eng = engine.wrap(model, optimizer=engine.AdamW(lr=LR), config=config_at(tmp_path))
+    inside = eng._training._inside
+    orders, ahead = [], []
+    with eng:
+        for step in range(3):
+            loss = loss_of(model, step)
+            ahead.append(sorted(inside._worker._ahead))  # read ahead by the forward
+            eng.backward(loss)
+            eng.step()
+            eng.zero_grad()
+            orders.append(list(inside._ahead_order))
+            ref_loss = loss_of(ref, step)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert loss.item() == ref_loss.item()
+        assert eng._training.counters.steps_inside == 2
+        eng.unwrap()
+    assert sorted(orders[0]) == sorted(name for name, _ in model.named_parameters())
+    assert orders[0] == orders[1] == orders[2]  # a step after backward takes its gradients in the same order
+    assert ahead[0] == [] and ahead[1] and ahead[1] == ahead[2]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_calls_between_backward_and_step_see_the_last_committed_step(tmp_path):
     """With the updates already run inside backward: an evaluation forward, state_dict and full_grad
     between backward and step see what torch shows there (the parameters before the step); zero_grad

@@ -12,9 +12,9 @@ each shard's live entries (parameter, its master when it has its own, both momen
 started with, and writes the new parameter (cast to its training dtype), master and moments with one
 ``put_many(atomic=True)``: per parameter and step 12 bytes are written in fp32 (14 in bf16) and only
 the moments (8) are read beside backward's reads, which the worker starts ahead along the order in
-which gradients became final in the previous such step. A shard whose master backward did not read
-(no backward need: an embedding, a bias; a first step, when the master is the parameter upcast) has
-it read by the worker. ``eng.step()`` waits for the worker, then commits, rolls back or redoes.
+which gradients became final in the previous step (after backward as inside it). A shard whose
+master backward did not read (no backward need: an embedding, a bias; a first step, when the master
+is the parameter upcast) has it read by the worker. ``eng.step()`` waits for the worker, then commits, rolls back or redoes.
 
 The write of one batch overlaps the update of the next: the worker starts the ``put_many`` and goes
 on to the next batch, waiting for the write only before it starts another (or, where the plan's

@@ -70,6 +70,7 @@ class UpdatesInsideBackward:
         #: The last step's updates ran inside backward and kept no gradient, and no gradient came since.
         self.used_up = False
         self._ahead_order: list[str] = []  # the order the last such step took its gradients in
+        self._final_order: list[str] = []  # the order a step after backward's gradients became final in
 
     # ------------------------------------------------------------------ queries
 
@@ -107,7 +108,16 @@ class UpdatesInsideBackward:
 
     def step_ended(self) -> None:
         """``eng.step()`` (or ``zero_grad``) ended the step: the next one decides afresh."""
+        if self._final_order and not self.this_step:
+            self._ahead_order = self._final_order
+        self._final_order = []
         self.this_step = None
+
+    def saw_final(self, name: str) -> None:
+        """``name``'s gradient became final in a step that runs after backward: a step inside backward
+        next reads ahead along the order they came in, as it would after one of its own kind."""
+        if self.possible:
+            self._final_order.append(name)
 
     # ------------------------------------------------------------------ in backward
 

@@ -330,6 +330,8 @@ class Training:
             self._check_backward()
             if self._inside.update(handle):
                 return
+        elif boundary:
+            self._inside.saw_final(handle.name)
         self.grads.offload(handle)  # to the store as an fp32 shard; param.grad = None
 
     # ------------------------------------------------------------------ norms and clipping
