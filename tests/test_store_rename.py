@@ -78,6 +78,9 @@ def test_a_rename_without_a_flush_moves_at_once_and_is_flushed_by_the_next_durab
             assert flushes == [False, False, True]
             with pytest.raises(TypeError, match="pairs"):
                 store.sync.rename_many_future("ab")  # refused before anything is queued
+            with pytest.raises(TypeError, match="durable must be True or False, got 'no'"):
+                store.sync.rename_many([("c", "d")], durable="no")
+            assert "c" in store and "d" not in store
         finally:
             manifest.commit = commit
     with tiered.TieredStore.open(rename_config(tmp_path / "s")) as store:

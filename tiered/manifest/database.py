@@ -241,8 +241,8 @@ class Manifest:
 
         ``flush=False`` leaves out the flush of the log: the transaction is applied, in order after
         every earlier one, and becomes durable with the next flushed one (or the checkpoint at close);
-        a crash before that loses it, and only it and what came after it, whole (SQLite's WAL with
-        ``synchronous=NORMAL``).
+        a power loss before that may lose it, whole, with what came after it and nothing before
+        (SQLite's WAL with ``synchronous=NORMAL``).
 
         A full disk raises CapacityError, any other SQLite failure ManifestError; either way the
         transaction is rolled back and what was committed before stays as it was.

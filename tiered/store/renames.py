@@ -111,6 +111,13 @@ def rename_pairs(pairs: object) -> list[tuple[str, str]]:
     return checked
 
 
+def check_durable(durable: object) -> bool:
+    """rename_many's ``durable``, checked on the caller's thread: TypeError unless a bool."""
+    if not isinstance(durable, bool):
+        raise TypeError(f"durable must be True or False, got {durable!r}")
+    return durable
+
+
 def _record(entry: Entry, key: str, generation: int, copy: "NvmeCopy") -> Record:
     """The manifest record of ``entry``'s nvme copy (written and committed under its old key) under
     ``key`` at ``generation``."""

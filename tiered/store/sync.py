@@ -11,7 +11,7 @@ from tiered.store.batch import Batches
 from tiered.store.calls import Calls
 from tiered.store.operations import Operations
 from tiered.store.prefetch import Prefetch
-from tiered.store.renames import Renames, rename_pairs
+from tiered.store.renames import Renames, check_durable, rename_pairs
 from tiered.store.validation import (
     batch_compress,
     batch_items,
@@ -150,13 +150,13 @@ class SyncStore:
 
     def rename_many(self, pairs: Iterable[tuple[str, str]], *, durable: bool = True) -> None:
         """Blocking :meth:`TieredStore.rename_many`."""
-        self._calls.call_sync(self._renames.rename_many, rename_pairs(pairs), bool(durable))
+        self._calls.call_sync(self._renames.rename_many, rename_pairs(pairs), check_durable(durable))
 
     def rename_many_future(self, pairs: Iterable[tuple[str, str]], *, durable: bool = True
                            ) -> "concurrent.futures.Future[None]":
         """Start :meth:`TieredStore.rename_many` and return at once (bad pairs raise here, before anything
         is queued); the future is done once every pair has moved, or raises as the call would."""
-        return self._calls.submit_sync(self._renames.rename_many, rename_pairs(pairs), bool(durable))
+        return self._calls.submit_sync(self._renames.rename_many, rename_pairs(pairs), check_durable(durable))
 
     def close(self) -> None:
         """Blocking :meth:`TieredStore.close`."""

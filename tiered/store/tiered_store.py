@@ -53,7 +53,7 @@ from tiered.store.opening import OpenedFiles, open_files
 from tiered.store.operations import Operations
 from tiered.store.prefetch import Prefetch
 from tiered.store.process import close_at_exit
-from tiered.store.renames import Renames, rename_pairs
+from tiered.store.renames import Renames, check_durable, rename_pairs
 from tiered.store.sync import SyncStore
 from tiered.store.tiers import Tiers
 from tiered.store.transfers import Transfers
@@ -562,11 +562,12 @@ class TieredStore:
         ``durable=False`` skips the flush of the manifest that makes the renames durable on their
         own: they are applied at once and in order with every other change, and become durable with
         the next change that is (a put to nvme, a delete, a durable rename, a flush that writes
-        down, close). A crash before that finds none of the pairs moved, as if the call had not been
-        made. For keeping values aside before writing their replacements: the write's flush then
-        covers both ([Note: changes without a flush] in tiered.manifest.commits)."""
+        down, close). A power loss before that may find none of the pairs moved, as if the call had
+        not been made, never some (a killed process keeps them). For keeping values aside before
+        writing their replacements: the write's flush then covers both ([Note: changes without a
+        flush] in tiered.manifest.commits). TypeError when ``durable`` is not a bool."""
         checked = rename_pairs(pairs)
-        return await self._calls.call(self._renames.rename_many, checked, bool(durable))
+        return await self._calls.call(self._renames.rename_many, checked, check_durable(durable))
 
     def modify(self, key: str, tier: "Tier | str | None" = None) -> Modification:
         """Change the value of ``key`` in place: ``async with store.modify(key) as t: t.mul_(2)``.
