@@ -14,7 +14,8 @@ started with, and writes the new parameter (cast to its training dtype), master 
 the moments (8) are read beside backward's reads, which the worker starts ahead along the order in
 which gradients became final in the previous step (after backward as inside it). A shard whose
 master backward did not read (no backward need: an embedding, a bias; a first step, when the master
-is the parameter upcast) has it read by the worker. ``eng.step()`` waits for the worker, then commits, rolls back or redoes.
+is the parameter upcast) has it read by the worker. ``eng.step()`` waits for the worker, then
+commits, rolls back or redoes.
 
 The write of one batch overlaps the update of the next: the worker starts the ``put_many`` and goes
 on to the next batch, waiting for the write only before it starts another (or, where the plan's
@@ -67,9 +68,10 @@ WRITES_IN_FLIGHT = 2
 # batch it spent waiting left the disk idle (at 2.38 B parameters in fp32, 200 batches a step, the
 # disk had nothing in flight a third of backward). Three waits are taken off its path:
 # - The renames that keep the old values aside commit without a flush of their own
-#   (``rename_many(durable=False)``): the durable ``put_many`` of the new values flushes them with it,
-#   and a crash before it finds the entries live, as if the update had not begun. A flushed commit
-#   waits behind the disk's queue (tens of milliseconds when it is busy), once per batch.
+#   (``rename_many(durable=False)``): the durable ``put_many`` of the new values flushes them with it.
+#   A crash before it finds the entries renamed (a killed process) or live (a power loss may drop the
+#   renames), and a resume puts either back as it was before the step. A flushed commit waits behind
+#   the disk's queue (tens of milliseconds when it is busy), once per batch.
 # - The renames commit while the AdamW math runs: every read the update needs is started before
 #   them (a read started before a rename reads the value it keeps aside), so nothing the math uses
 #   depends on them; the write of the new values starts once they have committed.

@@ -86,7 +86,8 @@ def keep_before(store: TieredStore, shards: Sequence[OptimShard]) -> "Optional[c
     call (the first half of an update inside backward); returns the rename's future (None: nothing to
     rename). The values already read stay valid: a rename moves no byte. The renames need no flush of
     their own: the write of the new values that follows them is durable, and flushes them with it; a
-    crash before it finds the entries live, as if the update had not begun."""
+    crash before it finds the entries renamed or (a power loss) live, and the resume's roll-back
+    handles both."""
     pairs = [(key, before_key(name, role)) for name, keys in map(entries_of, shards) for role, key in keys.items()
              if key in store]
     return store.sync.rename_many_future(pairs, durable=False) if pairs else None

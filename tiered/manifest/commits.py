@@ -26,8 +26,9 @@ A change that names no new bytes (a rename's records and tombstones) may be subm
 ``flush=False``: a batch made only of such changes writes its transaction without flushing the
 log. SQLite's WAL keeps transactions in order and recovers a prefix of them, so such a batch is
 durable once any later batch is flushed; a power loss before that may lose it, whole and with
-everything after it (a killed process loses nothing: the log is written, only not flushed). A caller that sets values aside this way and then durably writes the values that replace
-them pays one flush for both (``TieredStore.rename_many(durable=False)``).
+everything after it (a killed process loses nothing: the log is written, only not flushed). A
+caller that sets values aside this way and then durably writes the values that replace them pays
+one flush for both (``TieredStore.rename_many(durable=False)``).
 """
 
 from __future__ import annotations
