@@ -117,6 +117,13 @@ def test_train_demo_refuses_a_foreign_directory(tmp_path, capsys):
     assert (tmp_path / "mine.txt").read_text() == "keep me"
 
 
+def _default_sigint() -> None:
+    """In the child before it runs: SIGINT's default action, as a terminal gives it. A suite started in
+    the background of a non-interactive shell ignores SIGINT, and a child inherits that (Python then
+    installs no KeyboardInterrupt handler: the Ctrl-C under test would never arrive)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 TINY_DEMO = ("--layers", "1", "--embd", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--batch", "2")
 
 
@@ -146,7 +153,8 @@ def test_two_demos_on_one_directory(tmp_path, capsys):
     run = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "engine.cli", "train", "--demo", *TINY_DEMO, "--steps", "1000000",
                               "--dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"})
+                             env={**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"},
+                             preexec_fn=_default_sigint)
     try:
         printed = []
         while not printed or not printed[-1].startswith("step"):  # the first is training
