@@ -301,7 +301,7 @@ class BackwardUpdates:
         for keep in range(len(self._writes), 0, -1):
             if keep == 1 and self._small(batch):
                 return 1
-            if self._ahead_bytes + self._held_by(batch, keep) <= self._hold_limit:
+            if self._ahead_bytes + self._held(self._batch_nbytes(batch), keep) <= self._hold_limit:
                 return keep
         return 0
 
@@ -309,18 +309,20 @@ class BackwardUpdates:
         """How many of the newest batches being written may still be in flight when the write of a batch
         of ``nbytes`` starts (lock held): fewer than ``WRITES_IN_FLIGHT``, within the plan's bound."""
         for keep in range(min(len(self._writes), WRITES_IN_FLIGHT - 1), 0, -1):
-            held = 3 * (nbytes + sum(w.nbytes for w in list(self._writes)[-keep:]))
-            if self._ahead_bytes + held + max(self._inflight, self._inflight_limit) <= self._hold_limit:
+            if self._ahead_bytes + self._held(nbytes, keep) <= self._hold_limit:
                 return keep
         return 0
 
-    def _held_by(self, batch: list[_Job], writes: Optional[int] = None) -> int:
-        """What ``batch`` being updated, the newest ``writes`` batches being written (None: all) and what
-        backward may queue hold (lock held): each batch's parameter and two moments, old and new,
-        counted as the plan counts them."""
-        writing = list(self._writes)[-writes:] if writes else (list(self._writes) if writes is None else [])
-        written = sum(w.nbytes for w in writing)
-        return 3 * (written + self._batch_nbytes(batch)) + max(self._inflight, self._inflight_limit)
+    def _held_by(self, batch: list[_Job]) -> int:
+        """What ``batch`` in hand, every batch being written and what backward may queue hold (lock held)."""
+        return self._held(self._batch_nbytes(batch), len(self._writes))
+
+    def _held(self, nbytes: int, writes: int) -> int:
+        """What a batch of ``nbytes`` in hand, the newest ``writes`` batches being written and what backward
+        may queue hold (lock held): each batch's parameter and two moments, old and new, counted as the
+        plan counts them."""
+        written = sum(w.nbytes for w in list(self._writes)[len(self._writes) - writes:])
+        return 3 * (written + nbytes) + max(self._inflight, self._inflight_limit)
 
     def _small(self, batch: list[_Job]) -> bool:
         """Whether ``batch`` and the newest batch being written are both within ``batch_bytes``."""

@@ -190,7 +190,4 @@ class CommitLog:
         are not down), then write the records, and flush them unless no change of the batch asks."""
         for f in files:
             self._data.sync_file(f)
-        if flush:
-            self._manifest.commit(upserts, deletes)
-        else:
-            self._manifest.commit(upserts, deletes, flush=False)
+        self._manifest.commit(upserts, deletes, flush=flush)
