@@ -909,8 +909,9 @@ def wrap(
             except BaseException:
                 engine._remove_hooks()
                 raise
-            _log.info("engine.wrap: %s parameters in %s; optimizer steps: %s",
-                      f"{sum(h.layout.numel for h in engine._handles):,}", store.config.path, engine.step_mode)
+            _log.info("engine.wrap: %s parameters in %s; optimizer steps: %s%s",
+                      f"{sum(h.layout.numel for h in engine._handles):,}", store.config.path, engine.step_mode,
+                      f"; AdamW math: {optimizer.math_path}" if _is_engine_optimizer(optimizer) else "")
             return engine
         except BaseException:
             _restore(placement, shard_io, meter)

@@ -8,6 +8,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.optim import step as optimizer_step
+from engine.optim.adamw_kernel import AdamWKernel, load_adamw_kernel
 from engine.optim.clip import AllReduceSum
 from engine.optim.step_io import AsyncTensorStore
 from engine.optim.types import AdamHyper, OptimShard, OptimStepStats
@@ -40,7 +41,8 @@ class AdamW(torch.optim.Optimizer):
     before or after wrap, since the groups exist from the start. ``step()`` runs the engine's step;
     calling it before the optimizer is bound raises RuntimeError. ``foreach``/``fused`` choose
     torch's math path as for ``torch.optim.AdamW`` (default: torch's CPU default, the single-tensor
-    path).
+    path, computed in one pass where the engine's kernel of it builds and matches torch bit for bit:
+    ``math_path``; [Note: One-pass AdamW]).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class AdamW(torch.optim.Optimizer):
         #: The engine's reader and loader of the whole state ([Note: The optimizer's state dict]).
         self._whole_state: Optional[WholeState] = None
         self._state_in_checkpoints = False
+        self._math: Optional[tuple[Optional[AdamWKernel], str]] = None  # loaded at the first need
 
     # ------------------------------------------------------------------ binding (engine side)
 
@@ -254,6 +257,22 @@ class AdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the offloaded step
 
+    def adamw_kernel(self) -> Optional[AdamWKernel]:
+        """The one-pass kernel the steps use for groups on torch's single-tensor path, built and
+        compared with torch at the first call ([Note: One-pass AdamW]); None where torch's function
+        runs instead (``math_path`` says why)."""
+        if self._math is None:
+            self._math = load_adamw_kernel()
+        return self._math[0]
+
+    @property
+    def math_path(self) -> str:
+        """One line: which AdamW arithmetic the steps run (the one-pass kernel, or torch's function and
+        why); ``engine.wrap`` logs it. Groups with ``foreach``/``fused`` set run torch's in any case."""
+        self.adamw_kernel()
+        assert self._math is not None
+        return self._math[1]
+
     def hyperparameters(self) -> list[AdamHyper]:
         """Each parameter group's current hyperparameters (an LR scheduler's lr included)."""
         return [
@@ -318,6 +337,7 @@ class AdamW(torch.optim.Optimizer):
             atomic=atomic,
             progress=progress,
             keep=config.cache_tier,
+            kernel=self.adamw_kernel(),
         )
         self._shard_steps.update(stats.step_counts)
         return stats

@@ -43,6 +43,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from engine.optim.adamw_kernel import AdamWKernel
 from engine.optim.step import update_in_memory
 from engine.optim.types import AdamHyper, OptimShard
 from engine.optim.speculation import entries_of, keep_before
@@ -114,11 +115,14 @@ class BackwardUpdates:
     """The worker that applies the updates inside backward (see [Note: Updates inside backward])."""
 
     def __init__(self, store: TieredStore, *, compress: bool, batch_bytes: int, inflight_bytes: int,
-                 window_bytes: int, keep: Optional[str] = None, hold_bytes: int = 0) -> None:
+                 window_bytes: int, keep: Optional[str] = None, hold_bytes: int = 0,
+                 kernel: Optional[AdamWKernel] = None) -> None:
         """``hold_bytes``: what the memory plan lets the worker's buffers take at most; where what it
         holds leaves room, batches larger than ``batch_bytes`` are updated while the one before them
-        is written ([Note: Using the room the plan leaves]). 0: only small batches pair."""
+        is written ([Note: Using the room the plan leaves]). 0: only small batches pair. ``kernel``:
+        the one-pass AdamW ([Note: One-pass AdamW]); None: torch's function."""
         self._store = store
+        self._kernel = kernel
         self._keep = keep  # where the store may keep the new parameters for the next forward
         self._compress = compress
         self._batch_bytes = batch_bytes
@@ -352,7 +356,7 @@ class BackwardUpdates:
             started = time.perf_counter()
             updated = update_in_memory([j.shard for j in batch], [j.grad for j in batch], masters, pairs,
                                        [j.steps for j in batch], batch[0].hypers, grad_scale=batch[0].grad_scale,
-                                       grads_shared=[j.grad_shared for j in batch])
+                                       grads_shared=[j.grad_shared for j in batch], kernel=self._kernel)
             self.counters.update_seconds += time.perf_counter() - started
         except BaseException:
             _renamed(renaming, quiet=True)  # the store's state is settled before the error is reported

@@ -57,7 +57,7 @@ class UpdatesInsideBackward:
             self._worker = BackwardUpdates(
                 state.store, compress=config.compress_optimizer, batch_bytes=group, inflight_bytes=2 * group,
                 window_bytes=2 * group * max(1, config.optimizer_prefetch_groups), keep=config.cache_tier,
-                hold_bytes=updates_buffer_bytes,
+                hold_bytes=updates_buffer_bytes, kernel=state.optimizer.adamw_kernel(),
             )
             if any(p.dtype != torch.float32 for p in state.params):
                 state.pager.master_source = self._master_for_backward

@@ -3,14 +3,16 @@
 ```
 group:    0        1        2        3
 read     [r0][r1    ][r2    ][r3    ]              one group read ahead
-update       [u0    ][u1    ][u2    ][u3    ]      torch.optim.adamw.adamw on a worker thread
+update       [u0    ][u1    ][u2    ][u3    ]      AdamW on a worker thread
 write             [w0    ][w1    ][w2    ][w3    ] master, exp_avg, exp_avg_sq, new param shard
 ```
 
 While group i is updated, group i+1 is being read and group i-1 written, so at most three groups
 of (gradient + master + two moments + new training-dtype shard) are in memory. The math is torch's
 own functional AdamW (``torch.optim.adamw.adamw``) with the caller's ``foreach``/``fused`` choice,
-so results equal ``torch.optim.AdamW`` on the same tensors bit for bit.
+or, on the single-tensor path, the caller's one-pass kernel of the same arithmetic
+([Note: One-pass AdamW], engine/optim/adamw_kernel.py), so results equal ``torch.optim.AdamW`` on
+the same tensors bit for bit.
 
 State is created lazily: a shard's first step (its step count is 0) takes its fp32 master from its
 training-dtype ``param_key`` shard and starts from zero moments (as torch creates
@@ -45,6 +47,7 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from engine.errors import OptimizerStateError
+from engine.optim.adamw_kernel import AdamWKernel
 from engine.optim.clip import AllReduceSum, clip_coefficient, global_grad_norm, grad_norms_async
 from engine.optim.step_io import (
     AsyncTensorStore,
@@ -112,6 +115,7 @@ async def step_async(
     atomic: bool = False,
     progress: Optional[ProgressHook] = None,
     keep: Optional[str] = None,
+    kernel: Optional[AdamWKernel] = None,
 ) -> OptimStepStats:
     """One AdamW step over ``shards`` in the store; returns what it did and cost.
 
@@ -140,7 +144,9 @@ async def step_async(
     ``progress`` returns for the group (see the module docstring): needs ``state_tier="nvme"``. A
     shard whose master is its parameter needs ``param_tier == state_tier``. ``keep`` (a tier faster
     than the one written) offers the store clean copies of what the step writes, to keep where its
-    eviction policy finds them worth it (a parameter read again in the next forward).
+    eviction policy finds them worth it (a parameter read again in the next forward). ``kernel``:
+    the one-pass AdamW for the groups it applies to ([Note: One-pass AdamW]); torch's function for
+    the others and without one (the same bits).
     """
     started = time.perf_counter()
     hyper_list = _check_step_arguments(shards, hypers, state_tier, param_tier, math_chunk_bytes, in_place, atomic,
@@ -153,7 +159,7 @@ async def step_async(
     pipeline = _Pipeline(store, groups, counts, io, state_tier=state_tier, param_tier=param_tier,
                          compress=True if compress else None, in_place=in_place, atomic=atomic, progress=progress,
                          keep=keep, on_event=on_event)
-    updated, update_seconds = await pipeline.run(hyper_list, grad_scale, coef, math_chunk_bytes // 4)
+    updated, update_seconds = await pipeline.run(hyper_list, grad_scale, coef, math_chunk_bytes // 4, kernel)
     return OptimStepStats(
         seconds=time.perf_counter() - started,
         bytes_read=io.bytes_read,
@@ -235,7 +241,7 @@ class _Pipeline:
         self._open_blocks: dict[int, ModifyBlocks] = {}
 
     async def run(self, hypers: list[AdamHyper], grad_scale: float, coef: Optional[torch.Tensor],
-                  chunk_elems: int) -> tuple[int, float]:
+                  chunk_elems: int, kernel: Optional[AdamWKernel]) -> tuple[int, float]:
         """Read, update and write every group; returns the shards updated and the seconds of AdamW's math."""
         loop = asyncio.get_running_loop()
         updated = 0
@@ -251,7 +257,7 @@ class _Pipeline:
                 loaded = await self._io.wait(current)
                 t0 = time.perf_counter()
                 await loop.run_in_executor(None, _update, loaded, hypers, grad_scale, coef, self._on_event, i,
-                                           chunk_elems)
+                                           chunk_elems, kernel)
                 update_seconds += time.perf_counter() - t0
                 if writing is not None:
                     await self._io.wait(writing)
@@ -339,6 +345,7 @@ def update_in_memory(
     shards: Sequence[OptimShard], grads: Sequence[torch.Tensor], masters: Sequence[torch.Tensor],
     moments: Sequence[Optional[tuple[torch.Tensor, torch.Tensor]]], steps: Sequence[int],
     hypers: Sequence[AdamHyper], *, grad_scale: float = 1.0, grads_shared: Optional[Sequence[bool]] = None,
+    kernel: Optional[AdamWKernel] = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """torch's AdamW math on shards held in memory (the updates inside backward,
     ``engine/optim/backward_step.py``), as the pipelined step computes it: ``masters`` (flat fp32)
@@ -347,7 +354,8 @@ def update_in_memory(
     them. ``steps[i]`` is the updates shard i has taken so far; ``hypers`` holds the
     hyperparameters of every parameter group. The gradients are multiplied by ``grad_scale`` first
     (1 / loss scale, as ``GradScaler.unscale_``), in place unless ``grads_shared[i]`` says another
-    user still reads gradient i. ValueError for mismatched lengths or sizes."""
+    user still reads gradient i. ``kernel`` as for :func:`step_async`. ValueError for mismatched
+    lengths or sizes."""
     if not len(shards) == len(grads) == len(masters) == len(moments) == len(steps):
         raise ValueError("update_in_memory takes one gradient, master, moments pair and step count per shard")
     loaded = []
@@ -361,7 +369,7 @@ def update_in_memory(
                               master.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)))
     for item, shared in zip(loaded, grads_shared or ()):
         item.grad_lent = shared
-    _update(loaded, list(hypers), grad_scale, None, None, -1, MATH_CHUNK_BYTES // 4)
+    _update(loaded, list(hypers), grad_scale, None, None, -1, MATH_CHUNK_BYTES // 4, kernel)
     return [(item.exp_avg, item.exp_avg_sq) for item in loaded]  # type: ignore[misc]
 
 
@@ -428,7 +436,7 @@ async def _load_in_place(store: AsyncTensorStore, shard: OptimShard, step_t: tor
 
 
 def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, coef: Optional[torch.Tensor],
-            on_event: Optional[EventHook], index: int, chunk_elems: int) -> None:
+            on_event: Optional[EventHook], index: int, chunk_elems: int, kernel: Optional[AdamWKernel]) -> None:
     """The AdamW math of one group, in place (runs on a worker thread)."""
     if on_event is not None:
         on_event("update", index)
@@ -444,7 +452,11 @@ def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, c
             members = [item for item in loaded if item.shard.group == g]
             if not members:
                 continue
-            _adamw_in_chunks(members, hyper, chunk_elems)
+            if kernel is not None and all(kernel.applies(hyper, _tensors(m)) for m in members):
+                for m in members:
+                    kernel.step(*_tensors(m), m.step, hyper)
+            else:
+                _adamw_in_chunks(members, hyper, chunk_elems)
         for item in loaded:
             assert item.master is not None
             dtype = item.shard.train_dtype
@@ -470,6 +482,12 @@ def _update(loaded: list[_Loaded], hypers: list[AdamHyper], grad_scale: float, c
 # smaller than glibc's mmap threshold as wrap sets it: larger temporaries would each be a new mapping,
 # every page faulted in and zeroed by the kernel, a fault per 4 KiB of the state each step (measured on
 # a 256 MiB shard on 2 cores: 512 KiB chunks run 1.7x faster than 16 MiB ones, and fault no page).
+
+
+def _tensors(item: _Loaded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``item``'s master, gradient and moments, the tensors AdamW reads and updates."""
+    assert item.master is not None and item.exp_avg is not None and item.exp_avg_sq is not None
+    return item.master, item.grad, item.exp_avg, item.exp_avg_sq
 
 
 def _adamw_in_chunks(members: list[_Loaded], hyper: AdamHyper, chunk_elems: int) -> None:
