@@ -51,28 +51,26 @@ class InMemoryStep:
                     p.copy_(m)
 
 
-def in_memory_step_seconds(cfg: LlamaConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int,
-                           device: torch.device, dtype: torch.dtype = torch.float32, fused: bool = False,
-                           max_grad_norm: Optional[float] = None) -> float:
-    """Fewest seconds of one training step (see the module's docstring) of ``cfg``'s model in
-    ``device``'s memory over ``reps`` steps (a floor: noise only adds to it)."""
-    step = InMemoryStep(cfg, device, dtype, fused, max_grad_norm)
-    tokens, targets = tokens.to(device), targets.to(device)
-    times = []
-    for _ in range(reps + 1):  # the first builds the optimizer state: not counted
-        synchronize(device)
-        start = time.perf_counter()
-        step(tokens, targets)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
-
-
 def compute_floor(cfg: LlamaConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int, device: torch.device,
                   dtype: torch.dtype = torch.float32, fused: bool = False,
                   max_grad_norm: Optional[float] = None) -> dict[str, float]:
     """The in-memory step of ``cfg``'s model, extrapolated from a 1- and a 2-layer copy:
-    ``{"one_layer_s", "two_layers_s", "seconds"}``."""
-    one, two = (in_memory_step_seconds(dataclasses.replace(cfg, n_layers=n), tokens, targets, reps, device, dtype,
-                                       fused, max_grad_norm) for n in (1, 2))
+    ``{"one_layer_s", "two_layers_s", "seconds"}``.
+
+    Each copy's time is its fewest seconds over ``reps`` steps (noise only adds to a floor), and the
+    two copies' steps alternate: the layers beyond the first are costed at ``n_layers - 1`` times the
+    difference, so a slow spell of the machine during the second copy's steps alone would be
+    multiplied into the floor, while one that spans both copies' steps cancels out."""
+    steps = [InMemoryStep(dataclasses.replace(cfg, n_layers=n), device, dtype, fused, max_grad_norm) for n in (1, 2)]
+    tokens, targets = tokens.to(device), targets.to(device)
+    times: list[list[float]] = [[], []]
+    for rep in range(reps + 1):  # the first step of each builds its optimizer state: not counted
+        for step, seconds in zip(steps, times):
+            synchronize(device)
+            start = time.perf_counter()
+            step(tokens, targets)
+            synchronize(device)
+            if rep:
+                seconds.append(time.perf_counter() - start)
+    one, two = min(times[0]), min(times[1])
     return {"one_layer_s": one, "two_layers_s": two, "seconds": one + (cfg.n_layers - 1) * max(two - one, 0.0)}
