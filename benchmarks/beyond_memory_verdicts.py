@@ -142,9 +142,11 @@ def summarize_engine(runs: Sequence[dict[str, Any]], floors: dict[str, float], s
 def counted_compute_floor(runs: Sequence[dict[str, Any]], compute_s: float) -> float:
     """The compute floor the steps are held against: ``compute_s``, or 0 where it is above the fastest
     step the engine took. That step did the same compute and its I/O besides, so such a figure is
-    not a floor: the 2-layer copy's in-memory steps met a slow spell of the machine (its freshly
-    allocated memory, say), and its difference to the 1-layer copy's is multiplied by the layers
-    beyond the first. The steps are then held against the I/O floor alone, as printed."""
+    not a floor: the in-memory step ran slower than the engine's compute (torch's AdamW makes eight
+    passes over memory where the engine's makes one, engine/optim/adamw_kernel.py), or the 2-layer
+    copy's steps met a slow spell of the machine and their difference to the 1-layer copy's was
+    multiplied by the layers beyond the first. The steps are then held against the I/O floor alone,
+    as printed."""
     fastest = min((s["seconds"] for run in runs for s in run.get("steps", [])), default=float("inf"))
     if compute_s <= fastest:
         return compute_s

@@ -117,7 +117,7 @@ def test_a_cached_library_that_is_a_link_or_writable_by_others_is_not_loaded(tmp
     planted.write_bytes(b"not a library")
     library.unlink()
     library.symlink_to(planted)  # a link in the cache is never followed: the kernel is built apart
-    built, how = load_adamw_kernel(str(cache))
+    built, _ = load_adamw_kernel(str(cache))
     assert built is not None and library.is_symlink() and planted.read_bytes() == b"not a library"
     library.unlink()
     assert load_adamw_kernel(str(cache))[0] is not None  # built into the cache again
@@ -126,16 +126,24 @@ def test_a_cached_library_that_is_a_link_or_writable_by_others_is_not_loaded(tmp
     assert library.stat().st_mode & 0o777 == 0o777
 
 
-@needs_cc
-def test_wrap_says_which_adamw_math_runs(tmp_path, caplog) -> None:
-    model = torch.nn.Linear(8, 8)
-    store = tiered.StoreConfig(path=str(tmp_path / "store"), host_bytes=1 << 20, block_size=64 << 10,
-                               swap_grow_bytes=1 << 20, prefault_host=False, result_pool_bytes=0)
+def _wrap_linear(path) -> tuple[object, AdamW]:
+    store = tiered.StoreConfig(path=str(path), host_bytes=1 << 20, block_size=64 << 10, swap_grow_bytes=1 << 20,
+                               prefault_host=False, result_pool_bytes=0)
     optimizer = AdamW(lr=1e-3)
+    return wrap(torch.nn.Linear(8, 8), config=EngineConfig(store=store), optimizer=optimizer), optimizer
+
+
+def test_wrap_says_which_adamw_math_runs(kernel: AdamWKernel, tmp_path, caplog, monkeypatch) -> None:
     with caplog.at_level(logging.INFO, logger="engine"):
-        eng = wrap(model, config=EngineConfig(store=store), optimizer=optimizer)
-    try:
-        assert optimizer.math_path == "one pass, bit for bit torch's AdamW"
-        assert any("AdamW math: one pass, bit for bit torch's AdamW" in r.getMessage() for r in caplog.records)
-    finally:
+        eng, optimizer = _wrap_linear(tmp_path / "kernel")
         eng.close()
+    assert optimizer.math_path == "one pass, bit for bit torch's AdamW"
+    assert any("AdamW math: one pass, bit for bit torch's AdamW" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with caplog.at_level(logging.INFO, logger="engine"):
+        eng, optimizer = _wrap_linear(tmp_path / "torch")
+        eng.close()
+    assert optimizer.adamw_kernel() is None
+    assert any("AdamW math: torch's AdamW (the one-pass kernel did not build: no C compiler" in r.getMessage()
+               for r in caplog.records)

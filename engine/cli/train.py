@@ -261,9 +261,9 @@ def _train(args: argparse.Namespace, built: tuple, run_dir: DemoDirectory, out: 
     config = _config(args, run_dir.store_path, args.host_mib * MiB, args.device_mib * MiB)
     if args.beyond_memory:
         _check_room(model, config, directory)
-    eng = engine.wrap(model, optimizer=engine.AdamW(lr=args.lr, weight_decay=args.weight_decay), config=config,
-                      init_fn=init_fn)
-    print(f"optimizer steps: {eng.step_mode}", file=out)
+    optimizer = engine.AdamW(lr=args.lr, weight_decay=args.weight_decay)
+    eng = engine.wrap(model, optimizer=optimizer, config=config, init_fn=init_fn)
+    print(f"optimizer steps: {eng.step_mode}; AdamW math: {optimizer.math_path}", file=out)
     data = BigramStream(vocab, args.seq, args.batch, seed=args.seed)
     tty = out.isatty() if hasattr(out, "isatty") else False
     losses: list[float] = []

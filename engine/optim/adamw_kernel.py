@@ -15,10 +15,11 @@ recomputed), 256 elements at a time.
 
 Equality is checked, not assumed: :func:`load_adamw_kernel` compiles the kernel (``cc``; the library
 is kept under ``$XDG_CACHE_HOME/tiered/``), then runs it beside torch's function on probe data --
-both branches of ``lerp``, weight decay on and off, signed zeros, infinities, NaNs, subnormals and
-every tail length of a block -- and compares every bit of the parameters, moments and step counts.
-Without a compiler, without torch's MKL routine, or on any difference, the engine keeps torch's
-function, and ``AdamW.math_path`` (logged by ``engine.wrap``) says which runs and why.
+both branches of ``lerp``, weight decay on and off, signed zeros, infinities, NaNs, subnormals,
+lengths of every remainder of the vector width and of a block -- and compares every bit of the
+parameters, moments and step counts. Without a compiler, without torch's MKL routine, or on any
+difference, the engine keeps torch's function, and ``AdamW.math_path`` (logged by ``engine.wrap``)
+says which runs and why.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ _FUNCTION = "tiered_adamw_f32"
 #: -ffp-contract=off: no multiply and add fused but the ones written; the rest only lets loops vectorize.
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
           "-shared", "-fPIC")
-#: torch's MKL vector square root (``vmsSqrt``, Fortran symbol) and the mode torch's vml calls use
-#: (VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE).
+#: torch's MKL vector square root (``vmsSqrt``, Fortran symbol), called in high-accuracy mode with
+#: denormals kept and errors ignored (VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE); the probe
+#: holds its results against ``torch.sqrt``'s.
 _ROOT_SYMBOL = "VMSSQRT_"
 _ROOT_MODE = 0x2 | 0x140000 | 0x100
 _BLOCK = 256  # adamw_kernel.c's BLOCK
@@ -209,7 +211,7 @@ def _build(compiler: list[str], path: str) -> None:
     partial = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"
     try:
         done = subprocess.run([*compiler, *_FLAGS, "-o", partial, str(_SOURCE)], capture_output=True,
-                              timeout=300)
+                              check=False, timeout=300)
         if done.returncode != 0:
             message = done.stderr.decode(errors="replace").strip().splitlines()
             raise OSError(f"{compiler[0]} exited with {done.returncode}: {message[-1] if message else ''}")
