@@ -100,11 +100,11 @@ def test_without_a_compiler_torchs_function_runs_and_the_reason_is_given(tmp_pat
 
 def test_a_compiler_that_fails_leaves_torchs_function(tmp_path, monkeypatch) -> None:
     failing = tmp_path / "cc"
-    failing.write_text("#!/bin/sh\necho 'cc: error: no' >&2\nexit 1\n")
+    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'a cc 1.0'; exit 0; }\necho 'cc: error: no' >&2\nexit 1\n")
     failing.chmod(0o755)
     monkeypatch.setenv("CC", str(failing))
     built, how = load_adamw_kernel(str(tmp_path / "cache"))
-    assert built is None and "did not build" in how
+    assert built is None and "did not build" in how and "cc: error: no" in how
     assert list((tmp_path / "cache").iterdir()) == []  # no partial library left behind
 
 
