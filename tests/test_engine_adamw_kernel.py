@@ -4,7 +4,6 @@ build that is checked before it is used, and torch's function wherever the kerne
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
@@ -15,11 +14,10 @@ from engine import AdamW, EngineConfig, wrap
 from engine.optim.adamw_kernel import AdamWKernel, load_adamw_kernel, probe_difference
 from engine.optim.types import AdamHyper
 
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on PATH")
-
-
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory) -> AdamWKernel:
+    """The kernel, built in a cache of the module's own; the tests that need it skip, saying why, only
+    where it cannot be built or trusted here (no C compiler, a torch without MKL's square root)."""
     built, how = load_adamw_kernel(str(tmp_path_factory.mktemp("cache")))
     if built is None:
         pytest.skip(how)
@@ -37,7 +35,6 @@ def _inputs(n: int, gen: torch.Generator, special: bool) -> list[torch.Tensor]:
     return [param, grad, exp_avg, exp_avg_sq]
 
 
-@needs_cc
 @pytest.mark.parametrize("seed", range(6))
 def test_the_kernel_gives_torchs_single_tensor_bits(kernel: AdamWKernel, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
@@ -59,7 +56,6 @@ def test_the_kernel_gives_torchs_single_tensor_bits(kernel: AdamWKernel, seed: i
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (n, hyper, count)
 
 
-@needs_cc
 def test_the_kernel_refuses_what_it_does_not_compute_as_torch_does(kernel: AdamWKernel) -> None:
     tensors = [torch.zeros(8) for _ in range(4)]
     assert not kernel.applies(AdamHyper(fused=True), tensors)
@@ -84,7 +80,6 @@ class _OneUlpOff(AdamWKernel):
             param.copy_(torch.nextafter(param, torch.full_like(param, float("inf"))))
 
 
-@needs_cc
 def test_the_probe_finds_a_kernel_that_differs_from_torch(kernel: AdamWKernel) -> None:
     assert probe_difference(kernel) is None
     off = _OneUlpOff(kernel._function, kernel._root)
@@ -100,7 +95,9 @@ def test_without_a_compiler_torchs_function_runs_and_the_reason_is_given(tmp_pat
 
 def test_a_compiler_that_fails_leaves_torchs_function(tmp_path, monkeypatch) -> None:
     failing = tmp_path / "cc"
-    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'a cc 1.0'; exit 0; }\necho 'cc: error: no' >&2\nexit 1\n")
+    failing.write_text("#!/bin/sh\n"
+                       "[ \"$1\" = --version ] && { echo 'a cc 1.0'; exit 0; }\n"  # the build key asks its version
+                       "echo 'cc: error: no' >&2\nexit 1\n")
     failing.chmod(0o755)
     monkeypatch.setenv("CC", str(failing))
     built, how = load_adamw_kernel(str(tmp_path / "cache"))
@@ -108,8 +105,7 @@ def test_a_compiler_that_fails_leaves_torchs_function(tmp_path, monkeypatch) -> 
     assert list((tmp_path / "cache").iterdir()) == []  # no partial library left behind
 
 
-@needs_cc
-def test_a_cached_library_that_is_a_link_or_writable_by_others_is_not_loaded(tmp_path) -> None:
+def test_a_cached_library_that_is_a_link_or_writable_by_others_is_not_loaded(kernel: AdamWKernel, tmp_path) -> None:
     cache = tmp_path / "cache"
     assert load_adamw_kernel(str(cache))[0] is not None
     (library,) = cache.iterdir()
